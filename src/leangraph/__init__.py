@@ -1,0 +1,25 @@
+"""leangraph: memory-lean CUDA-graph capture for pipeline-parallel PyTorch training.
+
+The data flows one way: an order (:mod:`leangraph.order`) becomes a liveness plan
+(:mod:`leangraph.plan`), which warm-up (:mod:`leangraph.warmup`) and capture
+(:mod:`leangraph.capture`) obey, producing one :class:`GraphedCallable` per graph.
+"""
+
+from __future__ import annotations
+
+from .api import make_graphed_callables, reset_all
+from .errors import GraphResetError, LeangraphError
+from .graphed import GraphedCallable
+from .order import GraphId, Layout
+
+__all__ = [
+    "make_graphed_callables",
+    "reset_all",
+    "GraphedCallable",
+    "GraphId",
+    "Layout",
+    "GraphResetError",
+    "LeangraphError",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,74 @@
+"""The narrow interface between the capture engine and a graph implementation.
+
+The engine never touches ``torch.cuda.CUDAGraph`` directly. It asks a :class:`GraphBackend`
+for one :class:`GraphPair` per graphed callable and drives it through capture, replay and
+reset. Each pair owns its forward and backward graph; the backend owns what the pairs share
+(the memory pool and the capture stream) and tears it down explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+
+ForwardBody = Callable[[], Sequence[torch.Tensor]]
+"""Runs the user callable on the static inputs and returns its flattened outputs."""
+
+BackwardBody = Callable[[Sequence[torch.Tensor]], Sequence[Optional[torch.Tensor]]]
+"""Given the forward's outputs (with their autograd graph) returns the gradients."""
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedOutputs:
+    """A captured forward's static outputs (overwritten by every replay) and which of them
+    required grad when captured."""
+
+    outputs: tuple[torch.Tensor, ...]
+    requires_grad: tuple[bool, ...]
+
+
+class GraphPair(Protocol):
+    """A forward graph and the backward graph that differentiates it."""
+
+    def capture_forward(self, body: ForwardBody) -> CapturedOutputs:
+        """Record ``body`` and return its static outputs."""
+
+    def capture_backward(
+        self, body: BackwardBody, *, retain_graph: bool
+    ) -> tuple[Optional[torch.Tensor], ...]:
+        """Record ``body`` on the captured forward's outputs; return the static gradients.
+
+        With ``retain_graph`` the forward's saved tensors stay allocated until :meth:`reset`
+        so that the backward may be replayed more than once per forward.
+        """
+
+    def replay_forward(self) -> None:
+        """Rerun the forward, overwriting the static outputs in place."""
+
+    def replay_backward(self) -> None:
+        """Rerun the backward against the last forward replay, overwriting the gradients."""
+
+    def reset(self) -> None:
+        """Release both graphs and everything captured with them. Idempotent."""
+
+
+class GraphBackend(Protocol):
+    """Creates graph pairs and owns the resources they share."""
+
+    name: str
+
+    def warmup(self) -> AbstractContextManager[None]:
+        """Context in which eager warm-up passes run."""
+
+    def capture_session(self) -> AbstractContextManager[None]:
+        """Context around a whole capture pass (synchronisation happens once, here)."""
+
+    def new_pair(self) -> GraphPair:
+        """A fresh, empty graph pair whose graphs share this backend's pool."""
+
+    def teardown(self) -> None:
+        """Drop the shared stream and pool handle. Pairs already made keep working."""

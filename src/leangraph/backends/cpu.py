@@ -1,0 +1,116 @@
+"""A CPU reference backend that emulates CUDA-graph semantics.
+
+It exists so that ordering, liveness and lifecycle are tested without a GPU. A "graph" is the
+recorded body, rerun on replay; what matters is that it behaves like a CUDA graph where the
+engine can observe it:
+
+* outputs and gradients live in static buffers that every replay overwrites in place;
+* capture computes nothing the caller may rely on (static buffers are filled with NaN, as
+  CUDA capture leaves them uninitialised);
+* the backward differentiates the *last* forward replay, and without ``retain_graph`` it can
+  run once per forward replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+
+from .base import BackwardBody, CapturedOutputs, ForwardBody
+
+__all__ = ["CpuBackend", "CpuGraphPair"]
+
+
+def _poisoned_like(tensor: torch.Tensor) -> torch.Tensor:
+    buffer = torch.empty_like(tensor, requires_grad=False)
+    if buffer.is_floating_point() or buffer.is_complex():
+        buffer.fill_(float("nan"))
+    return buffer
+
+
+def _copy_into(static: Sequence[Optional[torch.Tensor]], fresh: Sequence[Optional[torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for buffer, value in zip(static, fresh):
+            if buffer is not None and value is not None:
+                buffer.copy_(value)
+
+
+class CpuGraphPair:
+    """Forward and backward "graphs" that rerun their bodies into static buffers."""
+
+    def __init__(self) -> None:
+        self._forward_body: Optional[ForwardBody] = None
+        self._backward_body: Optional[BackwardBody] = None
+        self._live_outputs: Optional[Sequence[torch.Tensor]] = None
+        self._static_outputs: tuple[torch.Tensor, ...] = ()
+        self._static_grads: tuple[Optional[torch.Tensor], ...] = ()
+        self._retain_graph = False
+
+    def capture_forward(self, body: ForwardBody) -> CapturedOutputs:
+        with torch.enable_grad():
+            outputs = tuple(body())
+        self._forward_body = body
+        self._live_outputs = outputs
+        self._static_outputs = tuple(_poisoned_like(o) for o in outputs)
+        return CapturedOutputs(self._static_outputs, tuple(o.requires_grad for o in outputs))
+
+    def capture_backward(
+        self, body: BackwardBody, *, retain_graph: bool
+    ) -> tuple[Optional[torch.Tensor], ...]:
+        if self._live_outputs is None:
+            raise RuntimeError("backward captured before its forward")
+        grads = tuple(body(self._live_outputs))
+        self._backward_body = body
+        self._retain_graph = retain_graph
+        if not retain_graph:
+            self._live_outputs = None
+        self._static_grads = tuple(None if g is None else _poisoned_like(g) for g in grads)
+        return self._static_grads
+
+    def replay_forward(self) -> None:
+        if self._forward_body is None:
+            raise RuntimeError("forward graph was reset or never captured")
+        with torch.enable_grad():
+            outputs = tuple(self._forward_body())
+        _copy_into(self._static_outputs, outputs)
+        self._live_outputs = outputs
+
+    def replay_backward(self) -> None:
+        if self._backward_body is None:
+            raise RuntimeError("backward graph was reset or never captured")
+        if self._live_outputs is None:
+            raise RuntimeError("backward replayed with no forward replay to differentiate")
+        grads = self._backward_body(self._live_outputs)
+        if not self._retain_graph:
+            self._live_outputs = None
+        _copy_into(self._static_grads, grads)
+
+    def reset(self) -> None:
+        self._forward_body = None
+        self._backward_body = None
+        self._live_outputs = None
+        self._static_outputs = ()
+        self._static_grads = ()
+
+
+class CpuBackend:
+    """Graph backend for CPU tensors (development and tests)."""
+
+    name = "cpu"
+
+    @contextmanager
+    def warmup(self) -> Iterator[None]:
+        yield
+
+    @contextmanager
+    def capture_session(self) -> Iterator[None]:
+        yield
+
+    def new_pair(self) -> CpuGraphPair:
+        return CpuGraphPair()
+
+    def teardown(self) -> None:
+        pass

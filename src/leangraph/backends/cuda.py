@@ -1,0 +1,152 @@
+"""The CUDA backend: ``torch.cuda.CUDAGraph`` captured on a side stream into one shared pool.
+
+Graphs that share a pool may reuse each other's freed blocks, which is safe exactly when they
+are replayed in the order they were captured. The engine captures in the schedule's order, so
+blocks freed by one graph (its saved activations once its backward is captured) are reused only
+by graphs whose work the schedule runs after it.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
+
+from .base import BackwardBody, CapturedOutputs, ForwardBody
+
+__all__ = ["CudaBackend", "CudaGraphPair"]
+
+_T = TypeVar("_T")
+
+
+class CudaBackend:
+    """Owns the pool handle and capture stream shared by one ``make_graphed_callables`` call.
+
+    Args:
+        device: The GPU the sample tensors live on.
+        pool: A handle from ``torch.cuda.graph_pool_handle()`` (or another graph's
+            ``pool()``) to share; default: a fresh pool.
+    """
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device, pool: Optional[Any] = None) -> None:
+        self.device = device
+        with torch.cuda.device(device):
+            self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+            self._stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device=device)
+
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            raise RuntimeError("the CUDA graph backend was torn down")
+        return self._stream
+
+    @contextmanager
+    def warmup(self) -> Iterator[None]:
+        # Warm-up runs on the capture stream so lazily created per-stream state (cuBLAS
+        # workspaces, for one) exists before capture begins.
+        stream = self.stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    @contextmanager
+    def capture_session(self) -> Iterator[None]:
+        torch.cuda.synchronize(self.device)
+        gc.collect()  # once for the whole pass, not once per graph as torch.cuda.graph does
+        with torch.cuda.device(self.device):
+            yield
+        torch.cuda.synchronize(self.device)
+
+    def capture(self, graph: torch.cuda.CUDAGraph, body: Callable[[], _T]) -> _T:
+        """Record ``body`` into ``graph`` on the capture stream, in this backend's pool."""
+        stream = self.stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                result = body()
+            except BaseException:
+                _abandon_capture(graph)
+                raise
+            graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return result
+
+    def new_pair(self) -> "CudaGraphPair":
+        return CudaGraphPair(self)
+
+    def teardown(self) -> None:
+        self._stream = None
+
+
+def _abandon_capture(graph: torch.cuda.CUDAGraph) -> None:
+    """End a capture whose body failed, so the stream leaves capture mode."""
+    try:
+        graph.capture_end()
+    except RuntimeError:
+        pass  # the capture is invalid by now; the body's exception is the one to report
+    graph.reset()
+
+
+class CudaGraphPair:
+    """A forward ``CUDAGraph`` and the backward ``CUDAGraph`` that differentiates it."""
+
+    def __init__(self, backend: CudaBackend) -> None:
+        self._backend: Optional[CudaBackend] = backend
+        self._forward: Optional[torch.cuda.CUDAGraph] = None
+        self._backward: Optional[torch.cuda.CUDAGraph] = None
+        self._captured_outputs: Optional[tuple[torch.Tensor, ...]] = None
+
+    def _owner(self) -> CudaBackend:
+        if self._backend is None:
+            raise RuntimeError("graph pair was reset")
+        return self._backend
+
+    def capture_forward(self, body: ForwardBody) -> CapturedOutputs:
+        graph = torch.cuda.CUDAGraph()
+        self._forward = graph
+        outputs = tuple(self._owner().capture(graph, body))
+        self._captured_outputs = outputs
+        return CapturedOutputs(
+            tuple(o.detach() for o in outputs), tuple(o.requires_grad for o in outputs)
+        )
+
+    def capture_backward(
+        self, body: BackwardBody, *, retain_graph: bool
+    ) -> tuple[Optional[torch.Tensor], ...]:
+        outputs = self._captured_outputs
+        if outputs is None:
+            raise RuntimeError("backward captured before its forward")
+        graph = torch.cuda.CUDAGraph()
+        self._backward = graph
+        grads = tuple(self._owner().capture(graph, lambda: body(outputs)))
+        if not retain_graph:
+            # The saved activations go back to the pool; later captures may reuse them.
+            self._captured_outputs = None
+        del outputs
+        return tuple(None if g is None else g.detach() for g in grads)
+
+    def replay_forward(self) -> None:
+        if self._forward is None:
+            raise RuntimeError("forward graph was reset or never captured")
+        self._forward.replay()
+
+    def replay_backward(self) -> None:
+        if self._backward is None:
+            raise RuntimeError("backward graph was reset or never captured")
+        self._backward.replay()
+
+    def reset(self) -> None:
+        for graph in (self._forward, self._backward):
+            if graph is not None:
+                graph.reset()
+        self._forward = None
+        self._backward = None
+        self._captured_outputs = None
+        self._backend = None

@@ -1,0 +1,236 @@
+"""Pipeline orders: the order convention, its validation and the graph-index layout.
+
+An *order* is the list TransformerEngine's ``_order`` and Megatron-LM use to describe what one
+pipeline rank runs: ``+c`` is the next microbatch's forward of model chunk ``c`` (1-based) and
+``-c`` is the backward of chunk ``c``'s oldest outstanding forward (first in, first out per
+chunk). This module turns such a list into immutable :class:`Step` records and owns the only
+copy of the index arithmetic that maps (chunk, microbatch, layer) to a position in
+``sample_args`` and in the tuple :func:`leangraph.make_graphed_callables` returns.
+"""
+
+from __future__ import annotations
+
+import enum
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["StepKind", "Step", "GraphId", "Layout", "parse_order", "unordered_layout"]
+
+
+class StepKind(enum.Enum):
+    """What a step of an order runs."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+
+
+@dataclass(frozen=True, slots=True)
+class GraphId:
+    """Where one graph sits in a pipeline schedule.
+
+    ``chunk`` is the 1-based model-chunk id of the order convention; ``microbatch`` and
+    ``layer`` (within the chunk) are 0-based.
+    """
+
+    chunk: int
+    microbatch: int
+    layer: int
+
+    def __str__(self) -> str:
+        return f"chunk {self.chunk}, microbatch {self.microbatch}, layer {self.layer}"
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One entry of an order: a forward or backward of one microbatch of one chunk.
+
+    ``position`` is the entry's index in the user's order list (``None`` for steps leangraph
+    made up itself, such as the default order of unordered callables).
+    """
+
+    kind: StepKind
+    chunk: int
+    microbatch: int
+    position: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.kind.value} c{self.chunk} m{self.microbatch}"
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How graphs are laid out: chunk -> microbatch -> layer.
+
+    The graph of chunk ``c`` (1-based), microbatch ``m`` and layer ``l`` sits at
+    ``prefix[c] * M + m * L_c + l``, where ``prefix[c]`` is the number of layers in the chunks
+    before ``c``; layer ``l`` of chunk ``c`` is callable ``prefix[c] + l``.
+    """
+
+    layers_per_chunk: tuple[int, ...]
+    num_microbatches: int
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.layers_per_chunk)
+
+    @property
+    def num_callables(self) -> int:
+        return sum(self.layers_per_chunk)
+
+    @property
+    def num_graphs(self) -> int:
+        return self.num_callables * self.num_microbatches
+
+    def layer_prefix(self, chunk: int) -> int:
+        """Number of layers in the chunks before ``chunk`` (1-based)."""
+        return sum(self.layers_per_chunk[: chunk - 1])
+
+    def graph_index(self, chunk: int, microbatch: int, layer: int) -> int:
+        """Position of graph (chunk, microbatch, layer) in ``sample_args`` and the result."""
+        layers = self.layers_per_chunk[chunk - 1]
+        return self.layer_prefix(chunk) * self.num_microbatches + microbatch * layers + layer
+
+    def callable_index(self, chunk: int, layer: int) -> int:
+        """Position of layer ``layer`` of ``chunk`` in ``callables``."""
+        return self.layer_prefix(chunk) + layer
+
+    def graph_id(self, index: int) -> GraphId:
+        """Inverse of :meth:`graph_index`."""
+        if not 0 <= index < self.num_graphs:
+            raise IndexError(f"graph index {index} out of range [0, {self.num_graphs})")
+        start = 0
+        for chunk, layers in enumerate(self.layers_per_chunk, start=1):
+            size = layers * self.num_microbatches
+            if index < start + size:
+                microbatch, layer = divmod(index - start, layers)
+                return GraphId(chunk, microbatch, layer)
+            start += size
+        raise AssertionError("unreachable")
+
+
+def unordered_layout(num_callables: int) -> Layout:
+    """The layout of callables given without an order: one chunk, one microbatch."""
+    return Layout(layers_per_chunk=(num_callables,), num_microbatches=1)
+
+
+def _chunk_ids(order: Sequence[object]) -> list[int]:
+    """Check every entry is a non-zero integer and return the entries as ints."""
+    entries = []
+    for position, entry in enumerate(order):
+        if isinstance(entry, bool) or not isinstance(entry, numbers.Integral):
+            raise ValueError(
+                f"order[{position}] = {entry!r}: entries must be non-zero integers "
+                f"(+c forward, -c backward of chunk c), got {type(entry).__name__}"
+            )
+        if entry == 0:
+            raise ValueError(f"order[{position}] = 0: chunk ids are 1-based, 0 is not a chunk")
+        entries.append(int(entry))
+    return entries
+
+
+def _resolve_layers(
+    num_layers_per_chunk: int | Sequence[int] | None, num_chunks: int, num_callables: int
+) -> tuple[int, ...]:
+    if num_layers_per_chunk is None:
+        if num_callables % num_chunks:
+            raise ValueError(
+                f"{num_callables} callables cannot be split equally over {num_chunks} chunks; "
+                "pass num_layers_per_chunk"
+            )
+        return (num_callables // num_chunks,) * num_chunks
+    if isinstance(num_layers_per_chunk, numbers.Integral) and not isinstance(
+        num_layers_per_chunk, bool
+    ):
+        layers = (int(num_layers_per_chunk),) * num_chunks
+    else:
+        layers = tuple(num_layers_per_chunk)  # type: ignore[arg-type]
+        if len(layers) != num_chunks:
+            raise ValueError(
+                f"num_layers_per_chunk has {len(layers)} entries but the order uses "
+                f"{num_chunks} chunks"
+            )
+    for chunk, count in enumerate(layers, start=1):
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+            raise ValueError(f"num_layers_per_chunk for chunk {chunk} must be >= 1, got {count!r}")
+    if sum(layers) != num_callables:
+        raise ValueError(
+            f"num_layers_per_chunk {list(layers)} sums to {sum(layers)} layers but "
+            f"{num_callables} callables were given"
+        )
+    return tuple(int(n) for n in layers)
+
+
+def parse_order(
+    order: Sequence[object],
+    *,
+    num_callables: int,
+    num_samples: int,
+    num_layers_per_chunk: int | Sequence[int] | None = None,
+) -> tuple[Layout, tuple[Step, ...]]:
+    """Validate an order and expand it into steps.
+
+    Args:
+        order: The pipeline order (``+c`` forward, ``-c`` backward, chunks 1-based).
+        num_callables: ``len(callables)``: the layers of all chunks, chunk by chunk.
+        num_samples: ``len(sample_args)``; must be ``num_callables * num_microbatches``.
+        num_layers_per_chunk: Layers of each chunk (an int for all, or one per chunk);
+            default: an equal split.
+
+    Returns:
+        The layout and one :class:`Step` per order entry.
+
+    Raises:
+        ValueError: naming the position and entry of the first malformed entry, or the counts
+            that do not match.
+    """
+    if isinstance(order, (str, bytes)) or not isinstance(order, Sequence):
+        raise ValueError(f"order must be a list of chunk ids, got {type(order).__name__}")
+    if not order:
+        raise ValueError("order is empty")
+    entries = _chunk_ids(order)
+    if isinstance(num_layers_per_chunk, Sequence):
+        num_chunks = len(num_layers_per_chunk)
+    else:
+        num_chunks = max(abs(e) for e in entries)
+    steps: list[Step] = []
+    forwards = [0] * num_chunks
+    backwards = [0] * num_chunks
+    for position, entry in enumerate(entries):
+        chunk = abs(entry)
+        if chunk > num_chunks:
+            raise ValueError(
+                f"order[{position}] = {entry}: unknown chunk {chunk}, the model has "
+                f"{num_chunks} chunks"
+            )
+        if entry > 0:
+            steps.append(Step(StepKind.FORWARD, chunk, forwards[chunk - 1], position))
+            forwards[chunk - 1] += 1
+        else:
+            if backwards[chunk - 1] >= forwards[chunk - 1]:
+                raise ValueError(
+                    f"order[{position}] = {entry}: backward of chunk {chunk} with no "
+                    "outstanding forward"
+                )
+            steps.append(Step(StepKind.BACKWARD, chunk, backwards[chunk - 1], position))
+            backwards[chunk - 1] += 1
+    for chunk in range(1, num_chunks + 1):
+        fwd, bwd = forwards[chunk - 1], backwards[chunk - 1]
+        if fwd != forwards[0]:
+            raise ValueError(
+                f"order runs {fwd} forwards of chunk {chunk} but {forwards[0]} of chunk 1; "
+                "every chunk must run every microbatch"
+            )
+        if bwd != fwd:
+            raise ValueError(
+                f"order runs {fwd} forwards but {bwd} backwards of chunk {chunk}; "
+                "every forward needs its backward"
+            )
+    layers = _resolve_layers(num_layers_per_chunk, num_chunks, num_callables)
+    layout = Layout(layers_per_chunk=layers, num_microbatches=forwards[0])
+    if num_samples != layout.num_graphs:
+        raise ValueError(
+            f"sample_args has {num_samples} entries but the order needs {layout.num_graphs} "
+            f"({layout.num_callables} layers x {layout.num_microbatches} microbatches)"
+        )
+    return layout, tuple(steps)

@@ -1,0 +1,113 @@
+"""The liveness plan: the order turned, once, into per-graph steps with births and deaths.
+
+Warm-up and capture never re-derive anything from the order: they walk the plan. A
+:class:`GraphStep` says which graph runs (forward or backward) and which graphs' forward
+outputs are born and die at that step, so "what is alive" at any point is a fold over the
+steps before it. Forward outputs are born at their graph's forward and die at its backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .order import GraphId, Layout, Step, StepKind, unordered_layout
+
+__all__ = ["GraphStep", "Plan", "build_plan", "build_unordered_plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class GraphStep:
+    """One graph's forward or backward, with the forward outputs it creates and kills.
+
+    ``born`` and ``dies`` hold graph indices whose *forward outputs* start and stop being
+    alive at this step; ``order_step`` is the order entry this step came from.
+    """
+
+    kind: StepKind
+    graph: int
+    graph_id: GraphId
+    callable_index: int
+    born: tuple[int, ...]
+    dies: tuple[int, ...]
+    order_step: Step
+
+    def __str__(self) -> str:
+        g = self.graph_id
+        return f"{self.kind.value} c{g.chunk} m{g.microbatch} l{g.layer}"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What warm-up and capture run, step by step.
+
+    ``warmup`` is one warm-up pass (repeated ``num_warmup_iters`` times); ``capture`` is the
+    capture pass, which records graphs in exactly this sequence into one pool.
+    """
+
+    layout: Layout
+    warmup: tuple[GraphStep, ...]
+    capture: tuple[GraphStep, ...]
+    ordered: bool
+
+    def live_after(self, steps: Sequence[GraphStep]) -> list[frozenset[int]]:
+        """The graphs whose forward outputs are alive after each of ``steps``."""
+        live: set[int] = set()
+        result = []
+        for step in steps:
+            live.update(step.born)
+            live.difference_update(step.dies)
+            result.append(frozenset(live))
+        return result
+
+    def max_live(self, steps: Sequence[GraphStep]) -> int:
+        """Most graphs with live forward outputs at once during ``steps``."""
+        return max((len(s) for s in self.live_after(steps)), default=0)
+
+
+def _graph_step(layout: Layout, kind: StepKind, chunk: int, microbatch: int, layer: int,
+                order_step: Step) -> GraphStep:
+    graph = layout.graph_index(chunk, microbatch, layer)
+    forward = kind is StepKind.FORWARD
+    return GraphStep(
+        kind=kind,
+        graph=graph,
+        graph_id=GraphId(chunk, microbatch, layer),
+        callable_index=layout.callable_index(chunk, layer),
+        born=(graph,) if forward else (),
+        dies=() if forward else (graph,),
+        order_step=order_step,
+    )
+
+
+def _expand(layout: Layout, step: Step) -> list[GraphStep]:
+    """A chunk's forward runs its layers first to last; its backward, last to first."""
+    layers = range(layout.layers_per_chunk[step.chunk - 1])
+    if step.kind is StepKind.BACKWARD:
+        layers = reversed(layers)  # type: ignore[assignment]
+    return [_graph_step(layout, step.kind, step.chunk, step.microbatch, l, step) for l in layers]
+
+
+def build_plan(layout: Layout, steps: Sequence[Step]) -> Plan:
+    """Plan for an explicit pipeline order: warm-up and capture both follow the order."""
+    expanded = tuple(g for step in steps for g in _expand(layout, step))
+    return Plan(layout=layout, warmup=expanded, capture=expanded, ordered=True)
+
+
+def build_unordered_plan(num_callables: int) -> Plan:
+    """Plan for callables given without an order (the torch drop-in).
+
+    Warm-up runs each callable's forward and backward back to back, so at most one callable's
+    warm-up outputs are alive. Capture records every forward in the given order, then every
+    backward in reverse, which is the order a model built from these callables replays them in
+    (the same contract as ``torch.cuda.make_graphed_callables``).
+    """
+    layout = unordered_layout(num_callables)
+    forward = Step(StepKind.FORWARD, 1, 0)
+    backward = Step(StepKind.BACKWARD, 1, 0)
+    warmup = []
+    for layer in range(num_callables):
+        warmup.append(_graph_step(layout, StepKind.FORWARD, 1, 0, layer, forward))
+        warmup.append(_graph_step(layout, StepKind.BACKWARD, 1, 0, layer, backward))
+    capture = _expand(layout, forward) + _expand(layout, backward)
+    return Plan(layout=layout, warmup=tuple(warmup), capture=tuple(capture), ordered=False)

@@ -1,0 +1,485 @@
+"""Pipeline orders of well-known schedules, and what an order keeps in flight.
+
+Every function here returns an *order* in the convention of :mod:`leangraph.order`
+(TransformerEngine ``_order`` / Megatron-LM): one list per pipeline rank, ``+c`` the next
+microbatch's forward of model chunk ``c`` (1-based), ``-c`` the backward of chunk ``c``'s oldest
+outstanding forward.
+
+* :func:`interleaved_1f1b` and :func:`one_f_one_b` follow Megatron-LM
+  (``megatron/core/pipeline_parallel/schedules.py``: ``get_pp_rank_microbatches``,
+  ``get_schedule_table`` and the warm-up / steady / cool-down loops of
+  ``forward_backward_pipelining_with_interleaving``).
+* :func:`gpipe` is fill-then-drain.
+* :func:`from_pipelining` reads the action list that a ``torch.distributed.pipelining``
+  schedule class computes for one rank.
+* :func:`max_in_flight` and :func:`validate_order` inspect any order.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from leangraph.order import Step, StepKind, parse_order
+
+__all__ = [
+    "InFlight",
+    "interleaved_1f1b",
+    "one_f_one_b",
+    "gpipe",
+    "from_pipelining",
+    "max_in_flight",
+    "validate_order",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks
+# --------------------------------------------------------------------------------------------
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    """Return ``value`` as an int, or raise ValueError if it is not an integer >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_rank(rank: object, pp_size: int) -> int:
+    rank = _check_int("rank", rank, 0)
+    if rank >= pp_size:
+        raise ValueError(f"rank {rank} out of range for pp_size {pp_size} (valid: 0..{pp_size - 1})")
+    return rank
+
+
+def _check_group(group: int, pp_size: int, num_microbatches: int) -> None:
+    """Megatron-LM's limits on ``microbatch_group_size_per_vp_stage`` (interleaving only)."""
+    if not pp_size <= group <= num_microbatches:
+        raise ValueError(
+            f"microbatch_group_size {group} must lie in [pp_size, num_microbatches] = "
+            f"[{pp_size}, {num_microbatches}] for the interleaved schedule (Megatron-LM's rule)"
+        )
+    remainder = num_microbatches % group
+    if 0 < remainder < pp_size:
+        raise ValueError(
+            f"num_microbatches {num_microbatches} leaves a last microbatch group of {remainder} "
+            f"(group size {group}); Megatron-LM requires it to be 0 or >= pp_size {pp_size}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron-LM schedules
+# --------------------------------------------------------------------------------------------
+
+
+def _chunk_table(num_microbatches: int, vp_size: int, group: int) -> list[int]:
+    """0-based model chunk of each virtual microbatch, as in Megatron-LM's schedule table.
+
+    Microbatches go in groups of ``group``; every chunk runs the whole group before the next
+    chunk starts it. The last group holds whatever is left (``num_microbatches % group`` when
+    that is not zero).
+    """
+    table: list[int] = []
+    for start in range(0, num_microbatches, group):
+        size = min(group, num_microbatches - start)
+        for chunk in range(vp_size):
+            table.extend([chunk] * size)
+    return table
+
+
+def _num_warmup(pp_size: int, vp_size: int, rank: int, num_microbatches: int, group: int) -> int:
+    """Forwards run before the first backward's step (Megatron's ``num_warmup_microbatches``)."""
+    if vp_size == 1:
+        warmup = pp_size - rank - 1
+    else:
+        warmup = (pp_size - rank - 1) * 2 + (vp_size - 1) * group
+    return min(warmup, num_microbatches * vp_size)
+
+
+def interleaved_1f1b(
+    pp_size: int,
+    vp_size: int,
+    rank: int,
+    num_microbatches: int,
+    microbatch_group_size: int | None = None,
+) -> list[int]:
+    """The order Megatron-LM's interleaved 1F1B schedule runs on one pipeline rank.
+
+    Warm-up runs ``(pp_size - rank - 1) * 2 + (vp_size - 1) * group`` forwards (capped at
+    ``num_microbatches * vp_size``, all of them); the steady state alternates one forward and one
+    backward; the cool-down runs the remaining backwards. Forward ``k`` belongs to 0-based chunk
+    ``table[k]`` and backward ``k`` to ``vp_size - 1 - table[k]``, where ``table`` is Megatron's
+    schedule table: with ``num_microbatches % group == 0`` it is ``(k // group) % vp_size``; a
+    smaller last group (newer Megatron-LM) keeps the same rule within that group. With
+    ``vp_size == 1`` this is plain 1F1B with ``pp_size - rank - 1`` warm-up forwards.
+
+    Args:
+        pp_size: Pipeline-parallel size (number of ranks), >= 1.
+        vp_size: Virtual pipeline size (model chunks per rank), >= 1.
+        rank: Pipeline rank, ``0 <= rank < pp_size``.
+        num_microbatches: Microbatches per iteration, >= 1.
+        microbatch_group_size: Megatron's ``microbatch_group_size_per_vp_stage`` (default
+            ``pp_size``); ignored when ``vp_size == 1``.
+
+    Returns:
+        The order, ``2 * num_microbatches * vp_size`` entries with chunk ids ``1..vp_size``.
+
+    Raises:
+        ValueError: if an argument is not a positive integer, ``rank`` is out of range, or
+            (``vp_size > 1``) the group size breaks Megatron-LM's rules: it must lie in
+            ``[pp_size, num_microbatches]`` and leave a last group of 0 or ``>= pp_size``.
+    """
+    pp_size = _check_int("pp_size", pp_size, 1)
+    vp_size = _check_int("vp_size", vp_size, 1)
+    rank = _check_rank(rank, pp_size)
+    num_microbatches = _check_int("num_microbatches", num_microbatches, 1)
+    group = pp_size if microbatch_group_size is None else microbatch_group_size
+    group = _check_int("microbatch_group_size", group, 1)
+    if vp_size == 1:
+        group = num_microbatches  # one chunk: the table is all zeros whatever the group
+    else:
+        _check_group(group, pp_size, num_microbatches)
+    table = _chunk_table(num_microbatches, vp_size, group)
+    total = len(table)
+    warmup = _num_warmup(pp_size, vp_size, rank, num_microbatches, group)
+    order = [table[k] + 1 for k in range(warmup)]
+    for k in range(total - warmup):
+        order.append(table[warmup + k] + 1)
+        order.append(-(vp_size - table[k]))
+    order.extend(-(vp_size - table[k]) for k in range(total - warmup, total))
+    return order
+
+
+def one_f_one_b(pp_size: int, rank: int, num_microbatches: int) -> list[int]:
+    """The order of the non-interleaved 1F1B schedule (one chunk) on one pipeline rank.
+
+    ``min(pp_size - rank - 1, num_microbatches)`` warm-up forwards, then one forward / one
+    backward, then the remaining backwards. All entries are ``+1`` or ``-1``.
+
+    Args:
+        pp_size: Pipeline-parallel size, >= 1.
+        rank: Pipeline rank, ``0 <= rank < pp_size``.
+        num_microbatches: Microbatches per iteration, >= 1.
+
+    Returns:
+        The order, ``2 * num_microbatches`` entries.
+
+    Raises:
+        ValueError: if an argument is not a positive integer or ``rank`` is out of range.
+    """
+    return interleaved_1f1b(pp_size, 1, rank, num_microbatches)
+
+
+def gpipe(num_microbatches: int, vp_size: int = 1) -> list[int]:
+    """The fill-then-drain (GPipe) order, the same on every rank.
+
+    All forwards first, microbatch by microbatch, each microbatch through chunks
+    ``1, 2, ..., vp_size``; then all backwards, microbatch by microbatch (oldest first, as the
+    order convention's ``-c`` always takes the oldest outstanding forward), each microbatch
+    through chunks ``vp_size, ..., 1``. For ``vp_size = 2, num_microbatches = 2`` that is
+    ``[1, 2, 1, 2, -2, -1, -2, -1]``.
+
+    Args:
+        num_microbatches: Microbatches per iteration, >= 1.
+        vp_size: Model chunks on the rank, >= 1.
+
+    Returns:
+        The order, ``2 * num_microbatches * vp_size`` entries.
+
+    Raises:
+        ValueError: if an argument is not a positive integer.
+    """
+    num_microbatches = _check_int("num_microbatches", num_microbatches, 1)
+    vp_size = _check_int("vp_size", vp_size, 1)
+    forwards = list(range(1, vp_size + 1)) * num_microbatches
+    backwards = list(range(-vp_size, 0)) * num_microbatches
+    return forwards + backwards
+
+
+# --------------------------------------------------------------------------------------------
+# torch.distributed.pipelining
+# --------------------------------------------------------------------------------------------
+#
+# How the schedules are built without a process group: torch's schedule classes only read a
+# few plain attributes of their stage objects while they compute ``pipeline_order`` in
+# ``__init__`` (``num_stages``, ``group_size``, ``group_rank``, ``stage_index``, ``submod`` for
+# the torch.compile check, ``is_first`` / ``is_last``) and write a few more
+# (``stage_index_to_group_rank``, ``has_backward``). :class:`_StageStub` provides exactly these,
+# so the real constructor runs and computes torch's own per-rank action lists (multi-stage
+# schedules through ``_calculate_single_rank_operations``; single-stage schedules through
+# ``_get_pipeline_order`` since torch 2.7-ish). No communication happens until ``step()``,
+# which is never called. Single-stage schedules of torch versions without ``pipeline_order``
+# fall back to the order their ``_step_microbatches`` runs (GPipe and 1F1B only).
+
+# Action kinds (``_ComputationType`` member names, torch 2.4 .. 2.13) and what they become.
+_FORWARD_KINDS = frozenset({"FORWARD"})
+_BACKWARD_KINDS = frozenset({"FULL_BACKWARD", "BACKWARD"})  # "BACKWARD": torch 2.4's name
+_SKIPPED_KINDS = frozenset(
+    {"SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD"}
+)
+
+
+class _StageStub:
+    """The attributes of a ``_PipelineStageBase`` that schedule constructors touch."""
+
+    def __init__(self, stage_index: int, num_stages: int, pp_size: int, rank: int) -> None:
+        import torch
+
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.group_size = pp_size
+        self.group_rank = rank
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == num_stages - 1
+        self.has_backward = True
+        self.submod = torch.nn.Module()
+        self.stage_index_to_group_rank = {s: s % pp_size for s in range(num_stages)}
+
+
+def _unused_loss(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("leangraph only reads the schedule's order; it never runs a step")
+
+
+def _pipelining_kind(schedule_class: type) -> str:
+    """``"single"`` or ``"multi"`` for a torch schedule class; ValueError for anything else."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    if not isinstance(schedule_class, type):
+        raise ValueError(f"schedule_class must be a class, got {schedule_class!r}")
+    if issubclass(schedule_class, torch_schedules.PipelineScheduleSingle):
+        return "single"
+    if issubclass(schedule_class, torch_schedules.PipelineScheduleMulti):
+        return "multi"
+    raise ValueError(
+        f"{schedule_class.__name__} is not a torch.distributed.pipelining schedule class"
+    )
+
+
+def _build_schedule(
+    schedule_class: type, kind: str, pp_size: int, num_microbatches: int, rank: int, spr: int
+) -> Any:
+    """Construct ``schedule_class`` for ``rank`` on stub stages (see the comment above)."""
+    num_stages = pp_size * spr
+    stages = [_StageStub(rank + k * pp_size, num_stages, pp_size, rank) for k in range(spr)]
+    stage_arg: Any = stages[0] if kind == "single" else stages
+    try:
+        return schedule_class(stage_arg, num_microbatches, loss_fn=_unused_loss)
+    except (AssertionError, RuntimeError) as exc:
+        raise ValueError(
+            f"torch's {schedule_class.__name__} rejects pp_size={pp_size}, "
+            f"num_microbatches={num_microbatches}, stages_per_rank={spr}: {exc}"
+        ) from exc
+
+
+def _step_logic_actions(schedule: Any, num_microbatches: int, rank: int) -> list[Any]:
+    """Actions of a single-stage schedule whose torch has no ``pipeline_order`` (old torch)."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    ctype = torch_schedules._ComputationType
+    backward = getattr(ctype, "FULL_BACKWARD", None) or ctype.BACKWARD
+    fwd = [torch_schedules._Action(rank, ctype.FORWARD, m) for m in range(num_microbatches)]
+    bwd = [torch_schedules._Action(rank, backward, m) for m in range(num_microbatches)]
+    if isinstance(schedule, torch_schedules.ScheduleGPipe):
+        return fwd + bwd
+    if not isinstance(schedule, torch_schedules.Schedule1F1B):
+        raise ValueError(
+            f"this torch version computes no pipeline_order for {type(schedule).__name__}"
+        )
+    # Schedule1F1B._step_microbatches: num_stages - stage_index forwards, then B/F pairs.
+    warmup = min(num_microbatches, schedule._num_stages - rank)
+    steady = [a for pair in zip(bwd, fwd[warmup:]) for a in pair]
+    return fwd[:warmup] + steady + bwd[num_microbatches - warmup :]
+
+
+def _torch_rank_actions(
+    schedule_class: type, pp_size: int, num_microbatches: int, rank: int, spr: int
+) -> list[Any]:
+    """torch's own action list for ``rank`` (``schedule.pipeline_order[rank]``)."""
+    kind = _pipelining_kind(schedule_class)
+    if kind == "single" and spr != 1:
+        raise ValueError(
+            f"{schedule_class.__name__} runs one stage per rank; got stages_per_rank={spr}"
+        )
+    schedule = _build_schedule(schedule_class, kind, pp_size, num_microbatches, rank, spr)
+    pipeline_order = getattr(schedule, "pipeline_order", None)
+    if pipeline_order:
+        return list(pipeline_order[rank])
+    if kind == "single":
+        return _step_logic_actions(schedule, num_microbatches, rank)
+    raise ValueError(f"torch's {schedule_class.__name__} computed no pipeline_order")
+
+
+def _action_kind(action: Any) -> str:
+    """The ``_ComputationType`` member name of a torch action."""
+    ctype = action.computation_type
+    return str(getattr(ctype, "name", ctype))
+
+
+def _action_entry(action: Any, local_chunks: dict[int, int]) -> int | None:
+    """Map one torch action to an order entry: ``+c``, ``-c`` or None (nothing to run).
+
+    Raises:
+        ValueError: for actions an order cannot express (split backward ``I`` / ``W``,
+            overlapped ``OVERLAP_F_B`` and anything unknown).
+    """
+    if action is None:
+        return None
+    kind = _action_kind(action)
+    if kind in _SKIPPED_KINDS:
+        return None
+    if kind in _FORWARD_KINDS:
+        return local_chunks[action.stage_index]
+    if kind in _BACKWARD_KINDS:
+        return -local_chunks[action.stage_index]
+    raise ValueError(
+        f"action {action} ({kind}) has no leangraph order entry: orders express only "
+        "forwards (F) and full backwards (B), not split input/weight backwards (I/W) or "
+        "overlapped F+B"
+    )
+
+
+def _actions_to_order(actions: Sequence[Any], schedule_name: str, rank: int) -> list[int]:
+    """Map a rank's torch action list to an order, chunk ids by ascending stage index."""
+    stage_ids = {
+        a.stage_index
+        for a in actions
+        if a is not None and getattr(a, "sub_actions", None) is None and a.stage_index >= 0
+    }
+    local_chunks = {stage: c for c, stage in enumerate(sorted(stage_ids), start=1)}
+    order: list[int] = []
+    for position, action in enumerate(actions):
+        try:
+            entry = _action_entry(action, local_chunks)
+        except ValueError as exc:
+            raise ValueError(f"{schedule_name}, rank {rank}, step {position}: {exc}") from None
+        if entry is not None:
+            order.append(entry)
+    return order
+
+
+def from_pipelining(
+    schedule_class: type,
+    pp_size: int,
+    num_microbatches: int,
+    rank: int,
+    stages_per_rank: int = 1,
+) -> list[int]:
+    """The order a ``torch.distributed.pipelining`` schedule class runs on one rank.
+
+    The schedule is constructed on stand-in stage objects (no process group, no
+    communication) and its own per-rank action list (``pipeline_order[rank]``) is mapped:
+    a forward of local stage ``s`` becomes ``+c`` and a full backward ``-c``, where ``c`` is the
+    1-based position of ``s`` among this rank's stages in ascending stage index; communication,
+    FSDP and gradient-reduction actions and idle steps are dropped.
+
+    Note:
+        An order does not name microbatches: ``-c`` is always the backward of chunk ``c``'s
+        oldest outstanding forward. ``ScheduleLoopedBFS`` runs each stage's backwards
+        newest-first, so its order has the right chunk sequence (and in-flight counts) but
+        pairs backwards with forwards first-in-first-out, unlike torch.
+
+    Args:
+        schedule_class: A schedule class, e.g. ``Schedule1F1B``, ``ScheduleGPipe``,
+            ``ScheduleInterleaved1F1B`` or ``ScheduleLoopedBFS``.
+        pp_size: Pipeline-parallel size (ranks), >= 1.
+        num_microbatches: Microbatches per iteration, >= 1.
+        rank: The rank whose order to return, ``0 <= rank < pp_size``.
+        stages_per_rank: Stages per rank (1 for single-stage schedules); rank ``r`` holds
+            stages ``r, r + pp_size, ...`` unless the schedule places them itself.
+
+    Returns:
+        The order with chunk ids ``1..stages_per_rank``.
+
+    Raises:
+        ValueError: if an argument is invalid, torch rejects the sizes, or the schedule
+            contains an action an order cannot express (split ``I``/``W`` backwards of
+            zero-bubble schedules, overlapped ``OVERLAP_F_B``); the message names the action.
+    """
+    pp_size = _check_int("pp_size", pp_size, 1)
+    rank = _check_rank(rank, pp_size)
+    num_microbatches = _check_int("num_microbatches", num_microbatches, 1)
+    spr = _check_int("stages_per_rank", stages_per_rank, 1)
+    actions = _torch_rank_actions(schedule_class, pp_size, num_microbatches, rank, spr)
+    return _actions_to_order(actions, schedule_class.__name__, rank)
+
+
+# --------------------------------------------------------------------------------------------
+# Inspecting orders
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """The most forwards an order keeps outstanding (run, backward not yet run).
+
+    ``per_chunk[i]`` is the maximum for chunk ``i + 1``; ``total`` the maximum over all chunks
+    together at any point of the order (not the sum of the per-chunk maxima).
+    """
+
+    per_chunk: tuple[int, ...]
+    total: int
+
+
+def _parse(order: Sequence[object]) -> tuple[Step, ...]:
+    """Validate ``order`` with :func:`leangraph.order.parse_order`, one layer per chunk."""
+    chunks, microbatches = 1, 1
+    if isinstance(order, Sequence) and not isinstance(order, (str, bytes)):
+        ids = [
+            int(e)
+            for e in order
+            if isinstance(e, numbers.Integral) and not isinstance(e, bool)
+        ]
+        chunks = max((abs(e) for e in ids), default=1) or 1
+        microbatches = sum(1 for e in ids if e == 1)
+    _, steps = parse_order(
+        order,
+        num_callables=chunks,
+        num_samples=chunks * microbatches,
+        num_layers_per_chunk=1,
+    )
+    return steps
+
+
+def validate_order(order: Sequence[object]) -> None:
+    """Check that ``order`` is a complete, well-formed pipeline order.
+
+    Args:
+        order: The order (``+c`` forward, ``-c`` backward, chunks 1-based).
+
+    Raises:
+        ValueError: naming the position and entry of the first malformed entry (not an
+            integer, zero, a backward with no outstanding forward), or the chunk whose
+            forwards and backwards differ in count, or chunks with different microbatch
+            counts (every chunk ``1..max`` must run every microbatch).
+    """
+    _parse(order)
+
+
+def max_in_flight(order: Sequence[object]) -> InFlight:
+    """The most forwards ``order`` keeps outstanding, per chunk and in total.
+
+    Args:
+        order: A valid order (see :func:`validate_order`).
+
+    Returns:
+        The per-chunk and overall maxima of outstanding forwards.
+
+    Raises:
+        ValueError: if ``order`` is malformed (as :func:`validate_order`).
+    """
+    steps = _parse(order)
+    num_chunks = max(step.chunk for step in steps)
+    outstanding = [0] * num_chunks
+    peak = [0] * num_chunks
+    total = peak_total = 0
+    for step in steps:
+        delta = 1 if step.kind is StepKind.FORWARD else -1
+        outstanding[step.chunk - 1] += delta
+        total += delta
+        peak[step.chunk - 1] = max(peak[step.chunk - 1], outstanding[step.chunk - 1])
+        peak_total = max(peak_total, total)
+    return InFlight(per_chunk=tuple(peak), total=peak_total)

@@ -1,0 +1,50 @@
+"""Warm-up: eager passes in the plan's order, holding outputs only until their backward.
+
+At every point of a pass the only warm-up outputs alive are those of forwards whose backward
+has not run yet (the plan's ``born``/``dies``); outputs that need no backward (eval mode,
+``no_grad``) die right after their forward. Nothing survives a pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .backends.base import GraphBackend
+from .errors import phase_note
+from .graphed import GraphedCallable
+from .order import StepKind
+from .plan import Plan
+
+__all__ = ["run_warmup"]
+
+
+def run_warmup(
+    plan: Plan, graphs: Sequence[GraphedCallable], *, num_iters: int, backend: GraphBackend
+) -> None:
+    """Run ``num_iters`` warm-up passes of ``plan`` over ``graphs`` (indexed by graph)."""
+    with backend.warmup():
+        for iteration in range(num_iters):
+            _warmup_pass(plan, graphs, iteration)
+
+
+def _warmup_pass(plan: Plan, graphs: Sequence[GraphedCallable], iteration: int) -> None:
+    awaiting_backward: dict[int, tuple[torch.Tensor, ...]] = {}
+    for index, step in enumerate(plan.warmup):
+        graph = graphs[step.graph]
+        where = f"warm-up pass {iteration}, step {index} ({step})"
+        with phase_note("warm-up", graph.label, where):
+            if step.kind is StepKind.FORWARD:
+                outputs = graph._warmup_forward()
+                if outputs is not None:
+                    awaiting_backward.update(dict.fromkeys(step.born, outputs))
+            else:
+                outputs = awaiting_backward.get(step.graph)
+                if outputs is not None:
+                    graph._warmup_backward(outputs)
+                for dead in step.dies:
+                    awaiting_backward.pop(dead, None)
+            del outputs
+    if awaiting_backward:
+        raise AssertionError(f"plan left warm-up outputs alive: {sorted(awaiting_backward)}")
