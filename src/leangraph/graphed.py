@@ -192,6 +192,12 @@ class GraphedCallable:
         assert self._output_tree is not None
         return pytree.tree_unflatten(list(outputs), self._output_tree)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"{self._label}: a graphed callable cannot be copied or pickled (its graphs and "
+            "static buffers belong to one capture); copy the module before graphing it"
+        )
+
     def reset(self) -> None:
         """Release this callable's graphs and static buffers, for good.
 

@@ -48,12 +48,15 @@ class CpuGraphPair:
         self._static_outputs: tuple[torch.Tensor, ...] = ()
         self._static_grads: tuple[Optional[torch.Tensor], ...] = ()
         self._retain_graph = False
+        self._grad_enabled = True
 
     def capture_forward(self, body: ForwardBody) -> CapturedOutputs:
-        with torch.enable_grad():
-            outputs = tuple(body())
+        # Replays run inside an autograd Function (grad disabled); like a CUDA graph they
+        # must redo what capture did, so the capture-time grad mode is kept for them.
+        self._grad_enabled = torch.is_grad_enabled()
+        outputs = tuple(body())
         self._forward_body = body
-        self._live_outputs = outputs
+        self._keep_for_backward(outputs)
         self._static_outputs = tuple(_poisoned_like(o) for o in outputs)
         return CapturedOutputs(self._static_outputs, tuple(o.requires_grad for o in outputs))
 
@@ -73,10 +76,14 @@ class CpuGraphPair:
     def replay_forward(self) -> None:
         if self._forward_body is None:
             raise RuntimeError("forward graph was reset or never captured")
-        with torch.enable_grad():
+        with torch.set_grad_enabled(self._grad_enabled):
             outputs = tuple(self._forward_body())
         _copy_into(self._static_outputs, outputs)
-        self._live_outputs = outputs
+        self._keep_for_backward(outputs)
+
+    def _keep_for_backward(self, outputs: tuple[torch.Tensor, ...]) -> None:
+        """Hold the autograd graph of ``outputs`` only if a backward can differentiate it."""
+        self._live_outputs = outputs if any(o.requires_grad for o in outputs) else None
 
     def replay_backward(self) -> None:
         if self._backward_body is None:

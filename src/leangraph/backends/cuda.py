@@ -112,7 +112,8 @@ class CudaGraphPair:
         graph = torch.cuda.CUDAGraph()
         self._forward = graph
         outputs = tuple(self._owner().capture(graph, body))
-        self._captured_outputs = outputs
+        if any(o.requires_grad for o in outputs):
+            self._captured_outputs = outputs  # holds the autograd graph until the backward
         return CapturedOutputs(
             tuple(o.detach() for o in outputs), tuple(o.requires_grad for o in outputs)
         )

@@ -1,0 +1,80 @@
+"""Small models and drivers shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+
+import leangraph
+from leangraph.local_pipeline import run_order
+from leangraph.order import Layout
+
+
+class Block(torch.nn.Module):
+    """A residual MLP block: deterministic, cheap, with parameters in every path."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def make_layers(count: int, width: int, device: str = "cpu", seed: int = 0) -> list[Block]:
+    torch.manual_seed(seed)
+    return [Block(width).to(device) for _ in range(count)]
+
+
+def mse(target: Sequence[torch.Tensor]):
+    return lambda out, m: torch.nn.functional.mse_loss(out, target[m])
+
+
+def train_both(order, layers_per_chunk, width, microbatches, steps, device="cpu", seed=0):
+    """Train eager and graphed copies of the same layers in ``order``; return both histories."""
+    count = sum(layers_per_chunk)
+    eager = make_layers(count, width, device, seed)
+    graphed_layers = copy.deepcopy(eager)
+    gen = torch.Generator().manual_seed(seed + 1)
+    data = [torch.randn(microbatches, 4, width, generator=gen).to(device) for _ in range(steps)]
+    target = [torch.randn(4, width, generator=gen).to(device) for _ in range(microbatches)]
+    layout = Layout(tuple(layers_per_chunk), microbatches)
+    samples = tuple((torch.randn(4, width, device=device, requires_grad=True),)
+                    for _ in range(layout.num_graphs))
+    graphed = leangraph.make_graphed_callables(
+        tuple(graphed_layers), samples, order=order, num_layers_per_chunk=list(layers_per_chunk))
+
+    def eager_layer(c, m, l):
+        return eager[layout.callable_index(c, l)]
+
+    def graph_layer(c, m, l):
+        return graphed[layout.graph_index(c, m, l)]
+
+    history = {"eager": [], "graphed": []}
+    for name, lookup, params in (("eager", eager_layer, eager),
+                                 ("graphed", graph_layer, graphed_layers)):
+        optim = torch.optim.SGD([p for layer in params for p in layer.parameters()], lr=0.05)
+        for step in range(steps):
+            optim.zero_grad(set_to_none=True)
+            result = run_order(order, layers_per_chunk, lookup, list(data[step]), mse(target))
+            grads = [p.grad.clone() for layer in params for p in layer.parameters()]
+            optim.step()
+            history[name].append((result, grads, [p.detach().clone() for layer in params
+                                                  for p in layer.parameters()]))
+    return history, graphed
+
+
+def assert_histories_equal(history, exact=True):
+    for step, (eager, graphed) in enumerate(zip(history["eager"], history["graphed"])):
+        (er, eg, ep), (gr, gg, gp) = eager, graphed
+        pairs = (list(zip(er.losses, gr.losses)) + list(zip(er.input_grads, gr.input_grads))
+                 + list(zip(eg, gg)) + list(zip(ep, gp)))
+        for a, b in pairs:
+            if exact:
+                assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max()}"
+            else:
+                torch.testing.assert_close(a, b)

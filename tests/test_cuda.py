@@ -1,0 +1,120 @@
+"""The CUDA backend on a real GPU (skipped without one). Memory read with memory_allocated."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import leangraph
+from models import Block, assert_histories_equal, train_both
+from test_warmup import MEGATRON_PP2_VP2_RANK0, ORDER, expected_alive
+
+pytestmark = pytest.mark.cuda
+
+SIZE = 512 * 1024  # float32 elements: 2 MiB, a multiple of the allocator's rounding
+
+
+class MemProbe(torch.nn.Module):
+    """``x * w``: saves only tensors that already exist, so each live output costs SIZE * 4."""
+
+    def __init__(self, log: list[int]) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(SIZE, device="cuda"))
+        self.log = log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.log.append(torch.cuda.memory_allocated())
+        return x * self.weight
+
+
+def _capture_probes(order, log, grad=True):
+    probes = tuple(MemProbe(log) for _ in range(4))
+    graphs = 4 * order.count(1)
+    samples = tuple((torch.randn(SIZE, device="cuda", requires_grad=grad),)
+                    for _ in range(graphs))
+    torch.cuda.synchronize()
+    with torch.set_grad_enabled(grad):
+        graphed = leangraph.make_graphed_callables(probes, samples, order=order,
+                                                   num_warmup_iters=2)
+    return probes, samples, graphed
+
+
+@pytest.mark.parametrize("order", [ORDER, MEGATRON_PP2_VP2_RANK0])
+def test_ordered_warmup_releases_consumed_outputs(order):
+    log: list[int] = []
+    _, _, graphed = _capture_probes(order, log)
+    expected = [len(alive) for alive in expected_alive(order, (2, 2), passes=2)]
+    warmup = log[: len(expected)]
+    base = warmup[0]
+    assert [(m - base) // (SIZE * 4) for m in warmup] == expected
+    assert all((m - base) % (SIZE * 4) == 0 for m in warmup)
+    leangraph.reset_all(graphed)
+
+
+def test_inference_warmup_retains_no_outputs():
+    log: list[int] = []
+    _, _, graphed = _capture_probes(ORDER, log, grad=False)
+    warmup = log[: 2 * 12]
+    assert warmup == [warmup[0]] * len(warmup)
+    leangraph.reset_all(graphed)
+
+
+def test_reset_releases_exactly_its_memory_and_others_keep_working():
+    log: list[int] = []
+    probes, samples, graphed = _capture_probes(ORDER, log)
+    x = torch.randn(SIZE, device="cuda", requires_grad=True)
+    before = torch.cuda.memory_allocated()
+    graphed[5].reset()
+    torch.cuda.synchronize()
+    # Static output, grad-output seed, grad of x and grad of the weight: 4 buffers of SIZE.
+    assert before - torch.cuda.memory_allocated() == 4 * SIZE * 4
+    graphed[5].reset()
+    assert torch.cuda.memory_allocated() == before - 4 * SIZE * 4
+    with pytest.raises(RuntimeError, match=r"graph \(chunk 1, microbatch 2, layer 1\).*reset"):
+        graphed[5](x)
+    out = graphed[4](x)
+    assert torch.equal(out, x.detach() * probes[0].weight.detach())
+    out.sum().backward()
+    assert torch.equal(x.grad, probes[0].weight.detach())
+    leangraph.reset_all(graphed)
+    del out, samples
+    torch.cuda.synchronize()
+
+
+def test_backward_after_reset_raises():
+    log: list[int] = []
+    _, _, graphed = _capture_probes(ORDER, log)
+    out = graphed[0](torch.randn(SIZE, device="cuda", requires_grad=True))
+    graphed[0].reset()
+    with pytest.raises(RuntimeError, match=r"chunk 1, microbatch 0, layer 0.*cannot run a backward"):
+        out.sum().backward()
+    leangraph.reset_all(graphed)
+
+
+@pytest.mark.parametrize(("order", "microbatches"), [(ORDER, 3), (MEGATRON_PP2_VP2_RANK0, 4)])
+def test_ordered_training_matches_eager_exactly_on_cuda(order, microbatches):
+    history, graphed = train_both(order, [2, 2], width=64, microbatches=microbatches, steps=3,
+                                  device="cuda")
+    assert_histories_equal(history, exact=True)
+    leangraph.reset_all(graphed)
+
+
+def test_module_drop_in_matches_torch_make_graphed_callables():
+    torch.manual_seed(0)
+    ours = Block(64).cuda()
+    theirs = copy.deepcopy(ours)
+    sample = torch.randn(8, 64, device="cuda", requires_grad=True)
+    leangraph.make_graphed_callables(ours, (sample,))
+    torch.cuda.make_graphed_callables(theirs, (sample.detach().clone().requires_grad_(),))
+    for _ in range(3):
+        x = torch.randn(8, 64, device="cuda", requires_grad=True)
+        y = x.detach().clone().requires_grad_()
+        a, b = ours(x), theirs(y)
+        a.square().sum().backward()
+        b.square().sum().backward()
+        assert torch.equal(a, b) and torch.equal(x.grad, y.grad)
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    leangraph.reset_all(ours)

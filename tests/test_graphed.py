@@ -1,0 +1,139 @@
+"""Graphed training equals eager autograd; lifecycle; replay argument checks (CPU backend)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import leangraph
+from models import Block, assert_histories_equal, train_both
+
+ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
+MEGATRON_PP2_VP2_RANK0 = [1, 1, 2, 2, 1, -2, 1, -2, 2, -1, 2, -1, -2, -2, -1, -1]
+
+
+@pytest.mark.parametrize(("order", "microbatches"), [(ORDER, 3), (MEGATRON_PP2_VP2_RANK0, 4)])
+def test_ordered_training_matches_eager_exactly(order, microbatches):
+    history, _ = train_both(order, [2, 2], width=8, microbatches=microbatches, steps=3)
+    assert_histories_equal(history, exact=True)
+
+
+def test_module_drop_in_matches_eager_and_falls_back_in_eval():
+    torch.manual_seed(0)
+    block = Block(8)
+    reference = copy.deepcopy(block)
+    graphed = leangraph.make_graphed_callables(block, (torch.randn(4, 8, requires_grad=True),))
+    assert graphed is block and isinstance(block.forward, leangraph.GraphedCallable)
+    for _ in range(3):
+        x = torch.randn(4, 8, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        out, ref = graphed(x), reference(x_ref)
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        assert torch.equal(out, ref) and torch.equal(x.grad, x_ref.grad)
+    for p, q in zip(block.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    block.eval()
+    x = torch.randn(2, 3, 8)  # a shape the graph never saw: eval runs eagerly
+    assert torch.equal(graphed(x), reference(x))
+
+
+def test_tuple_of_functions_and_kwargs():
+    weight = torch.randn(3, 3, requires_grad=True)
+
+    def scale(x, *, factor):
+        return x * factor
+
+    graphed = leangraph.make_graphed_callables(
+        (scale,), ((torch.randn(3, requires_grad=True),),),
+        sample_kwargs=({"factor": torch.tensor(2.0)},))
+    assert isinstance(graphed, tuple) and isinstance(graphed[0], leangraph.GraphedCallable)
+    x = torch.randn(3, requires_grad=True)
+    out = graphed[0](x, factor=torch.tensor(3.0))
+    out.sum().backward()
+    assert torch.equal(out, x.detach() * 3) and torch.equal(x.grad, torch.full((3,), 3.0))
+    with pytest.raises(TypeError, match=r"keyword arguments \['factor'\] as at capture, got \[\]"):
+        graphed[0](x)
+    del weight
+
+
+def _three_graphs():
+    layers = tuple(Block(4) for _ in range(3))
+    reference = [copy.deepcopy(layer) for layer in layers]
+    samples = tuple((torch.randn(2, 4, requires_grad=True),) for _ in range(3))
+    return reference, leangraph.make_graphed_callables(layers, samples)
+
+
+def test_reset_is_terminal_isolated_and_idempotent():
+    torch.manual_seed(0)
+    reference, graphed = _three_graphs()
+    middle = graphed[1].forward
+    middle.reset()
+    middle.reset()
+    assert middle.is_reset and not graphed[0].forward.is_reset
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"callable 1 \(Block\): cannot call: .* was reset"):
+        graphed[1](x)
+    for index in (0, 2):  # the others keep replaying correctly
+        assert torch.equal(graphed[index](x), reference[index](x))
+    leangraph.reset_all(graphed)
+    leangraph.reset_all(graphed)
+    assert all(g.forward.is_reset for g in graphed)
+
+
+def test_backward_reaching_a_reset_callable_raises():
+    _, graphed = _three_graphs()
+    out = graphed[2](graphed[1](graphed[0](torch.randn(2, 4, requires_grad=True))))
+    graphed[1].forward.reset()
+    with pytest.raises(RuntimeError, match=r"callable 1 \(Block\): cannot run a backward"):
+        out.sum().backward()
+
+
+def test_graphed_callables_cannot_be_copied():
+    _, graphed = _three_graphs()
+    with pytest.raises(TypeError, match=r"callable 0 \(Block\): a graphed callable cannot be copied"):
+        copy.deepcopy(graphed[0])
+
+
+def test_reset_releases_graph_state():
+    _, graphed = _three_graphs()
+    callable_ = graphed[0].forward
+    callable_.reset()
+    assert callable_._pair is None and callable_._static_inputs == ()
+    assert callable_._static_outputs == () and callable_._static_grads == ()
+
+
+def test_backward_after_a_newer_replay_raises():
+    _, graphed = _three_graphs()
+    x = torch.randn(2, 4, requires_grad=True)
+    first = graphed[0](x)
+    graphed[0](x).sum().backward()
+    with pytest.raises(RuntimeError, match="replayed again since"):
+        first.sum().backward()
+
+
+@pytest.mark.parametrize(
+    ("arg", "error", "message"),
+    [
+        (torch.randn(2, 5, requires_grad=True), ValueError, r"input 0 must keep shape \(2, 4\)"),
+        (torch.randn(2, 4, dtype=torch.float64, requires_grad=True), TypeError, "dtype"),
+        (torch.randn(2, 4), ValueError, "requires_grad=True"),
+        (1.0, TypeError, "input 0 must be a tensor as at capture, got float"),
+        ([torch.randn(2, 4)], TypeError, "must keep the structure"),
+    ],
+)
+def test_replay_rejects_mismatched_arguments(arg, error, message):
+    _, graphed = _three_graphs()
+    with pytest.raises(error, match=message):
+        graphed[0](arg)
+
+
+def test_returned_parameter_grads_do_not_alias_static_buffers():
+    _, graphed = _three_graphs()
+    for _ in range(2):
+        graphed[0](torch.randn(2, 4, requires_grad=True)).sum().backward()
+    module = graphed[0]
+    static = {g.data_ptr() for g in module.forward._static_grads if g is not None}
+    assert all(p.grad.data_ptr() not in static for p in module.parameters())
