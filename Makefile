@@ -11,8 +11,14 @@ STAMP := $(VENV)/.leangraph-stamp
 
 setup: $(STAMP)
 
+# The host python may itself be a virtualenv (GPU images often are); a venv made from it sees
+# only the base interpreter's packages, so a .pth file hands it the host's site-packages too.
+HOST_SITE = $(PYTHON) -c "import site; print('\n'.join(site.getsitepackages()))"
+VENV_SITE = $(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))"
+
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv --system-site-packages $(VENV)
+	if $(PYTHON) -c "import torch" 2>/dev/null; then $(HOST_SITE) > "$$($(VENV_SITE))/_host_site.pth"; fi
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -c "import pytest, hypothesis" 2>/dev/null || $(PY) -m pip install -q "pytest>=7" "hypothesis>=6"
 	$(PY) -c "import setuptools" 2>/dev/null || $(PY) -m pip install -q setuptools

@@ -52,7 +52,9 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 def _check_rank(rank: object, pp_size: int) -> int:
     rank = _check_int("rank", rank, 0)
     if rank >= pp_size:
-        raise ValueError(f"rank {rank} out of range for pp_size {pp_size} (valid: 0..{pp_size - 1})")
+        raise ValueError(
+            f"rank {rank} out of range for pp_size {pp_size} (valid: 0..{pp_size - 1})"
+        )
     return rank
 
 
@@ -221,6 +223,7 @@ _BACKWARD_KINDS = frozenset({"FULL_BACKWARD", "BACKWARD"})  # "BACKWARD": torch 
 _SKIPPED_KINDS = frozenset(
     {"SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD"}
 )
+_SPLIT_BACKWARD_KINDS = frozenset({"BACKWARD_INPUT", "BACKWARD_WEIGHT", "WEIGHT"})
 
 
 class _StageStub:
@@ -280,7 +283,7 @@ def _step_logic_actions(schedule: Any, num_microbatches: int, rank: int) -> list
     from torch.distributed.pipelining import schedules as torch_schedules
 
     ctype = torch_schedules._ComputationType
-    backward = getattr(ctype, "FULL_BACKWARD", None) or ctype.BACKWARD
+    backward = getattr(ctype, "FULL_BACKWARD", None) or getattr(ctype, "BACKWARD")  # noqa: B009
     fwd = [torch_schedules._Action(rank, ctype.FORWARD, m) for m in range(num_microbatches)]
     bwd = [torch_schedules._Action(rank, backward, m) for m in range(num_microbatches)]
     if isinstance(schedule, torch_schedules.ScheduleGPipe):
@@ -298,7 +301,7 @@ def _step_logic_actions(schedule: Any, num_microbatches: int, rank: int) -> list
 def _torch_rank_actions(
     schedule_class: type, pp_size: int, num_microbatches: int, rank: int, spr: int
 ) -> list[Any]:
-    """torch's own action list for ``rank`` (``schedule.pipeline_order[rank]``)."""
+    """Return torch's own action list for ``rank`` (``schedule.pipeline_order[rank]``)."""
     kind = _pipelining_kind(schedule_class)
     if kind == "single" and spr != 1:
         raise ValueError(
@@ -323,11 +326,9 @@ def _action_entry(action: Any, local_chunks: dict[int, int]) -> int | None:
     """Map one torch action to an order entry: ``+c``, ``-c`` or None (nothing to run).
 
     Raises:
-        ValueError: for actions an order cannot express (split backward ``I`` / ``W``,
-            overlapped ``OVERLAP_F_B`` and anything unknown).
+        ValueError: for actions an order cannot express (split backward ``I`` / ``W`` and
+            anything unknown), naming the action.
     """
-    if action is None:
-        return None
     kind = _action_kind(action)
     if kind in _SKIPPED_KINDS:
         return None
@@ -335,30 +336,75 @@ def _action_entry(action: Any, local_chunks: dict[int, int]) -> int | None:
         return local_chunks[action.stage_index]
     if kind in _BACKWARD_KINDS:
         return -local_chunks[action.stage_index]
-    raise ValueError(
-        f"action {action} ({kind}) has no leangraph order entry: orders express only "
-        "forwards (F) and full backwards (B), not split input/weight backwards (I/W) or "
-        "overlapped F+B"
-    )
+    reason = "orders express forwards (F) and full backwards (B) only"
+    if kind in _SPLIT_BACKWARD_KINDS:
+        reason += "; split input/weight backwards (zero-bubble schedules) are not supported yet"
+    raise ValueError(f"action {action} ({kind}) has no leangraph order entry: {reason}")
+
+
+def _leaf_actions(action: Any) -> list[Any]:
+    """The actions torch's runtime performs for one entry of ``pipeline_order``.
+
+    ``None`` (an idle step) performs nothing; a composite action (``OVERLAP_F_B``) performs its
+    ``sub_actions`` one after the other, as ``_PipelineScheduleRuntime`` does by default.
+    """
+    if action is None:
+        return []
+    sub_actions = getattr(action, "sub_actions", None)
+    if sub_actions is None:
+        return [action]
+    return [leaf for sub_action in sub_actions for leaf in _leaf_actions(sub_action)]
 
 
 def _actions_to_order(actions: Sequence[Any], schedule_name: str, rank: int) -> list[int]:
     """Map a rank's torch action list to an order, chunk ids by ascending stage index."""
-    stage_ids = {
-        a.stage_index
-        for a in actions
-        if a is not None and getattr(a, "sub_actions", None) is None and a.stage_index >= 0
-    }
-    local_chunks = {stage: c for c, stage in enumerate(sorted(stage_ids), start=1)}
+    leaves = [(pos, leaf) for pos, action in enumerate(actions) for leaf in _leaf_actions(action)]
+    stage_ids = sorted({leaf.stage_index for _, leaf in leaves})
+    local_chunks = {stage: chunk for chunk, stage in enumerate(stage_ids, start=1)}
     order: list[int] = []
-    for position, action in enumerate(actions):
+    runs: dict[tuple[int, bool], list[Any]] = {}
+    for position, leaf in leaves:
         try:
-            entry = _action_entry(action, local_chunks)
+            entry = _action_entry(leaf, local_chunks)
         except ValueError as exc:
             raise ValueError(f"{schedule_name}, rank {rank}, step {position}: {exc}") from None
         if entry is not None:
             order.append(entry)
+            runs.setdefault((abs(entry), entry > 0), []).append(leaf)
+    _check_fifo(runs, schedule_name, rank)
     return order
+
+
+def _ranks(actions: Sequence[Any]) -> list[int]:
+    """Each action's position among the microbatch indices of ``actions``, sorted."""
+    indices = [getattr(a, "microbatch_index", None) for a in actions]
+    if None in indices:
+        return list(range(len(indices)))
+    ordered = sorted(indices)
+    return [ordered.index(i) for i in indices]
+
+
+def _check_fifo(runs: dict[tuple[int, bool], list[Any]], schedule_name: str, rank: int) -> None:
+    """Refuse a schedule whose backwards are not first in, first out per stage.
+
+    ``-c`` always means the oldest outstanding forward of chunk ``c``. A schedule that runs
+    backwards in another sequence (``ScheduleLoopedBFS`` runs them newest first) would replay
+    graphs out of their capture order, and graphs sharing a pool are only safe replayed in it.
+    Microbatches are compared by rank, not value: torch 2.13's ``Schedule1F1B`` numbers the
+    last rank's forwards from 1 but its backwards from 0.
+    """
+    for (chunk, forward), actions in runs.items():
+        if not forward:
+            continue
+        backwards = runs.get((chunk, False), [])
+        for fwd_rank, bwd_rank, action in zip(_ranks(actions), _ranks(backwards), backwards):
+            if fwd_rank != bwd_rank:
+                raise ValueError(
+                    f"{schedule_name}, rank {rank}: action {action} runs a backward out of "
+                    "forward order (not first in, first out); an order's -c is always the "
+                    "oldest outstanding forward, and graphs replayed out of their capture "
+                    "order would overwrite each other's pool memory"
+                )
 
 
 def from_pipelining(
@@ -374,17 +420,19 @@ def from_pipelining(
     communication) and its own per-rank action list (``pipeline_order[rank]``) is mapped:
     a forward of local stage ``s`` becomes ``+c`` and a full backward ``-c``, where ``c`` is the
     1-based position of ``s`` among this rank's stages in ascending stage index; communication,
-    FSDP and gradient-reduction actions and idle steps are dropped.
+    FSDP and gradient-reduction actions and idle steps are dropped, and a composite
+    ``OVERLAP_F_B`` action becomes its sub-actions in order (what torch's runtime runs unless
+    a custom overlap function is registered).
 
     Note:
         An order does not name microbatches: ``-c`` is always the backward of chunk ``c``'s
         oldest outstanding forward. ``ScheduleLoopedBFS`` runs each stage's backwards
-        newest-first, so its order has the right chunk sequence (and in-flight counts) but
-        pairs backwards with forwards first-in-first-out, unlike torch.
+        newest first, which no order expresses, so it is refused with ``ValueError`` rather
+        than mapped to an order whose replays would not follow the capture order.
 
     Args:
         schedule_class: A schedule class, e.g. ``Schedule1F1B``, ``ScheduleGPipe``,
-            ``ScheduleInterleaved1F1B`` or ``ScheduleLoopedBFS``.
+            ``ScheduleInterleaved1F1B``.
         pp_size: Pipeline-parallel size (ranks), >= 1.
         num_microbatches: Microbatches per iteration, >= 1.
         rank: The rank whose order to return, ``0 <= rank < pp_size``.
@@ -397,7 +445,8 @@ def from_pipelining(
     Raises:
         ValueError: if an argument is invalid, torch rejects the sizes, or the schedule
             contains an action an order cannot express (split ``I``/``W`` backwards of
-            zero-bubble schedules, overlapped ``OVERLAP_F_B``); the message names the action.
+            zero-bubble schedules, backwards that are not first in first out per stage);
+            the message names the action and its step.
     """
     pp_size = _check_int("pp_size", pp_size, 1)
     rank = _check_rank(rank, pp_size)
@@ -428,11 +477,7 @@ def _parse(order: Sequence[object]) -> tuple[Step, ...]:
     """Validate ``order`` with :func:`leangraph.order.parse_order`, one layer per chunk."""
     chunks, microbatches = 1, 1
     if isinstance(order, Sequence) and not isinstance(order, (str, bytes)):
-        ids = [
-            int(e)
-            for e in order
-            if isinstance(e, numbers.Integral) and not isinstance(e, bool)
-        ]
+        ids = [int(e) for e in order if isinstance(e, numbers.Integral) and not isinstance(e, bool)]
         chunks = max((abs(e) for e in ids), default=1) or 1
         microbatches = sum(1 for e in ids if e == 1)
     _, steps = parse_order(
