@@ -29,7 +29,7 @@ class MemProbe(torch.nn.Module):
         return x * self.weight
 
 
-def _capture_probes(order, log, grad=True):
+def _capture_probes(order, log, grad=True, share_buffers=True):
     probes = tuple(MemProbe(log) for _ in range(4))
     graphs = 4 * order.count(1)
     samples = tuple((torch.randn(SIZE, device="cuda", requires_grad=grad),)
@@ -37,7 +37,8 @@ def _capture_probes(order, log, grad=True):
     torch.cuda.synchronize()
     with torch.set_grad_enabled(grad):
         graphed = leangraph.make_graphed_callables(probes, samples, order=order,
-                                                   num_warmup_iters=2)
+                                                   num_warmup_iters=2,
+                                                   share_buffers=share_buffers)
     return probes, samples, graphed
 
 
@@ -62,8 +63,9 @@ def test_inference_warmup_retains_no_outputs():
 
 
 def test_reset_releases_exactly_its_memory_and_others_keep_working():
+    # Without buffer sharing every graph owns its buffers, so the release is exact.
     log: list[int] = []
-    probes, samples, graphed = _capture_probes(ORDER, log)
+    probes, samples, graphed = _capture_probes(ORDER, log, share_buffers=False)
     x = torch.randn(SIZE, device="cuda", requires_grad=True)
     before = torch.cuda.memory_allocated()
     graphed[5].reset()
@@ -122,3 +124,48 @@ def test_module_drop_in_matches_torch_make_graphed_callables():
         for p, q in zip(ours.parameters(), theirs.parameters()):
             assert torch.equal(p.grad, q.grad)
     leangraph.reset_all(ours)
+
+
+def _one_f_one_b(microbatches):
+    return [1] + [e for _ in range(microbatches - 1) for e in (1, -1)] + [-1]
+
+
+def _held_after_capture(microbatches):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base_alloc, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    blocks = tuple(Block(256).cuda() for _ in range(2))
+    samples = tuple((torch.randn(16, 256, device="cuda", requires_grad=True),)
+                    for _ in range(2 * microbatches))
+    graphed = leangraph.make_graphed_callables(blocks, samples, order=_one_f_one_b(microbatches))
+    del samples
+    torch.cuda.synchronize()
+    held = (torch.cuda.memory_allocated() - base_alloc, torch.cuda.memory_reserved() - base_reserved)
+    leangraph.reset_all(graphed)
+    del graphed, blocks
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    after = (torch.cuda.memory_allocated() - base_alloc, torch.cuda.memory_reserved() - base_reserved)
+    return held, after
+
+
+def test_held_memory_is_flat_in_microbatches_and_freed_by_reset_all():
+    (alloc4, reserved4), after4 = _held_after_capture(4)
+    (alloc16, reserved16), after16 = _held_after_capture(16)
+    assert alloc16 == alloc4, (alloc4, alloc16)
+    assert reserved16 <= reserved4 + 2 * 1024 * 1024, (reserved4, reserved16)
+    assert after4 == after16 == (0, 0)
+
+
+def test_debug_mode_catches_a_read_of_a_reused_output_on_cuda():
+    torch.manual_seed(0)
+    blocks = tuple(Block(64).cuda() for _ in range(2))
+    samples = tuple((torch.randn(8, 64, device="cuda", requires_grad=True),) for _ in range(4))
+    graphed = leangraph.make_graphed_callables(blocks, samples, order=[1, -1, 1, -1],
+                                               debug_outputs=True)
+    out = graphed[1](graphed[0](torch.randn(8, 64, device="cuda", requires_grad=True)))
+    out.sum().backward()
+    with pytest.raises(RuntimeError, match=r"graph \(chunk 1, microbatch 0, layer 1\).*was read "
+                                           r"after the backward"):
+        out.sum()
+    leangraph.reset_all(graphed)

@@ -105,13 +105,24 @@ def test_reset_releases_graph_state():
     assert callable_._static_outputs == () and callable_._static_grads == ()
 
 
-def test_backward_after_a_newer_replay_raises():
+def test_replay_while_outputs_await_backward_raises():
     _, graphed = _three_graphs()
     x = torch.randn(2, 4, requires_grad=True)
     first = graphed[0](x)
+    with pytest.raises(RuntimeError, match=r"callable 0 \(Block\): forward replayed while the "
+                                           r"outputs of its previous replay \(1\) still await"):
+        graphed[0](x)
+    first.sum().backward()
+    graphed[0](x).sum().backward()  # fine once the backward ran
+
+
+def test_backward_after_a_newer_replay_raises():
+    _, graphed = _three_graphs()
+    x = torch.randn(2, 4, requires_grad=True)
+    loss = graphed[0](x).sum()  # the output tensor itself is gone, its autograd node is not
     graphed[0](x).sum().backward()
     with pytest.raises(RuntimeError, match="replayed again since"):
-        first.sum().backward()
+        loss.backward()
 
 
 @pytest.mark.parametrize(

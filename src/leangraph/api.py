@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, Union
 
 import torch
 from torch.utils import _pytree as pytree
 
 from .backends import GraphBackend, make_backend
+from .buffers import BufferKey, StaticBuffers, plan_buffers
 from .capture import run_capture
 from .graphed import GraphedCallable, _ModuleBinding
 from .order import parse_order
@@ -34,6 +35,8 @@ def make_graphed_callables(
     num_layers_per_chunk: Optional[Union[int, Sequence[int]]] = None,
     retain_graph_in_backward: bool = False,
     backend: Optional[str] = None,
+    share_buffers: bool = True,
+    debug_outputs: bool = False,
 ) -> Any:
     """Capture callables into forward and backward graphs, optionally in a pipeline order.
 
@@ -54,9 +57,12 @@ def make_graphed_callables(
     graphs in the order into one pool, so graph memory follows what the schedule holds in
     flight rather than the number of microbatches.
 
-    Memory aliasing: sample tensors become the graphs' static inputs (a tensor given for more
-    than one graph is copied for the later ones). Outputs of a replay alias static buffers
-    valid until the same callable's next replay.
+    Memory aliasing: outputs of a replay are views of graph-owned buffers. With
+    ``share_buffers`` (the default) they stay valid until their graph's backward replay (or,
+    for graphs without a backward, its next forward replay); samples are used for warm-up
+    only and may be freed after the call. With ``share_buffers=False`` sample tensors become
+    the static inputs (a tensor given for more than one graph is copied for the later ones)
+    and outputs stay valid until the same callable's next replay.
 
     Args:
         callables: A callable or ``nn.Module``, or a tuple of them.
@@ -74,6 +80,15 @@ def make_graphed_callables(
         retain_graph_in_backward: Keep saved activations so a backward may be replayed more
             than once per forward (costs their memory for as long as the graph lives).
         backend: ``"cuda"``, ``"cpu"`` or None (``"cuda"`` for GPU sample tensors).
+        share_buffers: Schedule-driven buffer reuse (default). Static inputs and gradient
+            seeds of graphs whose lifetimes never overlap share storage; a layer's first input
+            is the previous layer's output buffer (with an order, within a chunk); outputs and
+            gradient buffers are released to the pool once the plan is done with them. Then
+            an output stays valid until its graph's backward (or next forward) replay. False
+            keeps torch's behaviour: sample tensors are the static inputs and every graph owns
+            its buffers for its whole life.
+        debug_outputs: Return outputs that raise ``RuntimeError`` when used after their
+            validity window (slower; for finding reads of reused buffers).
 
     Returns:
         The graphed callables, in the form described above.
@@ -104,17 +119,24 @@ def make_graphed_callables(
     graph_backend = make_backend(backend, device, pool)
     graphs = _build_graphs(plan, callables, samples, graph_backend,
                            allow_unused_input=allow_unused_input,
-                           retain_graph_in_backward=retain_graph_in_backward)
+                           retain_graph_in_backward=retain_graph_in_backward,
+                           share_buffers=share_buffers)
+    saved = _SavedState(callables)
     try:
         run_warmup(plan, graphs, num_iters=num_warmup_iters, backend=graph_backend)
-        run_capture(plan, graphs, backend=graph_backend)
-    except BaseException:
+        buffers = _plan_static_buffers(plan, graphs, samples, known_outputs=num_warmup_iters > 0,
+                                       share=share_buffers)
+        run_capture(plan, graphs, backend=graph_backend, buffers=buffers)
+        del buffers
+    except BaseException as exc:
+        _note_out_of_memory(exc, device)  # figures as at the failure, before the resets
         for graph in graphs:
             graph.reset()
+        saved.restore(exc)
         raise
     finally:
         graph_backend.teardown()
-    return _hand_back(plan, callables, graphs, single)
+    return _hand_back(plan, callables, graphs, single, debug_outputs=debug_outputs)
 
 
 def reset_all(graphed: Union[Graphed, Sequence[Graphed]]) -> None:
@@ -240,23 +262,111 @@ def _normalize_samples(sample_args: Any, sample_kwargs: Any, count: int) -> list
 
 
 def _common_device(samples: list[tuple[Any, Any]], callables: tuple[Any, ...]) -> torch.device:
-    devices = {t.device for s in samples for t in pytree.tree_leaves(s)}
-    devices |= {p.device for fn in callables if isinstance(fn, torch.nn.Module)
-                for p in fn.parameters()}
-    if len(devices) > 1:
-        raise ValueError(f"sample tensors and parameters must share one device, got {devices}")
-    return devices.pop() if devices else torch.device("cpu")
+    """The one device of every sample tensor and parameter; else name the first two that differ."""
+    first: Optional[tuple[torch.device, str]] = None
+    for where, tensor in _device_owners(samples, callables):
+        if first is None:
+            first = (tensor.device, where)
+        elif tensor.device != first[0]:
+            raise ValueError(
+                f"sample tensors and parameters must share one device: {first[1]} is on "
+                f"{first[0]}, but {where} is on {tensor.device}"
+            )
+    return first[0] if first is not None else torch.device("cpu")
+
+
+def _device_owners(
+    samples: list[tuple[Any, Any]], callables: tuple[Any, ...]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for index, (args, kwargs) in enumerate(samples):
+        for tensor in pytree.tree_leaves(args):
+            yield f"sample_args[{index}]", tensor
+        for tensor in pytree.tree_leaves(kwargs):
+            yield f"sample_kwargs[{index}]", tensor
+    for index, fn in enumerate(callables):
+        if isinstance(fn, torch.nn.Module):
+            for name, param in fn.named_parameters():
+                yield f"callables[{index}] ({type(fn).__name__}) parameter {name!r}", param
+
+
+# ---------------------------------------------------------------------------- failure
+
+
+class _SavedState:
+    """What a failed warm-up or capture puts back: RNG states and modules' training flags.
+
+    Taken right before warm-up. On success nothing is restored, as in
+    ``torch.cuda.make_graphed_callables``: warm-up and capture advance the RNGs the callables
+    draw from. Parameters' ``.grad`` need no saving: warm-up and capture differentiate with
+    ``torch.autograd.grad``, which never touches ``.grad``.
+    """
+
+    def __init__(self, callables: tuple[Any, ...]) -> None:
+        self.cpu_rng = torch.get_rng_state()
+        # Only where CUDA is already initialised (a CUDA backend initialises it): reading the
+        # CUDA RNG would otherwise initialise CUDA for a CPU-only call.
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.training = [(module, module.training) for fn in callables
+                         if isinstance(fn, torch.nn.Module) for module in fn.modules()]
+
+    def restore(self, exc: BaseException) -> None:
+        """Put everything back; a step that fails is noted on ``exc``, which stays the error."""
+        steps: list[tuple[str, Callable[[], None]]] = [
+            ("the CPU RNG state", lambda: torch.set_rng_state(self.cpu_rng))]
+        if self.cuda_rng is not None:
+            cuda_rng = self.cuda_rng
+            steps.append(("the CUDA RNG states", lambda: torch.cuda.set_rng_state_all(cuda_rng)))
+        for what, step in steps:
+            try:
+                step()
+            except Exception as error:  # noqa: BLE001 - the original failure is the one to raise
+                _add_note(exc, f"leangraph: could not restore {what} after the failure: {error!r}")
+        for module, training in self.training:
+            module.training = training
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    add_note = getattr(exc, "add_note", None)  # Python >= 3.11
+    if add_note is not None:
+        add_note(note)
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
+def _note_out_of_memory(exc: BaseException, device: torch.device) -> None:
+    """Add the CUDA allocator's figures to an out-of-memory error raised by warm-up or capture."""
+    if not isinstance(exc, torch.cuda.OutOfMemoryError) or device.type != "cuda":
+        return
+    try:
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        reserved = torch.cuda.memory_reserved(device)
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch>=2.7
+        fraction = "" if get_fraction is None else \
+            f", per-process memory fraction {get_fraction(device):g}"
+    except Exception:  # noqa: BLE001 - figures are a courtesy; never mask the OOM itself
+        return
+    _add_note(exc, (
+        f"leangraph: out of memory on {device} in make_graphed_callables: memory_allocated "
+        f"{_mib(allocated)}, memory_reserved {_mib(reserved)}, free on the device {_mib(free)} "
+        f"of {_mib(total)}{fraction}; the graphs made so far were reset, and "
+        "torch.cuda.empty_cache() returns their memory once this error is dropped"
+    ))
 
 
 # ---------------------------------------------------------------------------- assembly
 
 
-def _static_leaves(leaves: list[torch.Tensor], seen: set[int]) -> list[torch.Tensor]:
-    """Sample tensors as static inputs; a tensor already given to another graph is copied."""
+def _static_leaves(leaves: list[torch.Tensor], seen: set[int], *,
+                   copy_repeats: bool) -> list[torch.Tensor]:
+    """Sample tensors as detached leaves; with ``copy_repeats`` (samples that will be static
+    inputs) a tensor already given to another graph is copied."""
     static = []
     for leaf in leaves:
         tensor = leaf.detach()
-        if id(leaf) in seen:
+        if copy_repeats and id(leaf) in seen:
             tensor = tensor.clone()
         seen.add(id(leaf))
         static.append(tensor.requires_grad_(leaf.requires_grad))
@@ -279,6 +389,7 @@ def _build_graphs(
     *,
     allow_unused_input: bool,
     retain_graph_in_backward: bool,
+    share_buffers: bool,
 ) -> list[GraphedCallable]:
     layout = plan.layout
     seen: set[int] = set()
@@ -293,7 +404,7 @@ def _build_graphs(
             fn=fn.forward if isinstance(fn, torch.nn.Module) else fn,
             label=_label(plan, graph, fn, callable_index),
             graph_id=graph_id if plan.ordered else None,
-            static_inputs=_static_leaves(leaves, seen),
+            samples=_static_leaves(leaves, seen, copy_repeats=not share_buffers),
             input_tree=tree,
             params=params,
             pair=backend.new_pair(),
@@ -303,8 +414,22 @@ def _build_graphs(
     return graphs
 
 
+def _plan_static_buffers(plan: Plan, graphs: list[GraphedCallable],
+                         samples: list[tuple[Any, Any]], *, known_outputs: bool,
+                         share: bool) -> Optional[StaticBuffers]:
+    """The buffer plan from what warm-up saw, allocated; None without sharing."""
+    if not share:
+        return None
+    input_keys = [[BufferKey.of(t) for t in g._samples] for g in graphs]
+    output_keys = [g._output_keys for g in graphs] if known_outputs else None
+    chainable = [bool(args) and isinstance(args[0], torch.Tensor) for args, _ in samples]
+    return StaticBuffers.allocate(
+        plan_buffers(plan, input_keys, output_keys, chainable=chainable))
+
+
 def _hand_back(
-    plan: Plan, callables: tuple[Any, ...], graphs: list[GraphedCallable], single: bool
+    plan: Plan, callables: tuple[Any, ...], graphs: list[GraphedCallable], single: bool, *,
+    debug_outputs: bool
 ) -> Any:
     results: list[Any] = []
     for graph, fn in zip(graphs, callables if not plan.ordered else [None] * len(graphs)):
@@ -313,10 +438,10 @@ def _hand_back(
                 module=weakref.ref(fn),
                 eager_forward=weakref.WeakMethod(fn.forward),
                 training=fn.training,
-            ))
+            ), debug_outputs=debug_outputs)
             fn.forward = graph  # type: ignore[method-assign]
             results.append(fn)
         else:
-            graph._finish_capture()
+            graph._finish_capture(debug_outputs=debug_outputs)
             results.append(graph)
     return results[0] if single else tuple(results)

@@ -9,8 +9,10 @@ steps.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 from .backends.base import GraphBackend
+from .buffers import StaticBuffers
 from .errors import phase_note
 from .graphed import GraphedCallable
 from .order import StepKind
@@ -19,13 +21,36 @@ from .plan import Plan
 __all__ = ["run_capture"]
 
 
-def run_capture(plan: Plan, graphs: Sequence[GraphedCallable], *, backend: GraphBackend) -> None:
-    """Record every graph of ``plan`` over ``graphs`` (indexed by graph)."""
+def run_capture(plan: Plan, graphs: Sequence[GraphedCallable], *, backend: GraphBackend,
+                buffers: Optional[StaticBuffers]) -> None:
+    """Record every graph of ``plan`` over ``graphs`` (indexed by graph).
+
+    With ``buffers`` (schedule-driven reuse) each graph takes its static inputs and gradient
+    seeds from them at its forward, and stops owning its outputs and gradient buffers at its
+    backward; without, each graph keeps its samples as static inputs and owns everything.
+    """
     with backend.capture_session():
         for index, step in enumerate(plan.capture):
             graph = graphs[step.graph]
             with phase_note("capture", graph.label, f"capture step {index} ({step})"):
                 if step.kind is StepKind.FORWARD:
+                    _assign(graphs, step.graph, buffers)
                     graph._capture_forward()
+                elif buffers is None:
+                    graph._capture_backward(backend, release=False, chained=())
                 else:
-                    graph._capture_backward()
+                    graph._capture_backward(backend, release=True,
+                                            chained=buffers.chained(step.graph))
+
+
+def _assign(graphs: Sequence[GraphedCallable], graph: int,
+            buffers: Optional[StaticBuffers]) -> None:
+    callable_ = graphs[graph]
+    if buffers is None:
+        callable_._assign_buffers(callable_._samples, ())
+    else:
+        sources = buffers.chain_sources(graph)
+        callable_._assign_buffers(
+            buffers.inputs_for(graph, lambda g: graphs[g]._static_outputs),
+            buffers.seeds_for(graph),
+            [None if s is None else graphs[s].label for s in sources])

@@ -18,7 +18,8 @@ from typing import Any, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from .backends.base import GraphPair
+from .backends.base import GraphBackend, GraphPair
+from .buffers import BufferKey
 from .errors import GraphResetError
 from .order import GraphId
 
@@ -117,7 +118,7 @@ class GraphedCallable:
         fn: Callable[..., Any],
         label: str,
         graph_id: Optional[GraphId],
-        static_inputs: Sequence[torch.Tensor],
+        samples: Sequence[torch.Tensor],
         input_tree: pytree.TreeSpec,
         params: Sequence[torch.nn.Parameter],
         pair: GraphPair,
@@ -130,12 +131,15 @@ class GraphedCallable:
         self._state = _State.CAPTURING
         self._fn: Optional[Callable[..., Any]] = fn
         self._pair: Optional[GraphPair] = pair
-        self._static_inputs = tuple(static_inputs)
+        # Warm-up runs on the samples; capture and replay on the static inputs the engine
+        # assigns from the buffer plan. The samples are dropped once capture is done.
+        self._samples: tuple[torch.Tensor, ...] = tuple(samples)
+        self._static_inputs: tuple[torch.Tensor, ...] = ()
         self._input_tree = input_tree
         self._input_specs = tuple(
             TensorSpec.of(name, t)
-            for name, t in zip(_leaf_names(pytree.tree_unflatten(static_inputs, input_tree)),
-                               static_inputs)
+            for name, t in zip(_leaf_names(pytree.tree_unflatten(list(samples), input_tree)),
+                               samples)
         )
         self._params = tuple(params)
         self._allow_unused_input = allow_unused_input
@@ -145,9 +149,14 @@ class GraphedCallable:
         self._output_requires_grad: tuple[bool, ...] = ()
         self._static_grad_outputs: tuple[Optional[torch.Tensor], ...] = ()
         self._static_grads: tuple[Optional[torch.Tensor], ...] = ()
+        self._output_keys: tuple[BufferKey, ...] = ()
+        self._chained_from: tuple[Optional[str], ...] = ()
         self._has_backward = False
         self._forward_generation = 0
         self._backward_generation = -1
+        self._awaiting_backward: tuple[weakref.ref[torch.Tensor], ...] = ()
+        self._guard: Optional[_OutputGuard] = None
+        self._debug_outputs = False
         self._module_binding: Optional[_ModuleBinding] = None
 
     # ----------------------------------------------------------------------------- public
@@ -189,6 +198,8 @@ class GraphedCallable:
         leaves = self._flatten_call(args, kwargs)
         clone_grads = tuple(t.requires_grad and t.grad_fn is None for t in leaves)
         outputs = _Replay.apply(self, clone_grads, *leaves, *self._params)
+        if torch.is_grad_enabled():
+            self._note_outputs(outputs)
         assert self._output_tree is not None
         return pytree.tree_unflatten(list(outputs), self._output_tree)
 
@@ -220,8 +231,12 @@ class GraphedCallable:
         if pair is not None:
             pair.reset()
         self._fn = None
+        self._samples = ()
         self._static_inputs = ()
         self._params = ()
+        self._awaiting_backward = ()
+        if self._guard is not None:
+            self._guard.invalidate("its callable was reset")
         self._static_outputs = ()
         self._static_grad_outputs = ()
         self._static_grads = ()
@@ -257,10 +272,13 @@ class GraphedCallable:
             )
         return [spec.check(self._label, leaf) for spec, leaf in zip(self._input_specs, leaves)]
 
-    def _run_user_fn(self) -> tuple[torch.Tensor, ...]:
-        """Run the user callable on the static inputs and flatten what it returns."""
+    def _run_on_static(self) -> tuple[torch.Tensor, ...]:
+        return self._run_user_fn(self._static_inputs)
+
+    def _run_user_fn(self, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Run the user callable on ``leaves`` and flatten what it returns."""
         assert self._fn is not None
-        args, kwargs = pytree.tree_unflatten(list(self._static_inputs), self._input_tree)
+        args, kwargs = pytree.tree_unflatten(list(leaves), self._input_tree)
         leaves, tree = pytree.tree_flatten(self._fn(*args, **kwargs))
         for index, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor):
@@ -276,8 +294,8 @@ class GraphedCallable:
             )
         return tuple(leaves)
 
-    def _grad_targets(self) -> tuple[torch.Tensor, ...]:
-        inputs = tuple(t for t in self._static_inputs if t.requires_grad)
+    def _grad_targets(self, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        inputs = tuple(t for t in leaves if t.requires_grad)
         return inputs + tuple(p for p in self._params if p.requires_grad)
 
     def _target_names(self) -> list[str]:
@@ -296,7 +314,7 @@ class GraphedCallable:
 
     def _differentiable(self, outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         differentiable = tuple(o for o in outputs if o.requires_grad)
-        if differentiable and not self._grad_targets():
+        if differentiable and not self._grad_targets(self._samples or self._static_inputs):
             raise ValueError(
                 f"{self._label}: outputs require grad only through tensors that are neither "
                 "inputs nor module parameters; graph an nn.Module so its parameters are known"
@@ -306,13 +324,15 @@ class GraphedCallable:
     # Warm-up: eager passes whose outputs the caller holds only until their backward.
 
     def _warmup_forward(self) -> Optional[tuple[torch.Tensor, ...]]:
-        """One eager forward; returns the outputs that await a backward, or None."""
-        return self._differentiable(self._run_user_fn()) or None
+        """One eager forward on the samples; returns the outputs awaiting a backward, or None."""
+        outputs = self._run_user_fn(self._samples)
+        self._output_keys = tuple(BufferKey.of(o) for o in outputs)
+        return self._differentiable(outputs) or None
 
     def _warmup_backward(self, outputs: tuple[torch.Tensor, ...]) -> None:
         grads = torch.autograd.grad(
             outputs,
-            self._grad_targets(),
+            self._grad_targets(self._samples),
             grad_outputs=[torch.zeros_like(o) for o in outputs],
             allow_unused=True,
         )
@@ -320,54 +340,117 @@ class GraphedCallable:
 
     # Capture.
 
+    def _assign_buffers(self, static_inputs: Sequence[torch.Tensor],
+                        seeds: Sequence[Optional[torch.Tensor]],
+                        chained_from: Sequence[Optional[str]] = ()) -> None:
+        """Take the static inputs and gradient seeds the buffer plan gave this graph.
+
+        ``chained_from[i]`` names the graph whose output buffer input ``i`` is, if any.
+        """
+        self._static_inputs = tuple(static_inputs)
+        self._static_grad_outputs = tuple(seeds)
+        self._chained_from = tuple(chained_from) or (None,) * len(static_inputs)
+
     def _capture_forward(self) -> None:
         pair = self._pair
         assert pair is not None
-        captured = pair.capture_forward(self._run_user_fn)
+        with torch.no_grad():
+            for static, sample in zip(self._static_inputs, self._samples):
+                if not _same_buffer(static, sample):
+                    static.copy_(sample)  # values do not matter on CUDA; keeps CPU runs exact
+        captured = pair.capture_forward(self._run_on_static)
         self._static_outputs = captured.outputs
         self._output_requires_grad = captured.requires_grad
         self._has_backward = any(captured.requires_grad)
 
-    def _capture_backward(self) -> None:
+    def _capture_backward(self, backend: GraphBackend, *, release: bool,
+                          chained: Sequence[bool]) -> None:
+        """Record the backward graph; with ``release``, stop owning what dies here.
+
+        After this step the plan has no further use for this graph's outputs, its gradient
+        buffers or (for chained inputs) the previous layer's output, so they are kept only as
+        non-owning views and the pool hands their blocks to graphs captured later.
+        """
         pair = self._pair
         assert pair is not None
         if not self._has_backward:
             return
-        targets = self._grad_targets()
         flags = self._output_requires_grad
-        grad_outputs = tuple(
-            torch.empty_like(o) if rg else None for o, rg in zip(self._static_outputs, flags)
-        )
-        self._static_grad_outputs = grad_outputs
-        seeds = [g for g in grad_outputs if g is not None]
+        if not self._static_grad_outputs:
+            self._static_grad_outputs = tuple(
+                torch.empty_like(o) if rg else None for o, rg in zip(self._static_outputs, flags))
+        seeds = [g for g in self._static_grad_outputs if g is not None]
         retain = self._retain_graph
 
         def backward_body(outputs: Sequence[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
-            differentiable = self._differentiable(outputs)
+            # Targets are looked up at run time: the CPU backend reruns this body against
+            # forward replays made on the static inputs as they are then.
             return torch.autograd.grad(
-                differentiable, targets, grad_outputs=seeds, allow_unused=True,
-                retain_graph=retain,
+                self._differentiable(outputs), self._grad_targets(self._static_inputs),
+                grad_outputs=seeds, allow_unused=True, retain_graph=retain,
             )
 
-        self._static_grads = pair.capture_backward(backward_body, retain_graph=retain)
-        self._check_unused(self._static_grads)
+        grads = pair.capture_backward(backward_body, retain_graph=retain)
+        self._check_unused(grads)
+        if release:
+            self._static_outputs = tuple(backend.disown(o) for o in self._static_outputs)
+            grads = tuple(None if g is None else backend.disown(g) for g in grads)
+            self._static_inputs = tuple(
+                backend.alias(t).requires_grad_(t.requires_grad) if link else t
+                for t, link in zip(self._static_inputs, chained))
+        self._static_grads = grads
 
-    def _finish_capture(self, module_binding: Optional[_ModuleBinding] = None) -> None:
+    def _finish_capture(self, module_binding: Optional[_ModuleBinding] = None, *,
+                        debug_outputs: bool = False) -> None:
         self._module_binding = module_binding
+        self._debug_outputs = debug_outputs
+        self._samples = ()
         self._state = _State.READY
 
     # Replay.
+
+    def _check_no_pending_backward(self) -> None:
+        """Refuse a forward replay that would overwrite activations a backward still needs."""
+        if self._retain_graph or self._backward_generation == self._forward_generation:
+            return
+        if any(ref() is not None for ref in self._awaiting_backward):
+            raise RuntimeError(
+                f"{self._label}: forward replayed while the outputs of its previous replay "
+                f"({self._forward_generation}) still await their backward; the new replay "
+                "would overwrite the activations that backward needs. Run the backward first "
+                "or drop those outputs"
+            )
 
     def _replay_forward(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         with self._lock:
             self._require_ready("replay its forward graph")
             assert self._pair is not None
-            for static, value in zip(self._static_inputs, inputs):
-                if not _same_buffer(static, value):
-                    static.copy_(value)
+            self._check_no_pending_backward()
+            for index, (static, value) in enumerate(zip(self._static_inputs, inputs)):
+                if _same_buffer(static, value):
+                    continue
+                source = self._chained_from[index]
+                if source is not None:
+                    raise ValueError(
+                        f"{self._label} input {index} is the output buffer of {source} "
+                        "(chained layers share it); pass that graph's output itself, got another "
+                        "tensor. Capture with share_buffers=False to feed layers anything"
+                    )
+                static.copy_(value)
             self._pair.replay_forward()
             self._forward_generation += 1
-            return tuple(o.detach() for o in self._static_outputs)
+            if self._guard is not None:
+                self._guard.invalidate(f"{self._label} was replayed again")
+            outputs = tuple(o.detach() for o in self._static_outputs)
+            if self._debug_outputs:
+                self._guard = _OutputGuard(self._label, self._forward_generation)
+                outputs = tuple(self._guard.wrap(o) for o in outputs)
+            return outputs
+
+    def _note_outputs(self, outputs: Sequence[torch.Tensor]) -> None:
+        """Remember (weakly) the outputs of the latest replay that await a backward."""
+        self._awaiting_backward = tuple(
+            weakref.ref(o) for o, rg in zip(outputs, self._output_requires_grad) if rg)
 
     def _replay_backward(
         self, grads: Sequence[torch.Tensor], generation: int, clone_inputs: Sequence[bool]
@@ -392,23 +475,71 @@ class GraphedCallable:
                     static.copy_(grad)
             self._pair.replay_backward()
             self._backward_generation = generation
+            self._awaiting_backward = ()
+            if self._guard is not None:
+                self._guard.invalidate(f"the backward of {self._label} ran")
             return self._scatter_grads(clone_inputs)
 
     def _scatter_grads(self, clone_inputs: Sequence[bool]) -> tuple[Optional[torch.Tensor], ...]:
         """One gradient per tensor passed to ``_Replay.apply`` (inputs, then parameters).
 
-        Gradients that autograd stores (parameter and leaf-input ``.grad``) are cloned so no
-        stored gradient aliases a buffer that the next backward replay overwrites.
+        A gradient autograd may *store* (a leaf input's ``.grad``, or a parameter whose
+        ``.grad`` is still None, which autograd would take over) is cloned, so no stored
+        gradient aliases a buffer that a later replay overwrites. A parameter that already has
+        a ``.grad`` gets a view: autograd adds it in place right away. A gradient flowing to an
+        earlier autograd node is a view, consumed by that node before any other replay.
         """
         grads = iter(self._static_grads)
         result: list[Optional[torch.Tensor]] = []
-        for static, clone in zip(self._static_inputs, clone_inputs):
-            grad = next(grads) if static.requires_grad else None
+        for spec, clone in zip(self._input_specs, clone_inputs):
+            grad = next(grads) if spec.requires_grad else None
             result.append(None if grad is None else (grad.clone() if clone else grad.detach()))
         for param in self._params:
             grad = next(grads) if param.requires_grad else None
-            result.append(None if grad is None else grad.clone())
+            if grad is not None:
+                grad = grad.clone() if param.grad is None else grad.detach()
+            result.append(grad)
         return tuple(result)
+
+
+class _OutputGuard:
+    """Debug mode: marks one replay's outputs invalid once their buffers may be reused."""
+
+    def __init__(self, label: str, generation: int) -> None:
+        self.label = label
+        self.generation = generation
+        self.reason: Optional[str] = None
+
+    def invalidate(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+
+    def wrap(self, tensor: torch.Tensor) -> torch.Tensor:
+        guarded = tensor.as_subclass(_GuardedOutput)
+        guarded._leangraph_guard = self  # type: ignore[attr-defined]
+        return guarded
+
+    def check(self) -> None:
+        if self.reason is not None:
+            raise RuntimeError(
+                f"an output of {self.label} (replay {self.generation}) was read after "
+                f"{self.reason}; its graph-owned buffer may have been reused. Outputs stay "
+                "valid until their graph's backward or next forward replay; clone them to "
+                "keep them longer"
+            )
+
+
+class _GuardedOutput(torch.Tensor):
+    """A graph output that refuses to be used once its guard is invalid (debug mode)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for leaf in pytree.tree_leaves((args, kwargs or {})):
+            guard = getattr(leaf, "_leangraph_guard", None)
+            if guard is not None:
+                guard.check()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
 
 class _Replay(torch.autograd.Function):

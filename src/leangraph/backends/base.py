@@ -70,5 +70,16 @@ class GraphBackend(Protocol):
     def new_pair(self) -> GraphPair:
         """A fresh, empty graph pair whose graphs share this backend's pool."""
 
+    def alias(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A view of ``tensor``'s memory that does not keep it allocated (the owner stays)."""
+
+    def disown(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A view of ``tensor``'s memory that does not keep it allocated.
+
+        Once the last owning reference is gone the pool may hand the block to a graph
+        captured later; replays still write and read it, so the view's contents are valid
+        only within the window the plan guarantees.
+        """
+
     def teardown(self) -> None:
         """Drop the shared stream and pool handle. Pairs already made keep working."""

@@ -1,14 +1,17 @@
 """A CPU reference backend that emulates CUDA-graph semantics.
 
-It exists so that ordering, liveness and lifecycle are tested without a GPU. A "graph" is the
-recorded body, rerun on replay; what matters is that it behaves like a CUDA graph where the
-engine can observe it:
+It exists so that ordering, liveness, buffer reuse and lifecycle are tested without a GPU. A
+"graph" is the recorded body, rerun on replay; what matters is that it behaves like a CUDA
+graph where the engine can observe it:
 
 * outputs and gradients live in static buffers that every replay overwrites in place;
 * capture computes nothing the caller may rely on (static buffers are filled with NaN, as
   CUDA capture leaves them uninitialised);
 * the backward differentiates the *last* forward replay, and without ``retain_graph`` it can
-  run once per forward replay.
+  run once per forward replay;
+* static buffers come from an emulated pool: a buffer the engine disowns goes back to a free
+  list and is handed to the next capture that needs one of the same shape, as the CUDA
+  caching allocator reuses freed pool blocks, so later replays overwrite it.
 """
 
 from __future__ import annotations
@@ -23,15 +26,11 @@ from .base import BackwardBody, CapturedOutputs, ForwardBody
 
 __all__ = ["CpuBackend", "CpuGraphPair"]
 
-
-def _poisoned_like(tensor: torch.Tensor) -> torch.Tensor:
-    buffer = torch.empty_like(tensor, requires_grad=False)
-    if buffer.is_floating_point() or buffer.is_complex():
-        buffer.fill_(float("nan"))
-    return buffer
+_PoolKey = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
 
 
-def _copy_into(static: Sequence[Optional[torch.Tensor]], fresh: Sequence[Optional[torch.Tensor]]) -> None:
+def _copy_into(static: Sequence[Optional[torch.Tensor]],
+               fresh: Sequence[Optional[torch.Tensor]]) -> None:
     with torch.no_grad():
         for buffer, value in zip(static, fresh):
             if buffer is not None and value is not None:
@@ -41,7 +40,8 @@ def _copy_into(static: Sequence[Optional[torch.Tensor]], fresh: Sequence[Optiona
 class CpuGraphPair:
     """Forward and backward "graphs" that rerun their bodies into static buffers."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: CpuBackend) -> None:
+        self._backend = backend
         self._forward_body: Optional[ForwardBody] = None
         self._backward_body: Optional[BackwardBody] = None
         self._live_outputs: Optional[Sequence[torch.Tensor]] = None
@@ -57,7 +57,7 @@ class CpuGraphPair:
         outputs = tuple(body())
         self._forward_body = body
         self._keep_for_backward(outputs)
-        self._static_outputs = tuple(_poisoned_like(o) for o in outputs)
+        self._static_outputs = tuple(self._backend.poisoned_like(o) for o in outputs)
         return CapturedOutputs(self._static_outputs, tuple(o.requires_grad for o in outputs))
 
     def capture_backward(
@@ -70,7 +70,8 @@ class CpuGraphPair:
         self._retain_graph = retain_graph
         if not retain_graph:
             self._live_outputs = None
-        self._static_grads = tuple(None if g is None else _poisoned_like(g) for g in grads)
+        self._static_grads = tuple(
+            None if g is None else self._backend.poisoned_like(g) for g in grads)
         return self._static_grads
 
     def replay_forward(self) -> None:
@@ -104,9 +105,12 @@ class CpuGraphPair:
 
 
 class CpuBackend:
-    """Graph backend for CPU tensors (development and tests)."""
+    """Graph backend for CPU tensors (development and tests), with an emulated pool."""
 
     name = "cpu"
+
+    def __init__(self) -> None:
+        self._free: dict[_PoolKey, list[torch.Tensor]] = {}
 
     @contextmanager
     def warmup(self) -> Iterator[None]:
@@ -117,7 +121,25 @@ class CpuBackend:
         yield
 
     def new_pair(self) -> CpuGraphPair:
-        return CpuGraphPair()
+        return CpuGraphPair(self)
+
+    def poisoned_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A static buffer shaped like ``tensor``: a disowned one if any, else a new one."""
+        key = (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        free = self._free.get(key)
+        buffer = free.pop() if free else torch.empty_strided(
+            tensor.shape, tensor.stride(), dtype=tensor.dtype)
+        if buffer.is_floating_point() or buffer.is_complex():
+            buffer.fill_(float("nan"))
+        return buffer
+
+    def alias(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach()
+
+    def disown(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        self._free.setdefault(key, []).append(tensor)
+        return tensor.detach()
 
     def teardown(self) -> None:
-        pass
+        self._free.clear()

@@ -81,6 +81,17 @@ class CudaBackend:
     def new_pair(self) -> "CudaGraphPair":
         return CudaGraphPair(self)
 
+    def disown(self, tensor: torch.Tensor) -> torch.Tensor:
+        # The pool frees a block once no owning reference is left; dropping ours is enough.
+        return self.alias(tensor)
+
+    def alias(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        alias = torch._C._construct_storage_from_data_pointer(  # type: ignore[attr-defined]
+            storage.data_ptr(), tensor.device, storage.nbytes())
+        view = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        return view.set_(alias, tensor.storage_offset(), tensor.shape, tensor.stride())
+
     def teardown(self) -> None:
         self._stream = None
 

@@ -1,0 +1,206 @@
+"""Static buffers from the plan's lifetimes: who shares storage with whom.
+
+A graph's static input must hold its value from the graph's forward replay until its backward
+replay (autograd may have saved it); its gradient seed (the buffer the incoming output gradient
+is copied into) only during the backward replay. Graphs whose lifetimes never overlap can
+share storage when their buffers match in shape, dtype, device and ``requires_grad``, so the
+number of buffers follows what the schedule holds in flight, not the number of microbatches.
+
+Within a chunk, layer ``l + 1``'s first input can be layer ``l``'s static output itself
+(*chained*): the caller passes that output back and no copy happens at replay.
+
+Everything here is plain data computed once from the :class:`~leangraph.plan.Plan`; the engine
+allocates what it says and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from .order import StepKind
+from .plan import Plan
+
+__all__ = ["BufferKey", "Chained", "BufferPlan", "StaticBuffers", "plan_buffers", "allocate"]
+
+
+@dataclass(frozen=True, slots=True)
+class BufferKey:
+    """What two buffers must agree on to share storage."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> BufferKey:
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.device, tensor.requires_grad)
+
+
+@dataclass(frozen=True, slots=True)
+class Chained:
+    """A static input that is output 0 of graph ``source`` (the previous layer)."""
+
+    source: int
+
+
+InputSource = Union[int, Chained]
+"""A slot index into :attr:`BufferPlan.slot_keys`, or a chained output."""
+
+
+@dataclass(frozen=True, slots=True)
+class BufferPlan:
+    """Which buffer every static input and gradient seed of every graph uses.
+
+    ``inputs[g][i]`` is the source of graph ``g``'s input leaf ``i``; ``seeds[g][o]`` the seed
+    slot of its output ``o`` (None for outputs that need no gradient). ``lifetimes[g]`` is the
+    (first, last) capture-step index during which graph ``g``'s inputs must hold.
+    """
+
+    slot_keys: tuple[BufferKey, ...]
+    inputs: tuple[tuple[InputSource, ...], ...]
+    seed_keys: tuple[BufferKey, ...]
+    seeds: tuple[tuple[Optional[int], ...], ...]
+    lifetimes: tuple[tuple[int, int], ...]
+
+    def slot_users(self, slot: int) -> list[int]:
+        """Graphs whose inputs use ``slot``."""
+        return [g for g, sources in enumerate(self.inputs) if slot in sources]
+
+
+def _lifetimes(plan: Plan, has_backward: Sequence[bool]) -> list[tuple[int, int]]:
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for index, step in enumerate(plan.capture):
+        if step.kind is StepKind.FORWARD:
+            first[step.graph] = last[step.graph] = index
+        elif has_backward[step.graph]:
+            last[step.graph] = index
+    return [(first[g], last[g]) for g in range(plan.layout.num_graphs)]
+
+
+def _chain_source(plan: Plan, graph: int, input_keys: Sequence[Sequence[BufferKey]],
+                  output_keys: Sequence[Sequence[BufferKey]], first_leaf_is_arg0: bool) -> Optional[int]:
+    """The previous layer of the same chunk and microbatch, if its output can feed leaf 0."""
+    graph_id = plan.layout.graph_id(graph)
+    if graph_id.layer == 0 or not first_leaf_is_arg0 or not input_keys[graph]:
+        return None
+    source = plan.layout.graph_index(graph_id.chunk, graph_id.microbatch, graph_id.layer - 1)
+    outputs = output_keys[source]
+    if len(outputs) == 1 and outputs[0] == input_keys[graph][0]:
+        return source
+    return None
+
+
+def plan_buffers(
+    plan: Plan,
+    input_keys: Sequence[Sequence[BufferKey]],
+    output_keys: Optional[Sequence[Sequence[BufferKey]]],
+    *,
+    chainable: Sequence[bool],
+    share: bool = True,
+) -> BufferPlan:
+    """Assign buffers by walking the capture steps (greedy interval colouring per key).
+
+    Args:
+        plan: The liveness plan; its capture sequence is the replay sequence.
+        input_keys: Per graph, the key of each static input leaf.
+        output_keys: Per graph, the key of each output (``requires_grad`` says whether it
+            needs a gradient seed), as warm-up saw them; None when there was no warm-up:
+            then every graph is assumed to need its backward, and seeds and chaining are
+            left to capture.
+        chainable: Per graph, whether input leaf 0 is positional argument 0 itself (a tensor),
+            so that the previous layer's output can be passed for it.
+        share: False gives every graph buffers of its own (no sharing, no chaining).
+    """
+    if output_keys is None:
+        has_backward = [True] * len(input_keys)
+        output_keys = [()] * len(input_keys)
+        chainable = [False] * len(input_keys)
+    else:
+        has_backward = [any(k.requires_grad for k in keys) for keys in output_keys]
+    lifetimes = _lifetimes(plan, has_backward)
+    slot_keys: list[BufferKey] = []
+    free: dict[BufferKey, list[int]] = {}
+    inputs: dict[int, tuple[InputSource, ...]] = {}
+
+    def take(key: BufferKey) -> int:
+        if share and free.get(key):
+            return free[key].pop()
+        slot_keys.append(key)
+        return len(slot_keys) - 1
+
+    for index, step in enumerate(plan.capture):
+        g = step.graph
+        if step.kind is StepKind.FORWARD:
+            chain = _chain_source(plan, g, input_keys, output_keys, chainable[g]) if (
+                share and plan.ordered) else None
+            inputs[g] = tuple(Chained(chain) if (chain is not None and i == 0) else take(key)
+                              for i, key in enumerate(input_keys[g]))
+        if lifetimes[g][1] == index:  # the graph's last step: its input slots come free
+            for source in inputs[g]:
+                if isinstance(source, int):
+                    free.setdefault(slot_keys[source], []).append(source)
+    seed_keys: list[BufferKey] = []
+    seed_index: dict[BufferKey, int] = {}
+    seeds: list[tuple[Optional[int], ...]] = []
+    for keys in output_keys:
+        row: list[Optional[int]] = []
+        for key in keys:
+            if not key.requires_grad:
+                row.append(None)
+                continue
+            if not share or key not in seed_index:
+                seed_keys.append(key)
+                seed_index[key] = len(seed_keys) - 1
+            row.append(seed_index[key])
+        seeds.append(tuple(row))
+    return BufferPlan(tuple(slot_keys), tuple(inputs[g] for g in range(len(input_keys))),
+                      tuple(seed_keys), tuple(seeds), tuple(lifetimes))
+
+
+def allocate(keys: Sequence[BufferKey], *, requires_grad: bool = True) -> list[torch.Tensor]:
+    """One empty tensor per key, outside any graph pool (``requires_grad`` as the key says,
+    unless ``requires_grad`` is False: gradient seeds never require grad)."""
+    return [torch.empty(k.shape, dtype=k.dtype, device=k.device)
+            .requires_grad_(k.requires_grad and requires_grad) for k in keys]
+
+
+@dataclass(frozen=True, slots=True)
+class StaticBuffers:
+    """The allocated buffers of a :class:`BufferPlan`, handed out graph by graph at capture."""
+
+    plan: BufferPlan
+    slots: tuple[torch.Tensor, ...]
+    seeds: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def allocate(cls, plan: BufferPlan) -> StaticBuffers:
+        return cls(plan, tuple(allocate(plan.slot_keys)),
+                   tuple(allocate(plan.seed_keys, requires_grad=False)))
+
+    def chained(self, graph: int) -> tuple[bool, ...]:
+        """Per input leaf of ``graph``: whether it is the previous layer's output."""
+        return tuple(s is not None for s in self.chain_sources(graph))
+
+    def chain_sources(self, graph: int) -> tuple[Optional[int], ...]:
+        """Per input leaf of ``graph``: the graph whose output it is, or None."""
+        return tuple(s.source if isinstance(s, Chained) else None for s in self.plan.inputs[graph])
+
+    def inputs_for(self, graph: int, outputs_of: Callable[[int], tuple[torch.Tensor, ...]]
+                   ) -> list[torch.Tensor]:
+        """Static inputs of ``graph``; ``outputs_of(g)`` gives graph ``g``'s static outputs."""
+        result = []
+        for source in self.plan.inputs[graph]:
+            if isinstance(source, Chained):
+                result.append(outputs_of(source.source)[0].detach().requires_grad_(True))
+            else:
+                result.append(self.slots[source])
+        return result
+
+    def seeds_for(self, graph: int) -> list[Optional[torch.Tensor]]:
+        return [None if i is None else self.seeds[i] for i in self.plan.seeds[graph]]

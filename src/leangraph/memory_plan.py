@@ -1,0 +1,656 @@
+"""Memory planning: how many bytes warm-up and capture of a pipeline order hold, step by step.
+
+:func:`plan_memory` takes the arguments of :func:`leangraph.make_graphed_callables`, measures
+one forward of every distinct callable (what autograd saves for backward, what it returns, what
+its backward produces) and walks the liveness plan of :mod:`leangraph.plan` with the engine's
+memory model:
+
+* **Warm-up** runs the order eagerly. At each step the forwards whose backward has not run yet
+  hold their saved activations and their outputs; a backward step transiently adds its
+  gradients (grad-inputs + parameter grads). The static input buffers exist throughout.
+* **Static buffers**: every graph has static inputs, static outputs and static grad-output
+  buffers. Buffers of graphs whose lifetimes ``[forward, backward]`` (in the capture sequence)
+  never overlap share storage when shape, dtype and device match, so static inputs and outputs
+  follow the most forwards in flight (per shape); grad-output buffers are needed once per shape
+  (they are only read during a backward replay). Parameter and input gradients are transient.
+* **Capture** follows the same sequence into one pool: a graph's saved activations stay in the
+  pool until its backward is recorded, then later captures reuse them. The capture peak is the
+  in-flight activations plus the static buffers plus the backward transient; what is held
+  after capture is the pool's high-water mark of in-flight activations plus the static buffers.
+
+It works on the ``meta`` device (nothing is allocated: sizes come from tensor metadata), so a
+70B-parameter model fits in a laptop's planning budget, and on CPU or CUDA (measured the same
+way, never from allocator statistics). On ``meta``, ``scaled_dot_product_attention`` has no
+kernel choice and would run its math fallback (saving the ``s x s`` probabilities); it is
+measured instead as the fused flash kernel the modelled device picks (``meta_attention``).
+
+Not modelled: forward temporaries that are not saved for backward (they live only inside one
+step), tensors a custom ``autograd.Function`` stores on ``ctx`` directly rather than through
+``save_for_backward``, allocator fragmentation and rounding, and the caller's own sample
+tensors (pass one tensor per shape, or meta tensors, to keep those small).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from .order import Layout, StepKind, parse_order
+from .plan import GraphStep, Plan, build_plan, build_unordered_plan
+
+__all__ = [
+    "BufferSpec",
+    "LayerMemory",
+    "StepMemory",
+    "MemoryPlan",
+    "plan_memory",
+    "format_bytes",
+]
+
+SampleArgs = tuple[Any, ...]
+_META_ATTENTION = ("cuda", "cpu", "math")
+
+
+# ---------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True, slots=True)
+class BufferSpec:
+    """What a static buffer is matched on when graphs share it: shape, dtype and device."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> BufferSpec:
+        """The spec of a buffer shaped like ``tensor``."""
+        return cls(tuple(tensor.shape), tensor.dtype, str(tensor.device))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one contiguous buffer of this spec."""
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * _element_size(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerMemory:
+    """One measured forward/backward of a callable on one sample signature.
+
+    Byte counts are of distinct storages (a view keeps its whole storage alive, so a saved view
+    costs its storage, and several views of one storage cost it once).
+
+    Attributes:
+        activation_bytes: Saved for backward, excluding parameters, buffers and the inputs.
+        saved_input_bytes: Inputs that are saved for backward (already counted as static
+            inputs; the Korthikanti formula counts them as the layer's activations).
+        output_bytes: Outputs that await a backward (differentiable ones).
+        warmup_bytes: What one forward holds during warm-up until its backward: activations
+            and outputs (a saved output counted once).
+        capture_bytes: What one forward holds in the capture pool until its backward:
+            activations that are not outputs (outputs live in static buffers).
+        grad_input_bytes: Gradients of inputs that require grad.
+        param_grad_bytes: Gradients of parameters that require grad.
+        inputs: Static input buffers (every tensor leaf of the sample arguments).
+        outputs: Static output buffers (every tensor output).
+        grad_outputs: Static grad-output buffers (the differentiable outputs).
+    """
+
+    activation_bytes: int
+    saved_input_bytes: int
+    output_bytes: int
+    warmup_bytes: int
+    capture_bytes: int
+    grad_input_bytes: int
+    param_grad_bytes: int
+    inputs: tuple[BufferSpec, ...]
+    outputs: tuple[BufferSpec, ...]
+    grad_outputs: tuple[BufferSpec, ...]
+
+    @property
+    def transient_bytes(self) -> int:
+        """What a backward allocates on top of what is held: grad-inputs + parameter grads."""
+        return self.grad_input_bytes + self.param_grad_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StepMemory:
+    """Live bytes during one step of warm-up or capture.
+
+    Attributes:
+        phase: ``"warm-up"`` or ``"capture"``.
+        index: Position of the step within its phase.
+        step: The plan step, e.g. ``"F c1 m0 l2"``.
+        in_flight: Graphs whose forward ran and whose backward has not finished.
+        live_bytes: Highest live bytes during the step (a backward's transient included).
+    """
+
+    phase: str
+    index: int
+    step: str
+    in_flight: int
+    live_bytes: int
+
+    def where(self) -> str:
+        """E.g. ``"capture step 183 (B c1 m0 l3)"``."""
+        return f"{self.phase} step {self.index} ({self.step})"
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """Bytes that warm-up and capture of one ``make_graphed_callables`` call hold.
+
+    Attributes:
+        ordered: Whether an order was given (else the torch drop-in plan).
+        layout: Chunks, layers and microbatches of the graphs.
+        layers: One measurement per callable (``callables[i]`` -> ``layers[i]``).
+        activation_bytes_per_graph: ``activation_bytes`` of each graph, by graph index.
+        static_input_bytes: Shared static input buffers.
+        static_output_bytes: Shared static output buffers.
+        grad_output_bytes: Static grad-output buffers, one per shape.
+        static_bytes: The three above.
+        warmup_peak_bytes: Lean warm-up peak: static inputs + in-flight forwards + transient.
+        naive_warmup_peak_bytes: Warm-up peak if every warm-up output and saved activation
+            were kept for the whole pass (a tool that frees warm-up outputs only at the end).
+        capture_peak_bytes: Capture peak: static buffers + in-flight activations + transient.
+        pool_bytes: High-water mark of in-flight activations in the capture pool.
+        held_bytes: Held after capture: ``static_bytes + pool_bytes``.
+        peak_transient_bytes: Largest backward transient (grad-inputs + parameter grads).
+        max_in_flight: Most graphs in flight at once during capture.
+        warmup_peak_step, capture_peak_step, naive_peak_step: Where each peak falls.
+        peak_step: Where the larger of the warm-up and capture peaks falls.
+        steps: Every warm-up step, then every capture step.
+    """
+
+    ordered: bool
+    layout: Layout
+    layers: tuple[LayerMemory, ...]
+    activation_bytes_per_graph: tuple[int, ...]
+    static_input_bytes: int
+    static_output_bytes: int
+    grad_output_bytes: int
+    warmup_peak_bytes: int
+    naive_warmup_peak_bytes: int
+    capture_peak_bytes: int
+    pool_bytes: int
+    peak_transient_bytes: int
+    max_in_flight: int
+    warmup_peak_step: str
+    naive_peak_step: str
+    capture_peak_step: str
+    steps: tuple[StepMemory, ...]
+
+    @property
+    def static_bytes(self) -> int:
+        """Static input, output and grad-output buffers together."""
+        return self.static_input_bytes + self.static_output_bytes + self.grad_output_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """What the graphs hold after capture: the pool's high-water mark + static buffers."""
+        return self.pool_bytes + self.static_bytes
+
+    @property
+    def peak_step(self) -> str:
+        """Where the larger of the warm-up and capture peaks falls."""
+        if self.capture_peak_bytes >= self.warmup_peak_bytes:
+            return self.capture_peak_step
+        return self.warmup_peak_step
+
+    def describe(self) -> str:
+        """A human-readable table of the per-callable measurements and the plan's figures."""
+        return "\n".join(_describe_header(self) + _describe_layers(self) + _describe_plan(self))
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+def plan_memory(
+    callables: Union[Callable[..., Any], tuple[Callable[..., Any], ...]],
+    sample_args: Union[SampleArgs, tuple[SampleArgs, ...]],
+    *,
+    sample_kwargs: Optional[Union[dict[str, Any], Sequence[dict[str, Any]]]] = None,
+    order: Optional[Sequence[int]] = None,
+    num_layers_per_chunk: Optional[Union[int, Sequence[int]]] = None,
+    meta_attention: str = "cuda",
+) -> MemoryPlan:
+    """Plan the memory of ``make_graphed_callables`` with the same arguments, without capturing.
+
+    Every distinct callable (the same object counts once) is run forward once per distinct
+    sample signature under ``torch.autograd.graph.saved_tensors_hooks``; nothing runs backward
+    (gradient sizes come from tensor metadata). Then the plan's warm-up and capture sequences
+    are walked step by step (see the module docstring for the model).
+
+    Args:
+        callables: A callable or ``nn.Module``, or a tuple of them (the layers, chunk by chunk).
+        sample_args: One tuple of sample arguments per graph (one tuple for a single callable),
+            laid out as for ``make_graphed_callables``. Meta tensors allocate nothing.
+        sample_kwargs: One dict of keyword sample arguments per graph (a dict for a single
+            callable), or None.
+        order: The pipeline order; None for the torch drop-in plan (each callable's forward
+            and backward back to back in warm-up; all forwards then all backwards in capture).
+        num_layers_per_chunk: Layers of each chunk with ``order`` (default: an equal split).
+        meta_attention: Which kernel ``scaled_dot_product_attention`` on meta tensors without
+            an ``attn_mask`` stands for: ``"cuda"`` (CUDA flash attention: saves q, k, v, the
+            output and its log-sum-exp; sequence-major output), ``"cpu"`` (the CPU flash kernel:
+            the same tensors, head-major output) or ``"math"`` (PyTorch's meta fallback).
+
+    Returns:
+        The :class:`MemoryPlan`.
+
+    Raises:
+        TypeError: for callables that are not callable, sample arguments that are not tuples
+            of tensor pytrees, or outputs that are not tensors.
+        ValueError: for a malformed order, mismatched counts, tensors on several devices or an
+            unknown ``meta_attention``.
+    """
+    if meta_attention not in _META_ATTENTION:
+        raise ValueError(f"meta_attention must be one of {_META_ATTENTION}, got {meta_attention!r}")
+    fns, samples = _normalize(callables, sample_args, sample_kwargs)
+    plan = _make_plan(len(fns), len(samples), order, num_layers_per_chunk)
+    _check_one_device(fns, samples)
+    graphs = _measure_graphs(plan, fns, samples, meta_attention)
+    static_in = _pooled_bytes(plan, [Counter(m.inputs) for m in graphs])
+    static_out = _pooled_bytes(plan, [Counter(m.outputs) for m in graphs])
+    grad_out = _spec_bytes(_union(Counter(m.grad_outputs) for m in graphs))
+    transient = [m.transient_bytes for m in graphs]
+    warmup = _walk("warm-up", plan.warmup, static_in, [m.warmup_bytes for m in graphs], transient)
+    naive = _walk("warm-up", plan.warmup, static_in, [m.warmup_bytes for m in graphs], transient,
+                  keep_all=True)
+    capture = _walk("capture", plan.capture, static_in + static_out + grad_out,
+                    [m.capture_bytes for m in graphs], transient)
+    return MemoryPlan(
+        ordered=plan.ordered,
+        layout=plan.layout,
+        layers=_per_callable(plan.layout, graphs),
+        activation_bytes_per_graph=tuple(m.activation_bytes for m in graphs),
+        static_input_bytes=static_in,
+        static_output_bytes=static_out,
+        grad_output_bytes=grad_out,
+        warmup_peak_bytes=warmup.peak.live_bytes,
+        naive_warmup_peak_bytes=naive.peak.live_bytes,
+        capture_peak_bytes=capture.peak.live_bytes,
+        pool_bytes=capture.high_water,
+        peak_transient_bytes=max(transient, default=0),
+        max_in_flight=max((s.in_flight for s in capture.steps), default=0),
+        warmup_peak_step=warmup.peak.where(),
+        naive_peak_step=naive.peak.where(),
+        capture_peak_step=capture.peak.where(),
+        steps=warmup.steps + capture.steps,
+    )
+
+
+def format_bytes(count: float) -> str:
+    """``count`` bytes in the largest binary unit that keeps it >= 1, e.g. ``"1.50 GiB"``."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def _normalize(
+    callables: Any, sample_args: Any, sample_kwargs: Any
+) -> tuple[tuple[Any, ...], list[tuple[tuple[Any, ...], dict[str, Any]]]]:
+    """The callables as a tuple and one ``(args, kwargs)`` pair per graph, leaves checked."""
+    if not isinstance(callables, tuple):
+        callables = (callables,)
+        sample_args = (sample_args,)
+        sample_kwargs = None if sample_kwargs is None else (sample_kwargs,)
+    for index, fn in enumerate(callables):
+        if not callable(fn):
+            raise TypeError(f"callables[{index}] is a {type(fn).__name__}, which is not callable")
+    if not isinstance(sample_args, (tuple, list)):
+        raise TypeError(f"sample_args must be a tuple, got {type(sample_args).__name__}")
+    count = len(sample_args)
+    if sample_kwargs is None:
+        sample_kwargs = ({},) * count
+    if not isinstance(sample_kwargs, (tuple, list)) or len(sample_kwargs) != count:
+        got = len(sample_kwargs) if isinstance(sample_kwargs, (tuple, list)) else sample_kwargs
+        raise ValueError(f"sample_kwargs must have one dict per graph ({count}), got {got!r}")
+    samples = []
+    for index, (args, kwargs) in enumerate(zip(sample_args, sample_kwargs)):
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(
+                f"sample_args[{index}] must be a tuple of arguments, got {type(args).__name__} "
+                "(wrap a single tensor as (tensor,))"
+            )
+        if not isinstance(kwargs, dict):
+            raise TypeError(f"sample_kwargs[{index}] must be a dict, got {type(kwargs).__name__}")
+        for leaf in pytree.tree_leaves((tuple(args), kwargs)):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"sample_args[{index}]: every argument leaf must be a tensor, got "
+                    f"{type(leaf).__name__}"
+                )
+        samples.append((tuple(args), dict(kwargs)))
+    return callables, samples
+
+
+def _make_plan(
+    num_callables: int,
+    num_samples: int,
+    order: Optional[Sequence[int]],
+    num_layers_per_chunk: Optional[Union[int, Sequence[int]]],
+) -> Plan:
+    """The plan ``make_graphed_callables`` would walk for these arguments."""
+    if order is None:
+        if num_layers_per_chunk is not None:
+            raise ValueError("num_layers_per_chunk needs an order")
+        if num_samples != num_callables:
+            raise ValueError(
+                f"sample_args has {num_samples} entries for {num_callables} callables; "
+                "without an order each callable needs exactly one"
+            )
+        return build_unordered_plan(num_callables)
+    layout, steps = parse_order(order, num_callables=num_callables, num_samples=num_samples,
+                                num_layers_per_chunk=num_layers_per_chunk)
+    return build_plan(layout, steps)
+
+
+def _check_one_device(fns: tuple[Any, ...], samples: list[tuple[Any, Any]]) -> None:
+    devices = {t.device for s in samples for t in pytree.tree_leaves(s)}
+    devices |= {p.device for fn in fns if isinstance(fn, torch.nn.Module)
+                for p in fn.parameters()}
+    if len(devices) > 1:
+        raise ValueError(f"sample tensors and parameters must share one device, got {devices}")
+
+
+# ---------------------------------------------------------------------------- measurement
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    """A key identifying ``tensor``'s storage while it is alive, and the storage's bytes."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage._cdata, storage.nbytes()
+    except (NotImplementedError, RuntimeError):  # tensors without a plain storage
+        return id(tensor), tensor.numel() * tensor.element_size()
+
+
+def _bytes(storages: dict[int, int], keys: Iterable[int]) -> int:
+    return sum(storages[k] for k in set(keys))
+
+
+def _signature(fn: Any, sample: tuple[Any, Any]) -> tuple[Any, ...]:
+    """What makes two graphs' measurements equal: the callable and the samples' metadata."""
+    leaves, tree = pytree.tree_flatten(sample)
+    meta = tuple((tuple(t.shape), t.dtype, str(t.device), t.requires_grad) for t in leaves)
+    return id(fn), str(tree), meta
+
+
+def _measure_graphs(
+    plan: Plan, fns: tuple[Any, ...], samples: list[tuple[Any, Any]], meta_attention: str
+) -> list[LayerMemory]:
+    """One measurement per graph, shared between graphs of the same callable and signature."""
+    cache: dict[tuple[Any, ...], LayerMemory] = {}
+    result = []
+    layout = plan.layout
+    for graph in range(layout.num_graphs):
+        graph_id = layout.graph_id(graph)
+        fn = fns[layout.callable_index(graph_id.chunk, graph_id.layer)]
+        key = _signature(fn, samples[graph])
+        if key not in cache:
+            cache[key] = _measure(fn, samples[graph], meta_attention, graph)
+        result.append(cache[key])
+    return result
+
+
+def _per_callable(layout: Layout, graphs: Sequence[LayerMemory]) -> tuple[LayerMemory, ...]:
+    """Each callable's measurement on its first graph (microbatch 0)."""
+    first: dict[int, LayerMemory] = {}
+    for graph in reversed(range(layout.num_graphs)):
+        graph_id = layout.graph_id(graph)
+        first[layout.callable_index(graph_id.chunk, graph_id.layer)] = graphs[graph]
+    return tuple(first[index] for index in range(layout.num_callables))
+
+
+def _run_forward(
+    fn: Any, inputs: list[torch.Tensor], tree: pytree.TreeSpec, meta_attention: str
+) -> tuple[list[Any], list[torch.Tensor]]:
+    """Run ``fn`` once; returns its output leaves and the tensors autograd still saves.
+
+    Saved tensors are tracked by weak reference: those of graph branches that died during the
+    forward (results the callable dropped) are freed, so they neither count nor alias the
+    storage keys of tensors allocated after them.
+    """
+    packed: list[weakref.ref[torch.Tensor]] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(weakref.ref(tensor))
+        return tensor
+
+    args, kwargs = pytree.tree_unflatten(inputs, tree)
+    with torch.enable_grad(), _MetaAttention(meta_attention), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        outputs = pytree.tree_leaves(fn(*args, **kwargs))
+    saved = [t for t in (ref() for ref in packed) if t is not None]
+    return outputs, saved
+
+
+def _measure(
+    fn: Any, sample: tuple[Any, Any], meta_attention: str, graph: int
+) -> LayerMemory:
+    """Measure one forward of ``fn`` on ``sample``; see :class:`LayerMemory`."""
+    leaves, tree = pytree.tree_flatten(sample)
+    inputs = [t.detach().requires_grad_(t.requires_grad) for t in leaves]
+    params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+    buffers = list(fn.buffers()) if isinstance(fn, torch.nn.Module) else []
+    outputs, saved_tensors = _run_forward(fn, inputs, tree, meta_attention)
+    for index, out in enumerate(outputs):
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"graph {graph}: output {index} must be a tensor, got "
+                            f"{type(out).__name__}")
+    storages = dict(_storage(t) for t in saved_tensors + inputs + params + buffers + outputs)
+    saved = {_storage(t)[0] for t in saved_tensors}
+    fixed = {_storage(t)[0] for t in params + buffers}
+    input_keys = {_storage(t)[0] for t in inputs} - fixed
+    output_keys = {_storage(t)[0] for t in outputs} - fixed - input_keys
+    kept_keys = {_storage(t)[0] for t in outputs if t.requires_grad} - fixed - input_keys
+    activations = saved - fixed - input_keys
+    return LayerMemory(
+        activation_bytes=_bytes(storages, activations),
+        saved_input_bytes=_bytes(storages, saved & input_keys),
+        output_bytes=_bytes(storages, kept_keys),
+        warmup_bytes=_bytes(storages, activations | kept_keys) if kept_keys else 0,
+        capture_bytes=_bytes(storages, activations - output_keys),
+        grad_input_bytes=sum(BufferSpec.of(t).nbytes for t in inputs if t.requires_grad),
+        param_grad_bytes=sum(BufferSpec.of(p).nbytes for p in params if p.requires_grad),
+        inputs=tuple(BufferSpec.of(t) for t in inputs),
+        outputs=tuple(BufferSpec.of(t) for t in outputs),
+        grad_outputs=tuple(BufferSpec.of(t) for t in outputs if t.requires_grad),
+    )
+
+
+class _MetaAttention(TorchFunctionMode):
+    """Measures ``scaled_dot_product_attention`` on meta tensors as a fused flash kernel."""
+
+    def __init__(self, like: str) -> None:
+        super().__init__()
+        self._like = like
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Optional[dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and self._like != "math":
+            fused = _flash_attention(self._like, *args, **kwargs)
+            if fused is not None:
+                return fused
+        return func(*args, **kwargs)
+
+
+def _flash_attention(
+    like: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> Optional[torch.Tensor]:
+    """The flash kernel's output on meta tensors, or None where the kernel does not apply."""
+    if query.device.type != "meta" or attn_mask is not None:
+        return None
+    if key.shape[-3] != query.shape[-3] and not enable_gqa:
+        return None  # let PyTorch raise its own error
+    if like == "cuda":
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, scale=scale)[0]
+
+
+# ---------------------------------------------------------------------------- walking the plan
+
+
+def _union(counters: Iterable[Counter[BufferSpec]]) -> Counter[BufferSpec]:
+    """Per spec, the most buffers any one counter needs."""
+    result: Counter[BufferSpec] = Counter()
+    for counter in counters:
+        result |= counter
+    return result
+
+
+def _spec_bytes(counter: Counter[BufferSpec]) -> int:
+    return sum(spec.nbytes * count for spec, count in counter.items())
+
+
+def _pooled_bytes(plan: Plan, per_graph: Sequence[Counter[BufferSpec]]) -> int:
+    """Bytes of buffers shared between graphs whose capture lifetimes never overlap."""
+    alive: Counter[BufferSpec] = Counter()
+    peak: Counter[BufferSpec] = Counter()
+    for step in plan.capture:
+        for graph in step.born:
+            alive.update(per_graph[graph])
+        peak |= alive
+        for graph in step.dies:
+            alive.subtract(per_graph[graph])
+    return _spec_bytes(peak)
+
+
+@dataclass(frozen=True, slots=True)
+class _Walk:
+    steps: tuple[StepMemory, ...]
+    peak: StepMemory
+    high_water: int  # most in-flight bytes, transients excluded
+
+
+def _walk(
+    phase: str,
+    steps: Sequence[GraphStep],
+    static: int,
+    held: Sequence[int],
+    transient: Sequence[int],
+    *,
+    keep_all: bool = False,
+) -> _Walk:
+    """Live bytes at each step: ``static`` + what in-flight graphs hold + a backward's transient.
+
+    ``held[g]`` is what graph ``g`` holds from its forward (``born``) until its backward
+    (``dies``); with ``keep_all`` nothing dies (the keep-everything baseline).
+    """
+    in_flight: set[int] = set()
+    total = high_water = 0
+    records = []
+    for index, step in enumerate(steps):
+        for graph in step.born:
+            in_flight.add(graph)
+            total += held[graph]
+        high_water = max(high_water, total)
+        extra = transient[step.graph] if step.kind is StepKind.BACKWARD else 0
+        records.append(StepMemory(phase, index, str(step), len(in_flight), static + total + extra))
+        for graph in () if keep_all else step.dies:
+            in_flight.discard(graph)
+            total -= held[graph]
+    if not records:
+        raise ValueError("the plan has no steps")
+    peak = max(records, key=lambda r: r.live_bytes)
+    return _Walk(tuple(records), peak, high_water)
+
+
+# ---------------------------------------------------------------------------- describe
+
+
+def _describe_header(plan: MemoryPlan) -> list[str]:
+    layout = plan.layout
+    kind = "ordered" if plan.ordered else "unordered (torch drop-in)"
+    return [
+        f"leangraph memory plan, {kind}: {layout.num_chunks} chunk(s) of "
+        f"{list(layout.layers_per_chunk)} layer(s) x {layout.num_microbatches} microbatch(es) "
+        f"= {layout.num_graphs} graphs",
+        "",
+    ]
+
+
+def _ranges(indices: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    parts: list[str] = []
+    start = prev = indices[0]
+    for index in list(indices[1:]) + [None]:  # type: ignore[list-item]
+        if index is not None and index == prev + 1:
+            prev = index
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if index is not None:
+            start = prev = index
+    return ", ".join(parts)
+
+
+def _describe_layers(plan: MemoryPlan) -> list[str]:
+    groups: dict[LayerMemory, list[int]] = {}
+    for index, layer in enumerate(plan.layers):
+        groups.setdefault(layer, []).append(index)
+    header = ("callables", "activations", "saved inputs", "outputs", "grad-inputs",
+              "param grads")
+    rows = [header] + [
+        (_ranges(indices), format_bytes(m.activation_bytes), format_bytes(m.saved_input_bytes),
+         format_bytes(m.output_bytes), format_bytes(m.grad_input_bytes),
+         format_bytes(m.param_grad_bytes))
+        for m, indices in groups.items()
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["per callable (one forward):"]
+    for row in rows:
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("  " + "  ".join(cells))
+    return lines + [""]
+
+
+def _describe_plan(plan: MemoryPlan) -> list[str]:
+    rows = [
+        ("static inputs (shared)", plan.static_input_bytes, ""),
+        ("static outputs (shared)", plan.static_output_bytes, ""),
+        ("static grad-outputs", plan.grad_output_bytes, ""),
+        ("warm-up peak, keep-all", plan.naive_warmup_peak_bytes, plan.naive_peak_step),
+        ("warm-up peak, lean", plan.warmup_peak_bytes, plan.warmup_peak_step),
+        ("capture peak", plan.capture_peak_bytes, plan.capture_peak_step),
+        ("capture pool high-water", plan.pool_bytes, ""),
+        ("held after capture", plan.held_bytes, "pool + static buffers"),
+    ]
+    width = max(len(name) for name, _, _ in rows)
+    lines = [f"  {name.ljust(width)}  {format_bytes(value):>11}  {note}".rstrip()
+             for name, value, note in rows]
+    lines.append(f"  most graphs in flight: {plan.max_in_flight}; largest backward transient "
+                 f"{format_bytes(plan.peak_transient_bytes)}")
+    return ["plan:"] + lines

@@ -1,0 +1,117 @@
+"""Schedule-driven buffer reuse: the buffer plan and its effect (CPU backend)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import leangraph
+from leangraph.buffers import BufferKey, Chained, plan_buffers
+from leangraph.order import parse_order
+from leangraph.plan import build_plan
+from leangraph.schedules import interleaved_1f1b
+from models import Block, assert_histories_equal, train_both
+
+KEY = BufferKey((4, 8), torch.float32, torch.device("cpu"), True)
+
+
+def _buffer_plan(order, layers_per_chunk, chain=True):
+    layout, steps = parse_order(order, num_callables=sum(layers_per_chunk),
+                                num_samples=sum(layers_per_chunk) * order.count(1),
+                                num_layers_per_chunk=list(layers_per_chunk))
+    plan = build_plan(layout, steps)
+    n = layout.num_graphs
+    return plan, plan_buffers(plan, [[KEY]] * n, [[KEY]] * n, chainable=[chain] * n)
+
+
+def _overlaps(a, b):
+    return not (a[1] < b[0] or b[1] < a[0])
+
+
+@pytest.mark.parametrize("microbatches", [4, 8, 16])
+def test_no_two_overlapping_lifetimes_share_a_slot(microbatches):
+    order = interleaved_1f1b(4, 2, 0, microbatches)
+    _, buffers = _buffer_plan(order, (2, 2), chain=False)
+    for slot in range(len(buffers.slot_keys)):
+        users = buffers.slot_users(slot)
+        for i, a in enumerate(users):
+            for b in users[i + 1:]:
+                assert not _overlaps(buffers.lifetimes[a], buffers.lifetimes[b]), (slot, a, b)
+
+
+def test_buffer_count_is_flat_in_microbatches_for_the_interleaved_order():
+    counts = []
+    for microbatches in (8, 16, 32, 64):
+        plan, buffers = _buffer_plan(interleaved_1f1b(4, 2, 0, microbatches), (2, 2))
+        counts.append((len(buffers.slot_keys), len(buffers.seed_keys)))
+        # Only layer 0 of each chunk needs a slot; layer 1 is chained to layer 0's output.
+        assert all(isinstance(buffers.inputs[g][0], Chained) == (plan.layout.graph_id(g).layer > 0)
+                   for g in range(plan.layout.num_graphs))
+    assert counts == [counts[0]] * 4
+    # In flight at most: the slots equal the plan's peak of live chunk inputs.
+    assert counts[0] == (plan.max_live(plan.capture) // 2, 1)
+
+
+def test_without_sharing_every_graph_gets_its_own_buffers():
+    layout, steps = parse_order([1, -1, 1, -1], num_callables=1, num_samples=2)
+    plan = build_plan(layout, steps)
+    shared = plan_buffers(plan, [[KEY]] * 2, [[KEY]] * 2, chainable=[True] * 2)
+    private = plan_buffers(plan, [[KEY]] * 2, [[KEY]] * 2, chainable=[True] * 2, share=False)
+    assert shared.inputs == ((0,), (0,)) and len(shared.seed_keys) == 1
+    assert private.inputs == ((0,), (1,)) and len(private.seed_keys) == 2
+
+
+def test_shared_buffers_keep_training_exact_for_a_long_interleaved_order():
+    order = interleaved_1f1b(2, 2, 0, 8)
+    history, graphed = train_both(order, [2, 2], width=8, microbatches=8, steps=2)
+    assert_histories_equal(history, exact=True)
+    distinct = {id(t.untyped_storage()) for g in graphed for t in g._static_inputs}
+    assert len({t.data_ptr() for g in graphed for t in g._static_inputs}) < len(graphed)
+    del distinct
+
+
+def test_debug_mode_catches_a_read_of_a_reused_output():
+    torch.manual_seed(0)
+    layers = tuple(Block(8) for _ in range(2))
+    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(4))
+    graphed = leangraph.make_graphed_callables(layers, samples, order=[1, -1, 1, -1],
+                                               debug_outputs=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    out = graphed[1](graphed[0](x))
+    kept = out * 1  # a derived tensor is the caller's own and stays valid
+    out.sum().backward()
+    with pytest.raises(RuntimeError, match=r"an output of graph \(chunk 1, microbatch 0, layer 1\)"
+                                           r" \(replay 1\) was read after the backward of"):
+        out + 1
+    assert torch.isfinite(kept).all()
+
+
+def test_outputs_are_valid_until_backward_without_debug_mode():
+    torch.manual_seed(0)
+    layers = tuple(Block(8) for _ in range(2))
+    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(4))
+    graphed = leangraph.make_graphed_callables(layers, samples, order=[1, -1, 1, -1])
+    x = torch.randn(4, 8, requires_grad=True)
+    first = graphed[1](graphed[0](x))
+    expected = first.detach().clone()
+    assert torch.equal(first, expected)
+    first.sum().backward()
+    second = graphed[3](graphed[2](torch.randn(4, 8, requires_grad=True)))
+    # Microbatch 1's graphs were given microbatch 0's released buffers: the old output's
+    # memory now belongs to them (on the CPU backend's emulated pool, as on CUDA's).
+    reused = {t.data_ptr() for g in graphed[2:] for t in (*g._static_outputs, *g._static_grads)
+              if t is not None}
+    assert first.data_ptr() in reused
+    del second
+
+
+def test_chained_input_must_be_the_previous_output():
+    torch.manual_seed(0)
+    layers = tuple(Block(8) for _ in range(2))
+    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(2))
+    graphed = leangraph.make_graphed_callables(layers, samples, order=[1, -1])
+    hidden = graphed[0](torch.randn(4, 8, requires_grad=True))
+    with pytest.raises(ValueError, match=r"graph \(chunk 1, microbatch 0, layer 1\) input 0 is "
+                                         r"the output buffer of graph \(chunk 1, microbatch 0, "
+                                         r"layer 0\)"):
+        graphed[1](hidden * 2)
