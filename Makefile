@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	if $(PYTHON) -c "import torch" 2>/dev/null; then $(HOST_SITE) > "$$($(VENV_SITE))/_host_site.pth"; fi
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -c "import pytest, hypothesis" 2>/dev/null || $(PY) -m pip install -q "pytest>=7" "hypothesis>=6"
+	$(PY) -c "import matplotlib, rich" 2>/dev/null || $(PY) -m pip install -q "matplotlib>=3.5" "rich>=12"
 	$(PY) -c "import setuptools" 2>/dev/null || $(PY) -m pip install -q setuptools
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)

@@ -11,6 +11,8 @@ from .api import make_graphed_callables, reset_all
 from .errors import GraphResetError, LeangraphError
 from .graphed import GraphedCallable
 from .order import GraphId, Layout
+from .progress import ProgressEvent
+from .report import MemoryReport, memory_report, plot_memory
 
 __all__ = [
     "make_graphed_callables",
@@ -20,6 +22,10 @@ __all__ = [
     "Layout",
     "GraphResetError",
     "LeangraphError",
+    "ProgressEvent",
+    "MemoryReport",
+    "memory_report",
+    "plot_memory",
 ]
 
 __version__ = "0.1.0"

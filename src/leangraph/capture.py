@@ -17,18 +17,22 @@ from .errors import phase_note
 from .graphed import GraphedCallable
 from .order import StepKind
 from .plan import Plan
+from .progress import ProgressCallback, ProgressEvent, notify
 
 __all__ = ["run_capture"]
 
 
 def run_capture(plan: Plan, graphs: Sequence[GraphedCallable], *, backend: GraphBackend,
-                buffers: Optional[StaticBuffers]) -> None:
+                buffers: Optional[StaticBuffers], observers: Sequence[ProgressCallback] = (),
+                steps_before: int = 0) -> None:
     """Record every graph of ``plan`` over ``graphs`` (indexed by graph).
 
     With ``buffers`` (schedule-driven reuse) each graph takes its static inputs and gradient
     seeds from them at its forward, and stops owning its outputs and gradient buffers at its
     backward; without, each graph keeps its samples as static inputs and owns everything.
+    ``observers`` hear of every finished step, counted from ``steps_before``.
     """
+    total = steps_before + len(plan.capture)
     with backend.capture_session():
         for index, step in enumerate(plan.capture):
             graph = graphs[step.graph]
@@ -41,6 +45,9 @@ def run_capture(plan: Plan, graphs: Sequence[GraphedCallable], *, backend: Graph
                 else:
                     graph._capture_backward(backend, release=True,
                                             chained=buffers.chained(step.graph))
+            if observers:
+                notify(observers, ProgressEvent("capture", steps_before + index + 1, total, step,
+                                                graph.label))
 
 
 def _assign(graphs: Sequence[GraphedCallable], graph: int,

@@ -40,6 +40,42 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if worst <= 1e-5 * max(1.0, max(result.eager_losses)) else 1
 
 
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from .bench import BenchConfig, format_table, plot_bars, run_bench
+    from .report import plot_memory
+    from .workloads import BlockShape
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    methods = tuple(args.methods.split(","))
+    if device == "cpu":
+        print("No GPU: benchmarking on the CPU reference backend; memory is not measured and "
+              "torch's CUDA-only make_graphed_callables is left out.")
+        methods = tuple(m for m in methods if m != "torch")
+    config = BenchConfig(
+        pp_size=args.pp, vp_size=args.vp, rank=args.rank, num_microbatches=args.microbatches,
+        layers_per_chunk=args.layers, steps=args.steps, methods=methods, device=device,
+        shape=BlockShape(hidden=args.hidden, heads=args.heads, sequence=args.sequence,
+                         micro_batch=args.micro_batch,
+                         dtype=getattr(torch, _DTYPES[args.dtype])))
+    result = run_bench(config)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result.to_json(), handle, indent=2)
+    if args.plot and result.report is not None and device != "cpu":
+        plot_memory(result.report, args.plot, title="leangraph: warm-up, capture, replay")
+    if args.bars and device != "cpu":
+        plot_bars(result, args.bars)
+    return 0 if all(result.losses_agree.get(m, True) for m in ("leangraph",)) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leangraph", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +86,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sequence", type=int, default=32)
     demo.add_argument("--device", choices=["cpu", "cuda"], default=None)
     demo.set_defaults(handler=_demo)
+    bench = sub.add_parser("bench", help="eager vs torch.cuda.make_graphed_callables vs "
+                           "leangraph on one pipeline rank")
+    bench.add_argument("--pp", type=int, default=4, help="pipeline-parallel size")
+    bench.add_argument("--vp", type=int, default=2, help="virtual chunks per rank")
+    bench.add_argument("--rank", type=int, default=0)
+    bench.add_argument("--microbatches", type=int, default=16)
+    bench.add_argument("--layers", type=int, default=4, help="transformer blocks per chunk")
+    bench.add_argument("--hidden", type=int, default=1024)
+    bench.add_argument("--heads", type=int, default=16)
+    bench.add_argument("--sequence", type=int, default=2048)
+    bench.add_argument("--micro-batch", type=int, default=1)
+    bench.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    bench.add_argument("--steps", type=int, default=5, help="timed steps per method")
+    bench.add_argument("--methods", default="eager,torch,leangraph")
+    bench.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    bench.add_argument("--json", help="write the figures as JSON here")
+    bench.add_argument("--plot", help="write leangraph's memory timeline PNG here")
+    bench.add_argument("--bars", help="write a bar chart of the methods' memory here")
+    bench.set_defaults(handler=_bench)
     return parser
 
 

@@ -22,6 +22,7 @@ from .backends.base import GraphBackend, GraphPair
 from .buffers import BufferKey
 from .errors import GraphResetError
 from .order import GraphId
+from .report import CaptureRecord
 
 __all__ = ["GraphedCallable", "TensorSpec"]
 
@@ -151,6 +152,8 @@ class GraphedCallable:
         self._static_grads: tuple[Optional[torch.Tensor], ...] = ()
         self._output_keys: tuple[BufferKey, ...] = ()
         self._chained_from: tuple[Optional[str], ...] = ()
+        self._released = False
+        self._record: Optional[CaptureRecord] = None
         self._has_backward = False
         self._forward_generation = 0
         self._backward_generation = -1
@@ -393,6 +396,7 @@ class GraphedCallable:
         grads = pair.capture_backward(backward_body, retain_graph=retain)
         self._check_unused(grads)
         if release:
+            self._released = True
             self._static_outputs = tuple(backend.disown(o) for o in self._static_outputs)
             grads = tuple(None if g is None else backend.disown(g) for g in grads)
             self._static_inputs = tuple(
@@ -400,8 +404,20 @@ class GraphedCallable:
                 for t, link in zip(self._static_inputs, chained))
         self._static_grads = grads
 
+    def _owned_tensors(self) -> list[torch.Tensor]:
+        """The static tensors this callable keeps allocated (shared ones included)."""
+        owned = [t for t, chained in zip(self._static_inputs, self._chained_from or
+                                         (None,) * len(self._static_inputs)) if chained is None]
+        owned += [g for g in self._static_grad_outputs if g is not None]
+        if not self._released:
+            owned += list(self._static_outputs)
+            owned += [g for g in self._static_grads if g is not None]
+        return owned
+
     def _finish_capture(self, module_binding: Optional[_ModuleBinding] = None, *,
-                        debug_outputs: bool = False) -> None:
+                        debug_outputs: bool = False,
+                        record: Optional[CaptureRecord] = None) -> None:
+        self._record = record
         self._module_binding = module_binding
         self._debug_outputs = debug_outputs
         self._samples = ()

@@ -16,20 +16,26 @@ from .errors import phase_note
 from .graphed import GraphedCallable
 from .order import StepKind
 from .plan import Plan
+from .progress import ProgressCallback, ProgressEvent, notify
 
 __all__ = ["run_warmup"]
 
 
 def run_warmup(
-    plan: Plan, graphs: Sequence[GraphedCallable], *, num_iters: int, backend: GraphBackend
+    plan: Plan, graphs: Sequence[GraphedCallable], *, num_iters: int, backend: GraphBackend,
+    observers: Sequence[ProgressCallback] = (), total_steps: int = 0,
 ) -> None:
-    """Run ``num_iters`` warm-up passes of ``plan`` over ``graphs`` (indexed by graph)."""
+    """Run ``num_iters`` warm-up passes of ``plan`` over ``graphs`` (indexed by graph).
+
+    ``observers`` hear of every finished step; ``total_steps`` is what they count up to.
+    """
     with backend.warmup():
         for iteration in range(num_iters):
-            _warmup_pass(plan, graphs, iteration)
+            _warmup_pass(plan, graphs, iteration, observers, total_steps)
 
 
-def _warmup_pass(plan: Plan, graphs: Sequence[GraphedCallable], iteration: int) -> None:
+def _warmup_pass(plan: Plan, graphs: Sequence[GraphedCallable], iteration: int,
+                 observers: Sequence[ProgressCallback], total_steps: int) -> None:
     awaiting_backward: dict[int, tuple[torch.Tensor, ...]] = {}
     for index, step in enumerate(plan.warmup):
         graph = graphs[step.graph]
@@ -46,5 +52,8 @@ def _warmup_pass(plan: Plan, graphs: Sequence[GraphedCallable], iteration: int) 
                 for dead in step.dies:
                     awaiting_backward.pop(dead, None)
             del outputs
+        if observers:
+            done = iteration * len(plan.warmup) + index + 1
+            notify(observers, ProgressEvent("warm-up", done, total_steps, step, graph.label))
     if awaiting_backward:
         raise AssertionError(f"plan left warm-up outputs alive: {sorted(awaiting_backward)}")

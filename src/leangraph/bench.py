@@ -1,0 +1,349 @@
+"""``leangraph bench``: eager vs ``torch.cuda.make_graphed_callables`` vs leangraph, one process.
+
+One pipeline rank's layers (Megatron interleaved 1F1B order of that rank) are trained for a
+step three ways, each from the same initial weights and on the same data, one after the other
+with the allocator emptied in between. For every method the figures are taken relative to the
+memory held when that method starts (weights and data included there, so "above the weights"):
+
+* ``step_peak``: peak allocated during one training step (for graphed methods, peak
+  *reserved*, since graphs write pool blocks the allocator counts as free);
+* ``capture_peak``: peak allocated during warm-up plus capture;
+* ``held``: reserved right after capture;
+* times: capture wall time and the median step time.
+
+torch's callables are listed in the schedule's forward order (its best case: it captures all
+forwards in that order, then all backwards in reverse). Its graphs are then replayed in the
+pipeline order, which its contract does not cover; the loss check says whether that held.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .local_pipeline import LayerLookup, run_order
+from .order import Layout, StepKind, parse_order
+from .report import MemoryReport, TimelinePoint, memory_report
+from .schedules import interleaved_1f1b
+from .workloads import BlockShape, TransformerBlock, make_blocks
+
+__all__ = ["BenchConfig", "MethodResult", "BenchResult", "run_bench"]
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """The workload: one rank of a pp x vp interleaved pipeline of transformer blocks."""
+
+    pp_size: int = 4
+    vp_size: int = 2
+    rank: int = 0
+    num_microbatches: int = 16
+    layers_per_chunk: int = 4
+    shape: BlockShape = BlockShape(hidden=1024, heads=16, sequence=2048,
+                                   dtype=torch.bfloat16)
+    steps: int = 5
+    warmup_iters: int = 3
+    methods: tuple[str, ...] = ("eager", "torch", "leangraph")
+    device: str = "cuda"
+
+
+@dataclass
+class MethodResult:
+    """Figures of one method; bytes relative to its start, None where not applicable."""
+
+    name: str
+    step_peak_bytes: Optional[int] = None
+    capture_peak_bytes: Optional[int] = None
+    held_bytes: Optional[int] = None
+    capture_seconds: Optional[float] = None
+    step_seconds: Optional[float] = None
+    losses: list[float] = field(default_factory=list)
+
+
+@dataclass
+class BenchResult:
+    """All methods' figures, with the config and whether losses agree with eager's."""
+
+    config: dict[str, Any]
+    methods: dict[str, MethodResult]
+    losses_agree: dict[str, bool]
+    report: Optional[MemoryReport] = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data (the memory report's timeline included) for ``json.dump``."""
+        data = {"config": self.config, "losses_agree": self.losses_agree,
+                "methods": {name: asdict(m) for name, m in self.methods.items()},
+                "ratios_to_eager_step_peak": {
+                    name: {f: self.ratio(name, f) for f in
+                           ("step_peak_bytes", "capture_peak_bytes", "held_bytes")}
+                    for name in self.methods}}
+        if self.report is not None:
+            data["leangraph_timeline"] = [asdict(p) for p in self.report.timeline]
+        return data
+
+    def ratio(self, method: str, figure: str) -> Optional[float]:
+        """``figure`` of ``method`` over the eager step peak."""
+        eager = self.methods.get("eager")
+        value = getattr(self.methods.get(method), figure, None) if method in self.methods else None
+        if eager is None or not eager.step_peak_bytes or value is None:
+            return None
+        return float(value) / eager.step_peak_bytes
+
+
+class _Meter:
+    """Peak and current memory relative to where it was created (CUDA), else None."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            self.allocated = torch.cuda.memory_allocated()
+            self.reserved = torch.cuda.memory_reserved()
+
+    def restart_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_allocated(self) -> Optional[int]:
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - self.allocated
+
+    def peak_reserved(self) -> Optional[int]:
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_reserved() - self.reserved
+
+    def held(self) -> Optional[int]:
+        return torch.cuda.memory_reserved() - self.reserved if self.cuda else None
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class _Workload:
+    """Order, layout, data and the initial blocks every method starts from."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        self.config = config
+        self.order = interleaved_1f1b(config.pp_size, config.vp_size, config.rank,
+                                      config.num_microbatches)
+        self.chunks = [config.layers_per_chunk] * config.vp_size
+        self.layout = Layout(tuple(self.chunks), config.num_microbatches)
+        self.blocks = make_blocks(self.layout.num_callables, config.shape, config.device)
+        gen = torch.Generator().manual_seed(1)
+        s = config.shape
+        self.inputs = [torch.randn(s.micro_batch, s.sequence, s.hidden, generator=gen)
+                       .to(config.device, s.dtype) for _ in range(config.num_microbatches)]
+        self.targets = [torch.randn(s.micro_batch, s.sequence, s.hidden, generator=gen)
+                        .to(config.device, s.dtype) for _ in range(config.num_microbatches)]
+        self.report: Optional[MemoryReport] = None
+
+    def sample(self) -> tuple[torch.Tensor]:
+        s = self.config.shape
+        return (torch.randn(s.micro_batch, s.sequence, s.hidden, device=self.config.device,
+                            dtype=s.dtype, requires_grad=True),)
+
+    def step(self, lookup: LayerLookup, blocks: list[TransformerBlock]) -> list[float]:
+        for block in blocks:
+            block.zero_grad(set_to_none=True)
+        result = run_order(self.order, self.chunks, lookup, self.inputs,
+                           lambda out, m: torch.nn.functional.mse_loss(out.float(),
+                                                                       self.targets[m].float()))
+        return [float(loss) for loss in result.losses]
+
+    def timed_steps(self, lookup: LayerLookup, blocks: list[TransformerBlock]
+                    ) -> tuple[list[float], float]:
+        losses = self.step(lookup, blocks)  # not timed: first replays, lazy inits
+        times = []
+        for _ in range(self.config.steps):
+            _sync(self.config.device)
+            start = time.perf_counter()
+            self.step(lookup, blocks)
+            _sync(self.config.device)
+            times.append(time.perf_counter() - start)
+        return losses, statistics.median(times)
+
+
+def _bench_eager(work: _Workload) -> MethodResult:
+    blocks = copy.deepcopy(work.blocks)
+    meter = _Meter(work.config.device)
+    losses = work.step(lambda c, m, l: blocks[work.layout.callable_index(c, l)], blocks)
+    result = MethodResult("eager", step_peak_bytes=meter.peak_allocated(), losses=losses)
+    _, result.step_seconds = work.timed_steps(
+        lambda c, m, l: blocks[work.layout.callable_index(c, l)], blocks)
+    return result
+
+
+def _forward_positions(work: _Workload) -> dict[tuple[int, int, int], int]:
+    """(chunk, microbatch, layer) -> position in the schedule's forward order."""
+    _, steps = parse_order(work.order, num_callables=work.layout.num_callables,
+                           num_samples=work.layout.num_graphs, num_layers_per_chunk=work.chunks)
+    positions: dict[tuple[int, int, int], int] = {}
+    for step in steps:
+        if step.kind is StepKind.FORWARD:
+            for layer in range(work.chunks[step.chunk - 1]):
+                positions[(step.chunk, step.microbatch, layer)] = len(positions)
+    return positions
+
+
+class _SharedParams(torch.nn.Module):
+    """A distinct module per graph over one block's parameters (torch graphs modules once)."""
+
+    def __init__(self, block: TransformerBlock) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+def _bench_graphed(work: _Workload, name: str,
+                   capture: Callable[[list[TransformerBlock]], LayerLookup]) -> MethodResult:
+    blocks = copy.deepcopy(work.blocks)
+    meter = _Meter(work.config.device)
+    start = time.perf_counter()
+    lookup = capture(blocks)
+    _sync(work.config.device)
+    result = MethodResult(name, capture_seconds=time.perf_counter() - start,
+                          capture_peak_bytes=meter.peak_allocated(), held_bytes=meter.held())
+    meter.restart_peak()
+    result.losses = work.step(lookup, blocks)
+    result.step_peak_bytes = meter.peak_reserved()
+    _, result.step_seconds = work.timed_steps(lookup, blocks)
+    return result
+
+
+def _torch_capture(work: _Workload) -> Callable[[list[TransformerBlock]], LayerLookup]:
+    def capture(blocks: list[TransformerBlock]) -> LayerLookup:
+        positions = _forward_positions(work)
+        wrappers = [None] * len(positions)
+        for (c, _, l), index in positions.items():
+            wrappers[index] = _SharedParams(blocks[work.layout.callable_index(c, l)])
+        graphed = torch.cuda.make_graphed_callables(
+            tuple(wrappers), tuple(work.sample() for _ in wrappers),
+            num_warmup_iters=work.config.warmup_iters)
+        return lambda c, m, l: graphed[positions[(c, m, l)]]
+    return capture
+
+
+def _leangraph_capture(work: _Workload) -> Callable[[list[TransformerBlock]], LayerLookup]:
+    from . import make_graphed_callables
+
+    def capture(blocks: list[TransformerBlock]) -> LayerLookup:
+        sample = work.sample()  # one sample for every graph: leangraph copies what it needs
+        graphed = make_graphed_callables(
+            tuple(blocks), tuple(sample for _ in range(work.layout.num_graphs)),
+            order=work.order, num_layers_per_chunk=work.chunks,
+            num_warmup_iters=work.config.warmup_iters)
+        work.report = memory_report(graphed)
+        replay: list[TimelinePoint] = []
+
+        def lookup(c: int, m: int, l: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            graph = graphed[work.layout.graph_index(c, m, l)]
+            if work.report is None or len(replay) >= work.layout.num_graphs:
+                return graph
+
+            def sampled(x: torch.Tensor) -> torch.Tensor:
+                out = graph(x)
+                allocated = torch.cuda.memory_allocated() if x.is_cuda else 0
+                replay.append(TimelinePoint("replay", f"F c{c} m{m} l{l}", graph.label,
+                                            allocated))
+                if len(replay) == work.layout.num_graphs and work.report is not None:
+                    work.report = work.report.with_points(replay)
+                return out
+            return sampled
+        return lookup
+    return capture
+
+
+def _agree(reference: list[float], losses: list[float], dtype: torch.dtype) -> bool:
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    return len(reference) == len(losses) and all(
+        abs(a - b) <= tolerance * max(1.0, abs(a)) for a, b in zip(reference, losses))
+
+
+def run_bench(config: BenchConfig) -> BenchResult:
+    """Run the configured methods one after the other; see the module docstring."""
+    if "torch" in config.methods and not config.device.startswith("cuda"):
+        raise ValueError("the torch method needs a CUDA device (torch.cuda.make_graphed_callables)")
+    work = _Workload(config)
+    runners = {
+        "eager": lambda: _bench_eager(work),
+        "torch": lambda: _bench_graphed(work, "torch", _torch_capture(work)),
+        "leangraph": lambda: _bench_graphed(work, "leangraph", _leangraph_capture(work)),
+    }
+    methods: dict[str, MethodResult] = {}
+    for name in config.methods:
+        methods[name] = runners[name]()
+        _sync(config.device)
+    reference = methods["eager"].losses if "eager" in methods else []
+    agree = {name: _agree(reference, m.losses, config.shape.dtype)
+             for name, m in methods.items() if name != "eager" and reference}
+    settings = asdict(config)
+    settings["shape"] = {**asdict(config.shape), "dtype": str(config.shape.dtype)}
+    return BenchResult(settings, methods, agree, report=work.report)
+
+
+def format_table(result: BenchResult) -> str:
+    """The result as a fixed-width table, MiB and ratios to the eager step peak."""
+    def mib(value: Optional[int]) -> str:
+        return "-" if value is None else f"{value / MIB:.0f}"
+
+    def ratio(name: str, figure: str) -> str:
+        value = result.ratio(name, figure)
+        return "" if value is None else f" ({value:.2f}x)"
+
+    def secs(value: Optional[float]) -> str:
+        return "-" if value is None else f"{value * 1000:.1f}"
+
+    header = (f"{'method':<10} {'step peak MiB':>20} {'warm-up+capture peak MiB':>26} "
+              f"{'held after capture MiB':>24} {'capture s':>9} {'step ms':>8} {'loss':>6}")
+    lines = [header, "-" * len(header)]
+    for name, m in result.methods.items():
+        agree = {True: "ok", False: "DIFF"}.get(result.losses_agree.get(name), "ref")  # type: ignore[call-overload]
+        lines.append(
+            f"{name:<10} {mib(m.step_peak_bytes) + ratio(name, 'step_peak_bytes'):>20} "
+            f"{mib(m.capture_peak_bytes) + ratio(name, 'capture_peak_bytes'):>26} "
+            f"{mib(m.held_bytes) + ratio(name, 'held_bytes'):>24} "
+            f"{'-' if m.capture_seconds is None else f'{m.capture_seconds:.2f}':>9} "
+            f"{secs(m.step_seconds):>8} {agree:>6}")
+    return "\n".join(lines)
+
+
+def plot_bars(result: BenchResult, path: str) -> None:
+    """Bar chart of step peak, warm-up+capture peak and held memory per method (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = [("step peak", "step_peak_bytes"), ("warm-up+capture peak", "capture_peak_bytes"),
+               ("held after capture", "held_bytes")]
+    names = list(result.methods)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(figures)
+    for i, (title, attr) in enumerate(figures):
+        values = [(getattr(result.methods[n], attr) or 0) / MIB for n in names]
+        ax.bar([x + i * width for x in range(len(names))], values, width, label=title)
+    ax.set_xticks([x + width for x in range(len(names))], names)
+    ax.set_ylabel("MiB above weights and data")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

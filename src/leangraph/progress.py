@@ -1,0 +1,40 @@
+"""Progress of warm-up and capture, reported step by step to observers.
+
+``make_graphed_callables(progress=...)`` takes a callable that receives a
+:class:`ProgressEvent` after every step of every warm-up pass and of the capture pass; the
+memory timeline of :mod:`leangraph.report` is recorded through the same channel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .plan import GraphStep
+
+__all__ = ["ProgressEvent", "ProgressCallback", "notify"]
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressEvent:
+    """One finished step: ``phase`` is ``"warm-up"`` or ``"capture"``.
+
+    ``done``/``total`` count steps over the whole call (all warm-up passes, then capture), so
+    a progress bar can use them directly; ``step`` is the plan step that just ran and
+    ``label`` the graph it ran (as errors name it).
+    """
+
+    phase: str
+    done: int
+    total: int
+    step: GraphStep
+    label: str
+
+
+ProgressCallback = Callable[[ProgressEvent], None]
+
+
+def notify(observers: Sequence[ProgressCallback], event: ProgressEvent) -> None:
+    """Hand ``event`` to every observer, in order."""
+    for observer in observers:
+        observer(event)

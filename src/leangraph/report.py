@@ -1,0 +1,244 @@
+"""What capture cost: memory figures of a ``make_graphed_callables`` result, and their plot.
+
+During the call a :class:`MemoryRecorder` samples ``torch.cuda.memory_allocated`` after every
+warm-up and capture step and reads the allocator's peak per phase (it resets the allocator's
+peak counter at each phase start, so a caller's own ``max_memory_allocated`` restarts there).
+:func:`memory_report` adds what the callables hold now: static buffers and the graph pool
+(from the allocator's snapshot, filtered by pool id). :func:`plot_memory` draws the timeline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from .progress import ProgressEvent
+
+__all__ = ["TimelinePoint", "CaptureRecord", "CallableMemory", "MemoryReport",
+           "MemoryRecorder", "memory_report", "plot_memory"]
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class TimelinePoint:
+    """Allocated bytes right after one step (``phase``: warm-up, capture or replay)."""
+
+    phase: str
+    step: str
+    label: str
+    allocated_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureRecord:
+    """What one ``make_graphed_callables`` call measured; shared by all its callables.
+
+    Byte figures are None on the CPU backend (nothing to measure). Peaks are absolute
+    (``torch.cuda.max_memory_allocated`` within the phase), as is ``baseline_bytes`` (allocated
+    when the call began).
+    """
+
+    device: str
+    pool: Any
+    baseline_bytes: Optional[int]
+    warmup_peak_bytes: Optional[int]
+    capture_peak_bytes: Optional[int]
+    warmup_seconds: float
+    capture_seconds: float
+    timeline: tuple[TimelinePoint, ...]
+
+
+class MemoryRecorder:
+    """Observer of warm-up and capture that builds a :class:`CaptureRecord`."""
+
+    def __init__(self, device: torch.device, pool: Any) -> None:
+        self._device = device
+        self._pool = pool
+        self._cuda = device.type == "cuda"
+        self._points: list[TimelinePoint] = []
+        self._baseline = self._allocated()
+        self._warmup_peak: Optional[int] = None
+        self._started = time.perf_counter()
+        self._warmup_seconds = 0.0
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def _allocated(self) -> Optional[int]:
+        return torch.cuda.memory_allocated(self._device) if self._cuda else None
+
+    def __call__(self, event: ProgressEvent) -> None:
+        allocated = self._allocated()
+        self._points.append(TimelinePoint(event.phase, str(event.step), event.label,
+                                          allocated if allocated is not None else 0))
+
+    def end_warmup(self) -> None:
+        """Close the warm-up phase (read its peak, restart the counter for capture)."""
+        if self._cuda:
+            torch.cuda.synchronize(self._device)
+            self._warmup_peak = torch.cuda.max_memory_allocated(self._device)
+            torch.cuda.reset_peak_memory_stats(self._device)
+        now = time.perf_counter()
+        self._warmup_seconds, self._started = now - self._started, now
+
+    def finish(self) -> CaptureRecord:
+        """Close the capture phase and return the record."""
+        capture_peak = None
+        if self._cuda:
+            torch.cuda.synchronize(self._device)
+            capture_peak = torch.cuda.max_memory_allocated(self._device)
+        return CaptureRecord(
+            device=str(self._device), pool=self._pool, baseline_bytes=self._baseline,
+            warmup_peak_bytes=self._warmup_peak, capture_peak_bytes=capture_peak,
+            warmup_seconds=self._warmup_seconds,
+            capture_seconds=time.perf_counter() - self._started,
+            timeline=tuple(self._points))
+
+
+@dataclass(frozen=True, slots=True)
+class CallableMemory:
+    """Static buffers one callable holds (a buffer shared with others counts for each)."""
+
+    label: str
+    static_bytes: int
+    is_reset: bool
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Memory of one ``make_graphed_callables`` result; bytes are None on the CPU backend.
+
+    ``static_bytes`` counts every buffer the callables hold once; ``pool_*`` are the graph
+    pool's segments in the allocator now (blocks the graphs use internally, such as saved
+    activations, and released outputs live there).
+    """
+
+    record: CaptureRecord
+    callables: tuple[CallableMemory, ...]
+    static_bytes: int
+    pool_reserved_bytes: Optional[int]
+    pool_allocated_bytes: Optional[int]
+    timeline: tuple[TimelinePoint, ...] = field(default=())
+
+    def with_points(self, points: Iterable[TimelinePoint]) -> MemoryReport:
+        """This report with more timeline points (say, a measured replay step) appended."""
+        return replace(self, timeline=self.timeline + tuple(points))
+
+    def describe(self) -> str:
+        """A short human-readable summary."""
+        r = self.record
+
+        def mib(value: Optional[int]) -> str:
+            return "n/a" if value is None else f"{value / MIB:.1f} MiB"
+
+        lines = [
+            f"graphs: {len(self.callables)} on {r.device}; static buffers {mib(self.static_bytes)}",
+            f"graph pool: reserved {mib(self.pool_reserved_bytes)}, "
+            f"allocated {mib(self.pool_allocated_bytes)}",
+            f"peak allocated: warm-up {mib(r.warmup_peak_bytes)}, capture "
+            f"{mib(r.capture_peak_bytes)} (call began at {mib(r.baseline_bytes)})",
+            f"time: warm-up {r.warmup_seconds:.2f} s, capture {r.capture_seconds:.2f} s",
+        ]
+        return "\n".join(lines)
+
+
+def _pool_bytes(record: CaptureRecord) -> tuple[Optional[int], Optional[int]]:
+    if not record.device.startswith("cuda") or record.pool is None:
+        return None, None
+    reserved = allocated = 0
+    for segment in torch.cuda.memory_snapshot():
+        if tuple(segment.get("segment_pool_id", ())) == tuple(record.pool):
+            reserved += segment["total_size"]
+            allocated += segment["allocated_size"]
+    return reserved, allocated
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def memory_report(graphed: Any) -> MemoryReport:
+    """The memory report of one ``make_graphed_callables`` result.
+
+    Args:
+        graphed: What ``make_graphed_callables`` returned (a callable, a module, or a tuple).
+
+    Raises:
+        TypeError: for anything else.
+    """
+    from .graphed import GraphedCallable
+
+    items = graphed if isinstance(graphed, (tuple, list)) else (graphed,)
+    callables: list[GraphedCallable] = []
+    for index, item in enumerate(items):
+        forward = item.__dict__.get("forward") if isinstance(item, torch.nn.Module) else item
+        if not isinstance(forward, GraphedCallable) or forward._record is None:
+            raise TypeError(f"memory_report: entry {index} ({type(item).__name__}) is not a "
+                            "result of leangraph.make_graphed_callables")
+        callables.append(forward)
+    record = callables[0]._record
+    assert record is not None
+    every: dict[int, int] = {}
+    rows = []
+    for c in callables:
+        held = _storage_bytes(c._owned_tensors())
+        every.update(held)
+        rows.append(CallableMemory(c.label, sum(held.values()), c.is_reset))
+    reserved, allocated = _pool_bytes(record)
+    return MemoryReport(record, tuple(rows), sum(every.values()), reserved, allocated,
+                        record.timeline)
+
+
+_PHASE_COLOURS = {"warm-up": "#f2c14e", "capture": "#5fad56", "replay": "#4d9de0"}
+
+
+def _phase_spans(points: Sequence[TimelinePoint]) -> list[tuple[str, int, int]]:
+    spans: list[tuple[str, int, int]] = []
+    for index, point in enumerate(points):
+        if spans and spans[-1][0] == point.phase:
+            spans[-1] = (point.phase, spans[-1][1], index)
+        else:
+            spans.append((point.phase, index, index))
+    return spans
+
+
+def plot_memory(report: MemoryReport, path: Union[str, Path], *, title: str = "") -> Path:
+    """Write the allocated-memory timeline as a PNG, phases shaded (needs matplotlib).
+
+    Returns:
+        The path written.
+
+    Raises:
+        ImportError: when matplotlib is missing (``pip install leangraph[plot]``).
+        ValueError: when the report has no timeline (nothing was measured).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = report.timeline
+    if not points:
+        raise ValueError("the report has no timeline to plot")
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for phase, start, end in _phase_spans(points):
+        ax.axvspan(start - 0.5, end + 0.5, color=_PHASE_COLOURS.get(phase, "#cccccc"),
+                   alpha=0.25, label=phase)
+    ax.plot(range(len(points)), [p.allocated_bytes / MIB for p in points], color="black",
+            linewidth=1)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), loc="upper left")
+    ax.set_xlabel("step")
+    ax.set_ylabel("allocated (MiB)")
+    ax.set_title(title or f"leangraph memory timeline ({report.record.device})")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

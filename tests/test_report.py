@@ -1,0 +1,55 @@
+"""Progress events, the memory report and its plot (CPU backend; figures need CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import leangraph
+from models import Block
+
+ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
+
+
+def _capture(**kwargs):
+    torch.manual_seed(0)
+    layers = tuple(Block(8) for _ in range(4))
+    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(12))
+    return leangraph.make_graphed_callables(layers, samples, order=ORDER, num_warmup_iters=2,
+                                            **kwargs)
+
+
+def test_progress_reports_every_warmup_and_capture_step_in_order():
+    events: list[leangraph.ProgressEvent] = []
+    _capture(progress=events.append)
+    steps = 2 * 12  # 12 order entries x 2 layers
+    assert [e.done for e in events] == list(range(1, 3 * steps + 1))
+    assert {e.total for e in events} == {3 * steps}
+    assert [e.phase for e in events] == ["warm-up"] * 2 * steps + ["capture"] * steps
+    assert str(events[0].step) == "F c1 m0 l0"
+    assert events[0].label == "graph (chunk 1, microbatch 0, layer 0)"
+    assert str(events[-1].step) == "B c1 m2 l0"
+
+
+def test_memory_report_lists_every_callable_and_counts_shared_buffers_once():
+    graphed = _capture()
+    report = leangraph.memory_report(graphed)
+    assert len(report.callables) == 12 and report.record.device == "cpu"
+    assert report.pool_reserved_bytes is None and report.record.warmup_peak_bytes is None
+    assert len(report.timeline) == 3 * 24
+    assert 0 < report.static_bytes <= sum(c.static_bytes for c in report.callables)
+    assert "graphs: 12 on cpu" in report.describe()
+    leangraph.reset_all(graphed)
+    assert all(c.is_reset for c in leangraph.memory_report(graphed).callables)
+
+
+def test_memory_report_rejects_foreign_objects():
+    with pytest.raises(TypeError, match="entry 0 .* is not a result of"):
+        leangraph.memory_report(torch.nn.Linear(2, 2))
+
+
+def test_plot_memory_writes_a_png(tmp_path):
+    report = leangraph.memory_report(_capture())
+    extra = [leangraph.report.TimelinePoint("replay", "F c1 m0 l0", "x", 0)]
+    path = leangraph.plot_memory(report.with_points(extra), tmp_path / "timeline.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
