@@ -12,6 +12,8 @@ from torch.utils import _pytree as pytree
 from .backends import GraphBackend, make_backend
 from .buffers import BufferKey, StaticBuffers, plan_buffers
 from .capture import run_capture
+from .progress import ProgressCallback
+from .report import CaptureRecord, MemoryRecorder
 from .graphed import GraphedCallable, _ModuleBinding
 from .order import parse_order
 from .plan import Plan, build_plan, build_unordered_plan
@@ -37,6 +39,7 @@ def make_graphed_callables(
     backend: Optional[str] = None,
     share_buffers: bool = True,
     debug_outputs: bool = False,
+    progress: Optional[ProgressCallback] = None,
 ) -> Any:
     """Capture callables into forward and backward graphs, optionally in a pipeline order.
 
@@ -89,6 +92,8 @@ def make_graphed_callables(
             its buffers for its whole life.
         debug_outputs: Return outputs that raise ``RuntimeError`` when used after their
             validity window (slower; for finding reads of reused buffers).
+        progress: Called with a :class:`leangraph.progress.ProgressEvent` after every warm-up
+            and capture step.
 
     Returns:
         The graphed callables, in the form described above.
@@ -122,11 +127,17 @@ def make_graphed_callables(
                            retain_graph_in_backward=retain_graph_in_backward,
                            share_buffers=share_buffers)
     saved = _SavedState(callables)
+    recorder = MemoryRecorder(device, getattr(graph_backend, "pool", None))
+    observers = [recorder] + ([progress] if progress is not None else [])
+    warmup_steps = num_warmup_iters * len(plan.warmup)
     try:
-        run_warmup(plan, graphs, num_iters=num_warmup_iters, backend=graph_backend)
+        run_warmup(plan, graphs, num_iters=num_warmup_iters, backend=graph_backend,
+                   observers=observers, total_steps=warmup_steps + len(plan.capture))
+        recorder.end_warmup()
         buffers = _plan_static_buffers(plan, graphs, samples, known_outputs=num_warmup_iters > 0,
                                        share=share_buffers)
-        run_capture(plan, graphs, backend=graph_backend, buffers=buffers)
+        run_capture(plan, graphs, backend=graph_backend, buffers=buffers, observers=observers,
+                    steps_before=warmup_steps)
         del buffers
     except BaseException as exc:
         _note_out_of_memory(exc, device)  # figures as at the failure, before the resets
@@ -136,7 +147,8 @@ def make_graphed_callables(
         raise
     finally:
         graph_backend.teardown()
-    return _hand_back(plan, callables, graphs, single, debug_outputs=debug_outputs)
+    return _hand_back(plan, callables, graphs, single, debug_outputs=debug_outputs,
+                      record=recorder.finish())
 
 
 def reset_all(graphed: Union[Graphed, Sequence[Graphed]]) -> None:
@@ -429,7 +441,7 @@ def _plan_static_buffers(plan: Plan, graphs: list[GraphedCallable],
 
 def _hand_back(
     plan: Plan, callables: tuple[Any, ...], graphs: list[GraphedCallable], single: bool, *,
-    debug_outputs: bool
+    debug_outputs: bool, record: CaptureRecord
 ) -> Any:
     results: list[Any] = []
     for graph, fn in zip(graphs, callables if not plan.ordered else [None] * len(graphs)):
@@ -438,10 +450,10 @@ def _hand_back(
                 module=weakref.ref(fn),
                 eager_forward=weakref.WeakMethod(fn.forward),
                 training=fn.training,
-            ), debug_outputs=debug_outputs)
+            ), debug_outputs=debug_outputs, record=record)
             fn.forward = graph  # type: ignore[method-assign]
             results.append(fn)
         else:
-            graph._finish_capture(debug_outputs=debug_outputs)
+            graph._finish_capture(debug_outputs=debug_outputs, record=record)
             results.append(graph)
     return results[0] if single else tuple(results)
