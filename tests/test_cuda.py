@@ -169,3 +169,28 @@ def test_debug_mode_catches_a_read_of_a_reused_output_on_cuda():
                                            r"after the backward"):
         out.sum()
     leangraph.reset_all(graphed)
+
+
+def test_capture_memory_error_when_the_plan_does_not_fit():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    blocks = tuple(Block(1024).cuda() for _ in range(2))
+    samples = tuple((torch.randn(4096, 1024, device="cuda", requires_grad=True),)
+                    for _ in range(16))
+    order = [1] * 8 + [-1] * 8  # GPipe-like: all eight microbatches in flight
+    plan = leangraph.plan_memory(blocks, samples, order=order)
+    needed = max(plan.warmup_peak_bytes, plan.capture_peak_bytes)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + needed // 2) / total)
+    try:
+        before = torch.cuda.memory_allocated()
+        with pytest.raises(leangraph.CaptureMemoryError,
+                           match=r"capture needs [\d.]+ MiB at its peak \(.+\) but only [\d.]+ MiB"
+                           ) as caught:
+            leangraph.make_graphed_callables(blocks, samples, order=order)
+        assert caught.value.needed_bytes == needed
+        assert caught.value.available_bytes < needed
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)

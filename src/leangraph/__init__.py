@@ -8,7 +8,8 @@ The data flows one way: an order (:mod:`leangraph.order`) becomes a liveness pla
 from __future__ import annotations
 
 from .api import make_graphed_callables, reset_all
-from .errors import GraphResetError, LeangraphError
+from .errors import CaptureMemoryError, GraphResetError, LeangraphError
+from .memory_plan import MemoryPlan, plan_memory
 from .graphed import GraphedCallable
 from .order import GraphId, Layout
 from .progress import ProgressEvent
@@ -22,6 +23,9 @@ __all__ = [
     "Layout",
     "GraphResetError",
     "LeangraphError",
+    "CaptureMemoryError",
+    "MemoryPlan",
+    "plan_memory",
     "ProgressEvent",
     "MemoryReport",
     "memory_report",

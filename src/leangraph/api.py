@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 from .backends import GraphBackend, make_backend
 from .buffers import BufferKey, StaticBuffers, plan_buffers
 from .capture import run_capture
+from .errors import CaptureMemoryError
 from .progress import ProgressCallback
 from .report import CaptureRecord, MemoryRecorder
 from .graphed import GraphedCallable, _ModuleBinding
@@ -40,6 +41,7 @@ def make_graphed_callables(
     share_buffers: bool = True,
     debug_outputs: bool = False,
     progress: Optional[ProgressCallback] = None,
+    check_memory: bool = True,
 ) -> Any:
     """Capture callables into forward and backward graphs, optionally in a pipeline order.
 
@@ -94,6 +96,9 @@ def make_graphed_callables(
             validity window (slower; for finding reads of reused buffers).
         progress: Called with a :class:`leangraph.progress.ProgressEvent` after every warm-up
             and capture step.
+        check_memory: On CUDA, first compute :func:`leangraph.plan_memory` for these
+            arguments and raise :class:`leangraph.CaptureMemoryError` if its peak does not
+            fit in the memory available, before any warm-up or capture work.
 
     Returns:
         The graphed callables, in the form described above.
@@ -122,6 +127,8 @@ def make_graphed_callables(
     samples = _normalize_samples(sample_args, sample_kwargs, plan.layout.num_graphs)
     device = _common_device(samples, callables)
     graph_backend = make_backend(backend, device, pool)
+    if check_memory and graph_backend.name == "cuda":
+        _check_fits(callables, sample_args, sample_kwargs, order, num_layers_per_chunk, device)
     graphs = _build_graphs(plan, callables, samples, graph_backend,
                            allow_unused_input=allow_unused_input,
                            retain_graph_in_backward=retain_graph_in_backward,
@@ -172,6 +179,33 @@ def reset_all(graphed: Union[Graphed, Sequence[Graphed]]) -> None:
 
 
 # ---------------------------------------------------------------------------- validation
+
+
+def _available_bytes(device: torch.device) -> int:
+    """What the caching allocator can still hand out on ``device``.
+
+    Free device memory, capped by ``set_per_process_memory_fraction``, plus blocks the
+    allocator has reserved but not allocated.
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = get_fraction(device) if get_fraction is not None else 1.0
+    growth = min(free, int(fraction * total) - reserved)
+    return max(growth, 0) + reserved - torch.cuda.memory_allocated(device)
+
+
+def _check_fits(callables: tuple[Any, ...], sample_args: Any, sample_kwargs: Any,
+                order: Optional[Sequence[int]], num_layers_per_chunk: Any,
+                device: torch.device) -> None:
+    from .memory_plan import plan_memory
+
+    plan = plan_memory(callables, tuple(sample_args), sample_kwargs=sample_kwargs, order=order,
+                       num_layers_per_chunk=num_layers_per_chunk)
+    needed = max(plan.warmup_peak_bytes, plan.capture_peak_bytes)
+    available = _available_bytes(device)
+    if needed > available:
+        raise CaptureMemoryError(needed, available, plan.peak_step)
 
 
 def _check_autocast() -> None:

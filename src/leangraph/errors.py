@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-__all__ = ["LeangraphError", "GraphResetError", "phase_note"]
+__all__ = ["LeangraphError", "GraphResetError", "CaptureMemoryError", "phase_note"]
 
 
 class LeangraphError(RuntimeError):
@@ -14,6 +14,25 @@ class LeangraphError(RuntimeError):
 
 class GraphResetError(LeangraphError):
     """A graphed callable was used (called, or reached by a backward) after ``reset()``."""
+
+
+class CaptureMemoryError(LeangraphError):
+    """The memory plan of a capture does not fit in the GPU memory available to it.
+
+    Raised by ``make_graphed_callables`` before any warm-up or capture work, so nothing is
+    left half-built. ``needed_bytes`` is the plan's peak above what is allocated now,
+    ``available_bytes`` what the allocator can still hand out, ``step`` where the peak falls.
+    """
+
+    def __init__(self, needed_bytes: int, available_bytes: int, step: str) -> None:
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+        self.step = step
+        super().__init__(
+            f"capture needs {needed_bytes / 2**20:.1f} MiB at its peak ({step}) but only "
+            f"{available_bytes / 2**20:.1f} MiB of GPU memory is available; free memory, use "
+            "fewer microbatches in flight, or pass check_memory=False to try anyway"
+        )
 
 
 @contextlib.contextmanager

@@ -5,35 +5,42 @@ one forward of every distinct callable (what autograd saves for backward, what i
 its backward produces) and walks the liveness plan of :mod:`leangraph.plan` with the engine's
 memory model:
 
-* **Warm-up** runs the order eagerly. At each step the forwards whose backward has not run yet
-  hold their saved activations and their outputs; a backward step transiently adds its
-  gradients (grad-inputs + parameter grads). The static input buffers exist throughout.
-* **Static buffers**: every graph has static inputs, static outputs and static grad-output
-  buffers. Buffers of graphs whose lifetimes ``[forward, backward]`` (in the capture sequence)
-  never overlap share storage when shape, dtype and device match, so static inputs and outputs
-  follow the most forwards in flight (per shape); grad-output buffers are needed once per shape
-  (they are only read during a backward replay). Parameter and input gradients are transient.
-* **Capture** follows the same sequence into one pool: a graph's saved activations stay in the
-  pool until its backward is recorded, then later captures reuse them. The capture peak is the
-  in-flight activations plus the static buffers plus the backward transient; what is held
-  after capture is the pool's high-water mark of in-flight activations plus the static buffers.
+* **Warm-up** runs the order eagerly on the sample tensors. At each step the forwards whose
+  backward has not run yet hold their saved activations and their outputs; a backward step
+  transiently adds its gradients (grad-inputs + parameter grads) and the zero grad-outputs it
+  seeds the backward with. Nothing else is allocated (the samples are the caller's).
+* **Static buffers** (allocated before capture, outside the pool) come from the engine's own
+  buffer plan, :func:`leangraph.buffers.plan_buffers`: graphs whose lifetimes
+  ``[forward, backward]`` never overlap share input slots of the same shape, dtype, device
+  and ``requires_grad``; a layer's first input is the previous layer's output (chained, no
+  slot); gradient seeds (static grad-outputs) are needed once per key.
+* **Capture** follows the same sequence into one pool. A graph's saved activations and its
+  outputs stay in the pool until its backward is recorded, after which later captures reuse
+  them; its gradients are released right after its backward. The capture peak is the static
+  buffers plus the in-flight forwards plus the backward's gradients; what is held after
+  capture is the static buffers plus the pool's high-water mark of in-flight forwards (the
+  gradients are taken to fit in blocks the backward frees; add ``peak_transient_bytes`` for an
+  upper bound).
 
 It works on the ``meta`` device (nothing is allocated: sizes come from tensor metadata), so a
-70B-parameter model fits in a laptop's planning budget, and on CPU or CUDA (measured the same
-way, never from allocator statistics). On ``meta``, ``scaled_dot_product_attention`` has no
-kernel choice and would run its math fallback (saving the ``s x s`` probabilities); it is
-measured instead as the fused flash kernel the modelled device picks (``meta_attention``).
+70B-parameter model can be planned on a laptop, and on CPU or CUDA (measured the same way,
+never from allocator statistics). On ``meta``, ``scaled_dot_product_attention`` has no kernel
+choice and would run its math fallback (saving the ``s x s`` probabilities); it is measured
+instead as the fused flash kernel of the modelled device (``meta_attention``).
+
+Parameters and buffers are known only for ``nn.Module`` callables: tensors a plain function
+closes over (a weight, say) count as activations when autograd saves them.
 
 Not modelled: forward temporaries that are not saved for backward (they live only inside one
 step), tensors a custom ``autograd.Function`` stores on ``ctx`` directly rather than through
-``save_for_backward``, allocator fragmentation and rounding, and the caller's own sample
-tensors (pass one tensor per shape, or meta tensors, to keep those small).
+``save_for_backward``, allocator fragmentation and rounding, the caller's sample tensors, and
+``share_buffers=False``.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -43,16 +50,17 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from .buffers import BufferKey, plan_buffers
 from .order import Layout, StepKind, parse_order
 from .plan import GraphStep, Plan, build_plan, build_unordered_plan
 
 __all__ = [
-    "BufferSpec",
     "LayerMemory",
     "StepMemory",
     "MemoryPlan",
     "plan_memory",
     "format_bytes",
+    "key_bytes",
 ]
 
 SampleArgs = tuple[Any, ...]
@@ -62,26 +70,9 @@ _META_ATTENTION = ("cuda", "cpu", "math")
 # ---------------------------------------------------------------------------- records
 
 
-@dataclass(frozen=True, slots=True)
-class BufferSpec:
-    """What a static buffer is matched on when graphs share it: shape, dtype and device."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: str
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> BufferSpec:
-        """The spec of a buffer shaped like ``tensor``."""
-        return cls(tuple(tensor.shape), tensor.dtype, str(tensor.device))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of one contiguous buffer of this spec."""
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * _element_size(self.dtype)
+def key_bytes(key: BufferKey) -> int:
+    """Bytes of one contiguous buffer of ``key``."""
+    return math.prod(key.shape) * _element_size(key.dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,30 +84,25 @@ class LayerMemory:
 
     Attributes:
         activation_bytes: Saved for backward, excluding parameters, buffers and the inputs.
-        saved_input_bytes: Inputs that are saved for backward (already counted as static
-            inputs; the Korthikanti formula counts them as the layer's activations).
+        saved_input_bytes: Inputs that are saved for backward (static inputs or the previous
+            layer's output; the Korthikanti formula counts them as the layer's activations).
         output_bytes: Outputs that await a backward (differentiable ones).
-        warmup_bytes: What one forward holds during warm-up until its backward: activations
-            and outputs (a saved output counted once).
-        capture_bytes: What one forward holds in the capture pool until its backward:
-            activations that are not outputs (outputs live in static buffers).
+        in_flight_bytes: What one forward holds until its backward, in warm-up and in the
+            capture pool: activations and outputs (a saved output counted once).
         grad_input_bytes: Gradients of inputs that require grad.
         param_grad_bytes: Gradients of parameters that require grad.
-        inputs: Static input buffers (every tensor leaf of the sample arguments).
-        outputs: Static output buffers (every tensor output).
-        grad_outputs: Static grad-output buffers (the differentiable outputs).
+        inputs: Buffer key of every tensor leaf of the sample arguments.
+        outputs: Buffer key of every tensor output (``requires_grad``: it needs a gradient).
     """
 
     activation_bytes: int
     saved_input_bytes: int
     output_bytes: int
-    warmup_bytes: int
-    capture_bytes: int
+    in_flight_bytes: int
     grad_input_bytes: int
     param_grad_bytes: int
-    inputs: tuple[BufferSpec, ...]
-    outputs: tuple[BufferSpec, ...]
-    grad_outputs: tuple[BufferSpec, ...]
+    inputs: tuple[BufferKey, ...]
+    outputs: tuple[BufferKey, ...]
 
     @property
     def transient_bytes(self) -> int:
@@ -154,17 +140,19 @@ class MemoryPlan:
     Attributes:
         ordered: Whether an order was given (else the torch drop-in plan).
         layout: Chunks, layers and microbatches of the graphs.
-        layers: One measurement per callable (``callables[i]`` -> ``layers[i]``).
+        layers: One measurement per callable (``callables[i]`` -> ``layers[i]``), on its
+            microbatch-0 sample.
         activation_bytes_per_graph: ``activation_bytes`` of each graph, by graph index.
-        static_input_bytes: Shared static input buffers.
-        static_output_bytes: Shared static output buffers.
-        grad_output_bytes: Static grad-output buffers, one per shape.
-        static_bytes: The three above.
-        warmup_peak_bytes: Lean warm-up peak: static inputs + in-flight forwards + transient.
+        static_input_bytes: Shared static input slots (chained inputs need none).
+        grad_output_bytes: Gradient seeds (static grad-outputs), one per key.
+        static_bytes: The two above.
+        warmup_peak_bytes: Lean warm-up peak: in-flight forwards + a backward's gradients and
+            its zero grad-outputs.
         naive_warmup_peak_bytes: Warm-up peak if every warm-up output and saved activation
             were kept for the whole pass (a tool that frees warm-up outputs only at the end).
-        capture_peak_bytes: Capture peak: static buffers + in-flight activations + transient.
-        pool_bytes: High-water mark of in-flight activations in the capture pool.
+        capture_peak_bytes: Capture peak: static buffers + in-flight forwards + transient.
+        pool_bytes: High-water mark of in-flight forwards (activations and outputs) in the
+            capture pool.
         held_bytes: Held after capture: ``static_bytes + pool_bytes``.
         peak_transient_bytes: Largest backward transient (grad-inputs + parameter grads).
         max_in_flight: Most graphs in flight at once during capture.
@@ -178,7 +166,6 @@ class MemoryPlan:
     layers: tuple[LayerMemory, ...]
     activation_bytes_per_graph: tuple[int, ...]
     static_input_bytes: int
-    static_output_bytes: int
     grad_output_bytes: int
     warmup_peak_bytes: int
     naive_warmup_peak_bytes: int
@@ -193,8 +180,8 @@ class MemoryPlan:
 
     @property
     def static_bytes(self) -> int:
-        """Static input, output and grad-output buffers together."""
-        return self.static_input_bytes + self.static_output_bytes + self.grad_output_bytes
+        """Static input slots and gradient seeds together."""
+        return self.static_input_bytes + self.grad_output_bytes
 
     @property
     def held_bytes(self) -> int:
@@ -242,9 +229,11 @@ def plan_memory(
             and backward back to back in warm-up; all forwards then all backwards in capture).
         num_layers_per_chunk: Layers of each chunk with ``order`` (default: an equal split).
         meta_attention: Which kernel ``scaled_dot_product_attention`` on meta tensors without
-            an ``attn_mask`` stands for: ``"cuda"`` (CUDA flash attention: saves q, k, v, the
-            output and its log-sum-exp; sequence-major output), ``"cpu"`` (the CPU flash kernel:
-            the same tensors, head-major output) or ``"math"`` (PyTorch's meta fallback).
+            an ``attn_mask`` stands for: ``"cuda"`` (CUDA's flash kernel: saves q, k, v, the
+            output, its fp32 log-sum-exp and the RNG seed and offset), ``"cpu"`` (CPU's flash
+            kernel: the same without the RNG state, which is what a CPU run measures) or
+            ``"math"`` (PyTorch's own meta fallback, the unfused math path that saves the
+            ``s x s`` attention probabilities).
 
     Returns:
         The :class:`MemoryPlan`.
@@ -261,34 +250,7 @@ def plan_memory(
     plan = _make_plan(len(fns), len(samples), order, num_layers_per_chunk)
     _check_one_device(fns, samples)
     graphs = _measure_graphs(plan, fns, samples, meta_attention)
-    static_in = _pooled_bytes(plan, [Counter(m.inputs) for m in graphs])
-    static_out = _pooled_bytes(plan, [Counter(m.outputs) for m in graphs])
-    grad_out = _spec_bytes(_union(Counter(m.grad_outputs) for m in graphs))
-    transient = [m.transient_bytes for m in graphs]
-    warmup = _walk("warm-up", plan.warmup, static_in, [m.warmup_bytes for m in graphs], transient)
-    naive = _walk("warm-up", plan.warmup, static_in, [m.warmup_bytes for m in graphs], transient,
-                  keep_all=True)
-    capture = _walk("capture", plan.capture, static_in + static_out + grad_out,
-                    [m.capture_bytes for m in graphs], transient)
-    return MemoryPlan(
-        ordered=plan.ordered,
-        layout=plan.layout,
-        layers=_per_callable(plan.layout, graphs),
-        activation_bytes_per_graph=tuple(m.activation_bytes for m in graphs),
-        static_input_bytes=static_in,
-        static_output_bytes=static_out,
-        grad_output_bytes=grad_out,
-        warmup_peak_bytes=warmup.peak.live_bytes,
-        naive_warmup_peak_bytes=naive.peak.live_bytes,
-        capture_peak_bytes=capture.peak.live_bytes,
-        pool_bytes=capture.high_water,
-        peak_transient_bytes=max(transient, default=0),
-        max_in_flight=max((s.in_flight for s in capture.steps), default=0),
-        warmup_peak_step=warmup.peak.where(),
-        naive_peak_step=naive.peak.where(),
-        capture_peak_step=capture.peak.where(),
-        steps=warmup.steps + capture.steps,
-    )
+    return _walk_plan(plan, graphs, *_static_bytes(plan, graphs, samples))
 
 
 def format_bytes(count: float) -> str:
@@ -378,13 +340,17 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def _storage(tensor: torch.Tensor) -> tuple[int, int]:
     """A key identifying ``tensor``'s storage while it is alive, and the storage's bytes."""
     try:
         storage = tensor.untyped_storage()
         return storage._cdata, storage.nbytes()
     except (NotImplementedError, RuntimeError):  # tensors without a plain storage
-        return id(tensor), tensor.numel() * tensor.element_size()
+        return id(tensor), _nbytes(tensor)
 
 
 def _bytes(storages: dict[int, int], keys: Iterable[int]) -> int:
@@ -464,20 +430,18 @@ def _measure(
     saved = {_storage(t)[0] for t in saved_tensors}
     fixed = {_storage(t)[0] for t in params + buffers}
     input_keys = {_storage(t)[0] for t in inputs} - fixed
-    output_keys = {_storage(t)[0] for t in outputs} - fixed - input_keys
     kept_keys = {_storage(t)[0] for t in outputs if t.requires_grad} - fixed - input_keys
     activations = saved - fixed - input_keys
     return LayerMemory(
         activation_bytes=_bytes(storages, activations),
         saved_input_bytes=_bytes(storages, saved & input_keys),
         output_bytes=_bytes(storages, kept_keys),
-        warmup_bytes=_bytes(storages, activations | kept_keys) if kept_keys else 0,
-        capture_bytes=_bytes(storages, activations - output_keys),
-        grad_input_bytes=sum(BufferSpec.of(t).nbytes for t in inputs if t.requires_grad),
-        param_grad_bytes=sum(BufferSpec.of(p).nbytes for p in params if p.requires_grad),
-        inputs=tuple(BufferSpec.of(t) for t in inputs),
-        outputs=tuple(BufferSpec.of(t) for t in outputs),
-        grad_outputs=tuple(BufferSpec.of(t) for t in outputs if t.requires_grad),
+        # Without a differentiable output there is no backward: nothing outlives the forward.
+        in_flight_bytes=_bytes(storages, activations | kept_keys) if kept_keys else 0,
+        grad_input_bytes=sum(_nbytes(t) for t in inputs if t.requires_grad),
+        param_grad_bytes=sum(_nbytes(p) for p in params if p.requires_grad),
+        inputs=tuple(BufferKey.of(t) for t in inputs),
+        outputs=tuple(BufferKey.of(t) for t in outputs),
     )
 
 
@@ -524,29 +488,44 @@ def _flash_attention(
 # ---------------------------------------------------------------------------- walking the plan
 
 
-def _union(counters: Iterable[Counter[BufferSpec]]) -> Counter[BufferSpec]:
-    """Per spec, the most buffers any one counter needs."""
-    result: Counter[BufferSpec] = Counter()
-    for counter in counters:
-        result |= counter
-    return result
+def _walk_plan(plan: Plan, graphs: Sequence[LayerMemory], static_in: int,
+               grad_out: int) -> MemoryPlan:
+    """Walk warm-up (lean and keep-all) and capture over the per-graph measurements."""
+    held = [m.in_flight_bytes for m in graphs]
+    transient = [m.transient_bytes for m in graphs]
+    seeded = [m.transient_bytes + m.output_bytes for m in graphs]  # + warm-up's zero seeds
+    warmup = _walk("warm-up", plan.warmup, 0, held, seeded)
+    naive = _walk("warm-up", plan.warmup, 0, held, seeded, keep_all=True)
+    capture = _walk("capture", plan.capture, static_in + grad_out, held, transient)
+    return MemoryPlan(
+        ordered=plan.ordered,
+        layout=plan.layout,
+        layers=_per_callable(plan.layout, graphs),
+        activation_bytes_per_graph=tuple(m.activation_bytes for m in graphs),
+        static_input_bytes=static_in,
+        grad_output_bytes=grad_out,
+        warmup_peak_bytes=warmup.peak.live_bytes,
+        naive_warmup_peak_bytes=naive.peak.live_bytes,
+        capture_peak_bytes=capture.peak.live_bytes,
+        pool_bytes=capture.high_water,
+        peak_transient_bytes=max(transient, default=0),
+        max_in_flight=max((s.in_flight for s in capture.steps), default=0),
+        warmup_peak_step=warmup.peak.where(),
+        naive_peak_step=naive.peak.where(),
+        capture_peak_step=capture.peak.where(),
+        steps=warmup.steps + capture.steps,
+    )
 
 
-def _spec_bytes(counter: Counter[BufferSpec]) -> int:
-    return sum(spec.nbytes * count for spec, count in counter.items())
-
-
-def _pooled_bytes(plan: Plan, per_graph: Sequence[Counter[BufferSpec]]) -> int:
-    """Bytes of buffers shared between graphs whose capture lifetimes never overlap."""
-    alive: Counter[BufferSpec] = Counter()
-    peak: Counter[BufferSpec] = Counter()
-    for step in plan.capture:
-        for graph in step.born:
-            alive.update(per_graph[graph])
-        peak |= alive
-        for graph in step.dies:
-            alive.subtract(per_graph[graph])
-    return _spec_bytes(peak)
+def _static_bytes(
+    plan: Plan, graphs: Sequence[LayerMemory], samples: Sequence[tuple[Any, Any]]
+) -> tuple[int, int]:
+    """Bytes of the input slots and gradient seeds the engine's buffer plan allocates."""
+    chainable = [bool(args) and isinstance(args[0], torch.Tensor) for args, _ in samples]
+    buffers = plan_buffers(plan, [m.inputs for m in graphs], [m.outputs for m in graphs],
+                           chainable=chainable)
+    return (sum(key_bytes(k) for k in buffers.slot_keys),
+            sum(key_bytes(k) for k in buffers.seed_keys))
 
 
 @dataclass(frozen=True, slots=True)
@@ -639,14 +618,13 @@ def _describe_layers(plan: MemoryPlan) -> list[str]:
 
 def _describe_plan(plan: MemoryPlan) -> list[str]:
     rows = [
-        ("static inputs (shared)", plan.static_input_bytes, ""),
-        ("static outputs (shared)", plan.static_output_bytes, ""),
-        ("static grad-outputs", plan.grad_output_bytes, ""),
+        ("static input slots", plan.static_input_bytes, "shared; chained inputs need none"),
+        ("static grad-output seeds", plan.grad_output_bytes, "one per shape"),
         ("warm-up peak, keep-all", plan.naive_warmup_peak_bytes, plan.naive_peak_step),
         ("warm-up peak, lean", plan.warmup_peak_bytes, plan.warmup_peak_step),
         ("capture peak", plan.capture_peak_bytes, plan.capture_peak_step),
         ("capture pool high-water", plan.pool_bytes, ""),
-        ("held after capture", plan.held_bytes, "pool + static buffers"),
+        ("held after capture", plan.held_bytes, "pool high-water + static buffers"),
     ]
     width = max(len(name) for name, _, _ in rows)
     lines = [f"  {name.ljust(width)}  {format_bytes(value):>11}  {note}".rstrip()

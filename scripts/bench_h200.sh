@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The benchmark runs quoted in docs/benchmarks.md, on one GPU. Usage: scripts/bench_h200.sh OUTDIR
+set -euo pipefail
+out=${1:-bench-out}
+mkdir -p "$out"
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+run() { python3 -m leangraph.cli bench "$@"; }
+for m in 16 32; do
+  echo "== workload: rank 0 of PP4/VP2, 2 chunks x 4 blocks, hidden 1024, seq 2048, bf16, $m microbatches"
+  run --pp 4 --vp 2 --rank 0 --microbatches "$m" --layers 4 --hidden 1024 --heads 16 \
+      --sequence 2048 --dtype bf16 --json "$out/bench_m$m.json" --plot "$out/timeline_m$m.png" \
+      --bars "$out/bars_m$m.png"
+done
+echo "== launch-bound: hidden 256, seq 128, 8 microbatches"
+run --pp 4 --vp 2 --rank 0 --microbatches 8 --layers 4 --hidden 256 --heads 4 --sequence 128 \
+    --dtype bf16 --steps 20 --json "$out/bench_launch.json"
