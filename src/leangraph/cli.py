@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
 
 __all__ = ["main"]
 
@@ -43,6 +45,83 @@ def _demo(args: argparse.Namespace) -> int:
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
+@contextlib.contextmanager
+def progress_bar(enabled: bool = True) -> Iterator[Optional[Callable[[Any], None]]]:
+    """A rich progress bar over warm-up and capture, as a ``progress=`` callback.
+
+    Yields None (no bar) when disabled, when rich is missing or stderr is not a terminal.
+    """
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    except ImportError:
+        enabled = False
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[graph]}"), transient=True) as bar:
+        task = bar.add_task("warm-up", total=None, graph="")
+
+        def update(event: Any) -> None:
+            bar.update(task, completed=event.done, total=event.total,
+                       description=event.phase, graph=event.label)
+        yield update
+
+
+def _workload_args(parser: argparse.ArgumentParser, *, microbatches: int, hidden: int,
+                   heads: int, sequence: int) -> None:
+    """The flags that describe one pipeline rank's transformer workload."""
+    parser.add_argument("--pp", type=int, default=4, help="pipeline-parallel size")
+    parser.add_argument("--vp", type=int, default=2, help="virtual chunks per rank")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--microbatches", type=int, default=microbatches)
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks per chunk")
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--heads", type=int, default=heads)
+    parser.add_argument("--sequence", type=int, default=sequence)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+
+
+def _shape(args: argparse.Namespace) -> Any:
+    import torch
+
+    from .workloads import BlockShape
+
+    return BlockShape(hidden=args.hidden, heads=args.heads, sequence=args.sequence,
+                      micro_batch=args.micro_batch, dtype=getattr(torch, _DTYPES[args.dtype]))
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import importlib
+
+    from .memory_plan import plan_memory
+
+    if args.function:
+        module_name, _, attr = args.function.partition(":")
+        if not attr:
+            raise SystemExit(f"--function must be module:function, got {args.function!r}")
+        made = getattr(importlib.import_module(module_name), attr)()
+        callables, sample_args, kwargs = made[0], made[1], (made[2] if len(made) > 2 else {})
+        plan = plan_memory(callables, sample_args, **kwargs)
+        print(f"memory plan of {args.function}:")
+    else:
+        from .schedules import interleaved_1f1b
+        from .workloads import make_blocks, sample_hidden
+
+        shape = _shape(args)
+        order = interleaved_1f1b(args.pp, args.vp, args.rank, args.microbatches)
+        blocks = make_blocks(args.vp * args.layers, shape, "meta")
+        samples = tuple((sample_hidden(shape, "meta"),)
+                        for _ in range(args.vp * args.layers * args.microbatches))
+        plan = plan_memory(tuple(blocks), samples, order=order, num_layers_per_chunk=args.layers)
+        print(f"memory plan of rank {args.rank} (pp={args.pp}, vp={args.vp}, "
+              f"{args.microbatches} microbatches, {args.layers} blocks per chunk, hidden "
+              f"{args.hidden}, sequence {args.sequence}, {args.dtype}), computed on meta tensors:")
+    print(plan.describe())
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     import json
 
@@ -50,7 +129,6 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .bench import BenchConfig, format_table, plot_bars, run_bench
     from .report import plot_memory
-    from .workloads import BlockShape
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     methods = tuple(args.methods.split(","))
@@ -61,9 +139,7 @@ def _bench(args: argparse.Namespace) -> int:
     config = BenchConfig(
         pp_size=args.pp, vp_size=args.vp, rank=args.rank, num_microbatches=args.microbatches,
         layers_per_chunk=args.layers, steps=args.steps, methods=methods, device=device,
-        shape=BlockShape(hidden=args.hidden, heads=args.heads, sequence=args.sequence,
-                         micro_batch=args.micro_batch,
-                         dtype=getattr(torch, _DTYPES[args.dtype])))
+        shape=_shape(args))
     result = run_bench(config)
     print(format_table(result))
     if args.json:
@@ -88,16 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_demo)
     bench = sub.add_parser("bench", help="eager vs torch.cuda.make_graphed_callables vs "
                            "leangraph on one pipeline rank")
-    bench.add_argument("--pp", type=int, default=4, help="pipeline-parallel size")
-    bench.add_argument("--vp", type=int, default=2, help="virtual chunks per rank")
-    bench.add_argument("--rank", type=int, default=0)
-    bench.add_argument("--microbatches", type=int, default=16)
-    bench.add_argument("--layers", type=int, default=4, help="transformer blocks per chunk")
-    bench.add_argument("--hidden", type=int, default=1024)
-    bench.add_argument("--heads", type=int, default=16)
-    bench.add_argument("--sequence", type=int, default=2048)
-    bench.add_argument("--micro-batch", type=int, default=1)
-    bench.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    _workload_args(bench, microbatches=16, hidden=1024, heads=16, sequence=2048)
     bench.add_argument("--steps", type=int, default=5, help="timed steps per method")
     bench.add_argument("--methods", default="eager,torch,leangraph")
     bench.add_argument("--device", choices=["cpu", "cuda"], default=None)
@@ -105,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", help="write leangraph's memory timeline PNG here")
     bench.add_argument("--bars", help="write a bar chart of the methods' memory here")
     bench.set_defaults(handler=_bench)
+    plan = sub.add_parser("plan", help="print the memory plan of a workload, without a GPU")
+    _workload_args(plan, microbatches=16, hidden=1024, heads=16, sequence=2048)
+    plan.add_argument("--function", help="module:function returning (callables, sample_args"
+                      "[, plan_memory keyword dict]) to plan instead of the built-in workload")
+    plan.set_defaults(handler=_plan)
     return parser
 
 
