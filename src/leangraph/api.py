@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, Union
@@ -21,6 +23,8 @@ from .plan import Plan, build_plan, build_unordered_plan
 from .warmup import run_warmup
 
 __all__ = ["make_graphed_callables", "reset_all"]
+
+log = logging.getLogger("leangraph")
 
 SampleArgs = tuple[Any, ...]
 Graphed = Union[GraphedCallable, torch.nn.Module]
@@ -127,13 +131,19 @@ def make_graphed_callables(
     samples = _normalize_samples(sample_args, sample_kwargs, plan.layout.num_graphs)
     device = _common_device(samples, callables)
     graph_backend = make_backend(backend, device, pool)
+    saved = _SavedState(callables)
     if check_memory and graph_backend.name == "cuda":
-        _check_fits(callables, sample_args, sample_kwargs, order, num_layers_per_chunk, device)
+        # The check runs each callable once, eagerly: what it draws must not move the RNGs,
+        # on success or failure, and a failure there restores module state as later ones do.
+        with torch.random.fork_rng(devices=[device], device_type="cuda"), \
+                saved.restoring("the memory check (check_memory=True), which runs each "
+                                "callable once before warm-up"):
+            _check_fits(callables, sample_args, sample_kwargs, order, num_layers_per_chunk,
+                        device)
     graphs = _build_graphs(plan, callables, samples, graph_backend,
                            allow_unused_input=allow_unused_input,
                            retain_graph_in_backward=retain_graph_in_backward,
                            share_buffers=share_buffers)
-    saved = _SavedState(callables)
     recorder = MemoryRecorder(device, getattr(graph_backend, "pool", None))
     observers = [recorder] + ([progress] if progress is not None else [])
     warmup_steps = num_warmup_iters * len(plan.warmup)
@@ -195,12 +205,48 @@ def _available_bytes(device: torch.device) -> int:
     return max(growth, 0) + reserved - torch.cuda.memory_allocated(device)
 
 
+class _MetaTwin(torch.nn.Module):
+    """A module's stand-in on the meta device: same forward, meta parameters and buffers.
+
+    The memory check measures these, so it allocates nothing and launches no kernel on the
+    GPU (running the real module there before warm-up can disturb lazily created CUDA state).
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self._twin_of = (module,)  # a tuple: not registered as a submodule
+        for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+            meta = torch.empty_like(tensor, device="meta")
+            if isinstance(tensor, torch.nn.Parameter):
+                self.register_parameter(name.replace(".", "__"),
+                                        torch.nn.Parameter(meta, tensor.requires_grad))
+            else:
+                self.register_buffer(name.replace(".", "__"), meta)
+        self._names = [n for n, _ in (*module.named_parameters(), *module.named_buffers())]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        state = {name: getattr(self, name.replace(".", "__")) for name in self._names}
+        return torch.func.functional_call(self._twin_of[0], state, args, kwargs)
+
+
+def _to_meta(tree: Any) -> Any:
+    return pytree.tree_map(
+        lambda t: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad), tree)
+
+
 def _check_fits(callables: tuple[Any, ...], sample_args: Any, sample_kwargs: Any,
                 order: Optional[Sequence[int]], num_layers_per_chunk: Any,
                 device: torch.device) -> None:
     from .memory_plan import plan_memory
 
-    plan = plan_memory(callables, tuple(sample_args), sample_kwargs=sample_kwargs, order=order,
+    if not all(isinstance(fn, torch.nn.Module) for fn in callables):
+        log.warning("check_memory skipped: plain functions cannot be measured on the meta "
+                    "device (their captured tensors are real); graph nn.Modules to check")
+        return
+    twins: dict[int, _MetaTwin] = {}
+    meta_callables = tuple(twins.setdefault(id(fn), _MetaTwin(fn)) for fn in callables)
+    plan = plan_memory(meta_callables, _to_meta(tuple(sample_args)),
+                       sample_kwargs=_to_meta(sample_kwargs), order=order,
                        num_layers_per_chunk=num_layers_per_chunk)
     needed = max(plan.warmup_peak_bytes, plan.capture_peak_bytes)
     available = _available_bytes(device)
@@ -341,7 +387,7 @@ def _device_owners(
 class _SavedState:
     """What a failed warm-up or capture puts back: RNG states and modules' training flags.
 
-    Taken right before warm-up. On success nothing is restored, as in
+    Taken before the memory check and warm-up. On success nothing is restored, as in
     ``torch.cuda.make_graphed_callables``: warm-up and capture advance the RNGs the callables
     draw from. Parameters' ``.grad`` need no saving: warm-up and capture differentiate with
     ``torch.autograd.grad``, which never touches ``.grad``.
@@ -369,6 +415,16 @@ class _SavedState:
                 _add_note(exc, f"leangraph: could not restore {what} after the failure: {error!r}")
         for module, training in self.training:
             module.training = training
+
+    @contextlib.contextmanager
+    def restoring(self, during: str) -> Iterator[None]:
+        """Restore on any exception passing by, noting where it was raised; re-raise it."""
+        try:
+            yield
+        except BaseException as exc:
+            _add_note(exc, f"leangraph: raised during {during}")
+            self.restore(exc)
+            raise
 
 
 def _add_note(exc: BaseException, note: str) -> None:
