@@ -133,11 +133,10 @@ def make_graphed_callables(
     graph_backend = make_backend(backend, device, pool)
     saved = _SavedState(callables)
     if check_memory and graph_backend.name == "cuda":
-        # The check runs each callable once, eagerly: what it draws must not move the RNGs,
-        # on success or failure, and a failure there restores module state as later ones do.
+        # The check runs the callables' code once: what it draws must not move the RNGs, on
+        # success or failure, and a failure there restores module state as later ones do.
         with torch.random.fork_rng(devices=[device], device_type="cuda"), \
-                saved.restoring("the memory check (check_memory=True), which runs each "
-                                "callable once before warm-up"):
+                saved.restoring("the memory check (check_memory=True), before warm-up"):
             _check_fits(callables, sample_args, sample_kwargs, order, num_layers_per_chunk,
                         device)
     graphs = _build_graphs(plan, callables, samples, graph_backend,
@@ -231,7 +230,8 @@ class _MetaTwin(torch.nn.Module):
 
 def _to_meta(tree: Any) -> Any:
     return pytree.tree_map(
-        lambda t: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad), tree)
+        lambda t: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+        if isinstance(t, torch.Tensor) else t, tree)
 
 
 def _check_fits(callables: tuple[Any, ...], sample_args: Any, sample_kwargs: Any,
