@@ -245,9 +245,14 @@ def _check_fits(callables: tuple[Any, ...], sample_args: Any, sample_kwargs: Any
         return
     twins: dict[int, _MetaTwin] = {}
     meta_callables = tuple(twins.setdefault(id(fn), _MetaTwin(fn)) for fn in callables)
-    plan = plan_memory(meta_callables, _to_meta(tuple(sample_args)),
-                       sample_kwargs=_to_meta(sample_kwargs), order=order,
-                       num_layers_per_chunk=num_layers_per_chunk)
+    rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:  # meta kernels of random ops may still advance the device generator's offset
+        plan = plan_memory(meta_callables, _to_meta(tuple(sample_args)),
+                           sample_kwargs=_to_meta(sample_kwargs), order=order,
+                           num_layers_per_chunk=num_layers_per_chunk)
+    finally:
+        if rng is not None:
+            torch.cuda.set_rng_state(rng, device)
     needed = max(plan.warmup_peak_bytes, plan.capture_peak_bytes)
     available = _available_bytes(device)
     if needed > available:

@@ -19,6 +19,7 @@ pipeline order, which its contract does not cover; the loss check says whether t
 from __future__ import annotations
 
 import copy
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -65,6 +66,7 @@ class MethodResult:
     held_bytes: Optional[int] = None
     capture_seconds: Optional[float] = None
     step_seconds: Optional[float] = None
+    memory_check_seconds: Optional[float] = None  # part of capture_seconds (leangraph)
     losses: list[float] = field(default_factory=list)
 
 
@@ -103,6 +105,7 @@ class _Meter:
 
     def __init__(self, device: str) -> None:
         self.cuda = device.startswith("cuda")
+        gc.collect()  # the previous method's graphs may sit in reference cycles
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -222,6 +225,13 @@ def _bench_graphed(work: _Workload, name: str,
     _sync(work.config.device)
     result = MethodResult(name, capture_seconds=time.perf_counter() - start,
                           capture_peak_bytes=meter.peak_allocated(), held_bytes=meter.held())
+    record = work.report.record if name == "leangraph" and work.report is not None else None
+    if record is not None and record.warmup_peak_bytes is not None:
+        # leangraph restarts the allocator's peak counter per phase; its record has both.
+        peak = max(record.warmup_peak_bytes, record.capture_peak_bytes or 0)
+        result.capture_peak_bytes = peak - meter.allocated
+        result.memory_check_seconds = (result.capture_seconds or 0.0) - (
+            record.warmup_seconds + record.capture_seconds)
     meter.restart_peak()
     result.losses = work.step(lookup, blocks)
     result.step_peak_bytes = meter.peak_reserved()

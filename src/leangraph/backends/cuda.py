@@ -21,6 +21,18 @@ __all__ = ["CudaBackend", "CudaGraphPair"]
 
 _T = TypeVar("_T")
 
+# cuBLAS keeps a workspace per (handle, stream) for the life of the process, so a fresh
+# capture stream per call would leak tens of MiB each time. One side stream per device is
+# created on first use and reused by every capture on that device.
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _CAPTURE_STREAMS[index]
+
 
 class CudaBackend:
     """Owns the pool handle and capture stream shared by one ``make_graphed_callables`` call.
@@ -37,7 +49,7 @@ class CudaBackend:
         self.device = device
         with torch.cuda.device(device):
             self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-            self._stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device=device)
+            self._stream: Optional[torch.cuda.Stream] = _capture_stream(device)
 
     @property
     def stream(self) -> torch.cuda.Stream:
@@ -58,7 +70,10 @@ class CudaBackend:
     @contextmanager
     def capture_session(self) -> Iterator[None]:
         torch.cuda.synchronize(self.device)
-        gc.collect()  # once for the whole pass, not once per graph as torch.cuda.graph does
+        # Once for the whole pass, not once per graph as torch.cuda.graph does: drop what
+        # warm-up left cached so the graph pool can take that memory instead of adding to it.
+        gc.collect()
+        torch.cuda.empty_cache()
         with torch.cuda.device(self.device):
             yield
         torch.cuda.synchronize(self.device)

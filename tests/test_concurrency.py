@@ -1,0 +1,185 @@
+"""``reset()`` from another thread while the owner replays (CPU backend).
+
+A :class:`GraphedCallable` holds a lock around each forward replay, each backward replay and
+``reset()``, so a reset either completes before a replay (which then raises GraphResetError
+before touching a buffer) or waits until the replay has returned complete results; never in
+between. The CPU backend reruns the module's forward (and differentiates it) on replay, so a
+module that blocks on an event the test controls holds a replay open mid-way.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+
+import leangraph
+from leangraph import GraphResetError
+
+TIMEOUT = 10.0  # only reached if something deadlocks
+WAIT = 0.05  # how long a reset must demonstrably keep waiting
+
+
+class _Hold(torch.autograd.Function):
+    """Identity whose backward blocks while its owner holds the backward gate."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, owner: Gated) -> torch.Tensor:
+        ctx.owner = owner
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.owner.pass_gate("backward")
+        return grad * 1.0, None
+
+
+class Gated(torch.nn.Module):
+    """``tanh(linear(x))`` whose forward (or backward) can be made to block mid-way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.armed: Optional[str] = None  # "forward" or "backward": block there once
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def pass_gate(self, where: str) -> None:
+        if self.armed == where:
+            self.armed = None
+            self.entered.set()
+            assert self.release.wait(TIMEOUT), "the test never released the gate"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.linear(x)
+        self.pass_gate("forward")
+        return torch.tanh(_Hold.apply(hidden, self))  # computed after the gate
+
+
+def _graphed() -> tuple[Gated, Gated]:
+    torch.manual_seed(0)
+    module, reference = Gated(), Gated()  # (events cannot be deep-copied)
+    reference.load_state_dict(module.state_dict())
+    leangraph.make_graphed_callables(module, (torch.randn(2, 4, requires_grad=True),))
+    return module, reference
+
+
+def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def _reset_waits_for(module: Gated) -> threading.Thread:
+    """Start a reset in another thread once the replay is inside the gate; check it waits;
+    then let the replay go on."""
+    try:
+        assert module.entered.wait(TIMEOUT), "the replay never reached the gate"
+        resetter, outcome = _in_thread(module.forward.reset)
+        resetter.join(WAIT)
+        assert resetter.is_alive(), f"reset did not wait for the replay: {outcome}"
+        assert not module.forward.is_reset
+    finally:
+        module.release.set()
+    return resetter
+
+
+def test_reset_waits_for_a_forward_replay():
+    module, reference = _graphed()
+    x = torch.randn(2, 4, requires_grad=True)
+    module.armed = "forward"
+    owner, replay = _in_thread(lambda: module(x))
+    resetter = _reset_waits_for(module)
+    owner.join(TIMEOUT)
+    resetter.join(TIMEOUT)
+    assert not owner.is_alive() and not resetter.is_alive()
+    assert "error" not in replay, replay
+    out = replay["value"]
+    assert torch.equal(out, reference(x))  # the replay's outputs are complete
+    assert module.forward.is_reset
+    with pytest.raises(GraphResetError, match=r"callable 0 \(Gated\): cannot call"):
+        module(x)
+    with pytest.raises(GraphResetError, match="cannot run a backward"):
+        out.sum().backward()
+
+
+def test_reset_waits_for_a_backward_replay():
+    module, reference = _graphed()
+    x = torch.randn(2, 4, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out, ref = module(x), reference(x_ref)
+    assert torch.equal(out, ref)
+    module.armed = "backward"
+    grad = torch.randn(2, 4)
+    owner, replay = _in_thread(lambda: out.backward(grad))
+    resetter = _reset_waits_for(module)
+    owner.join(TIMEOUT)
+    resetter.join(TIMEOUT)
+    assert not owner.is_alive() and not resetter.is_alive()
+    assert "error" not in replay, replay
+    ref.backward(grad)
+    assert torch.equal(x.grad, x_ref.grad)  # the backward's gradients are complete
+    for p, q in zip(module.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert module.forward.is_reset
+    with pytest.raises(GraphResetError):
+        module(x)
+
+
+def test_a_reset_that_wins_the_race_makes_the_replay_raise():
+    module, _ = _graphed()
+    x = torch.randn(2, 4, requires_grad=True)
+    module.forward._lock.acquire()  # hold the replay lock so the reset is ordered first
+    try:
+        resetter, _ = _in_thread(module.forward.reset)
+        resetter.join(WAIT)
+        assert resetter.is_alive()
+    finally:
+        module.forward._lock.release()
+    resetter.join(TIMEOUT)
+    with pytest.raises(GraphResetError):
+        module(x)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.0005, 0.002])
+def test_reset_racing_a_replay_loop(delay):
+    """Replays either complete correctly or raise GraphResetError; nothing else happens."""
+    module, reference = _graphed()
+    torch.manual_seed(1)
+    inputs = [torch.randn(2, 4) for _ in range(200)]
+    done = []
+
+    def loop() -> None:
+        for x in inputs:
+            x = x.clone().requires_grad_()
+            x_ref = x.detach().clone().requires_grad_()
+            try:
+                out = module(x)
+            except GraphResetError:
+                return
+            assert torch.equal(out, reference(x_ref))
+            try:
+                out.backward(torch.ones_like(out))
+            except GraphResetError:
+                return  # reset between this forward and its backward (docs: L2)
+            reference(x_ref).backward(torch.ones_like(out))
+            assert torch.equal(x.grad, x_ref.grad)
+            done.append(None)
+
+    owner, outcome = _in_thread(loop)
+    threading.Event().wait(delay)
+    module.forward.reset()
+    owner.join(TIMEOUT)
+    assert not owner.is_alive() and "error" not in outcome, outcome
+    with pytest.raises(GraphResetError):
+        module(torch.randn(2, 4, requires_grad=True))

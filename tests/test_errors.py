@@ -1,0 +1,710 @@
+"""Every misuse in docs/errors.md, one test per entry (CPU backend), and faults during warm-up
+and capture: the exception propagates with a note naming phase and callable, and nothing is
+left broken.
+
+Each test checks the exception type and that the message names the callable (or argument
+position), what was expected and what was got. Test names start with the entry's id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import pathlib
+import pickle
+import re
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import leangraph
+from leangraph import GraphedCallable, GraphResetError
+from models import Block
+
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "errors.md"
+NOTES = sys.version_info >= (3, 11)  # exc.__notes__ / add_note
+needs_notes = pytest.mark.skipif(not NOTES, reason="exception notes need Python >= 3.11")
+
+# Two chunks of one layer, two microbatches: graph (chunk c, microbatch m) is at 2 (c-1) + m.
+ORDER = [1, 2, -2, -1, 1, 2, -2, -1]
+mgc = leangraph.make_graphed_callables
+
+
+@contextlib.contextmanager
+def raises(kind: type[BaseException], *parts: str) -> Iterator[pytest.ExceptionInfo]:
+    """Like ``pytest.raises(kind)``; also every part must appear, verbatim, in the message."""
+    with pytest.raises(kind) as info:
+        yield info
+    message = str(info.value)
+    for part in parts:
+        assert part in message, f"{part!r} not in message {message!r}"
+
+
+def notes(exc: BaseException) -> str:
+    return "\n".join(getattr(exc, "__notes__", ()))
+
+
+def sample(width: int = 4, requires_grad: bool = True) -> torch.Tensor:
+    return torch.randn(2, width, requires_grad=requires_grad)
+
+
+def blocks(count: int = 3, width: int = 4) -> tuple[Block, ...]:
+    torch.manual_seed(0)
+    return tuple(Block(width) for _ in range(count))
+
+
+def graphed_blocks(count: int = 3, **kwargs) -> tuple[torch.nn.Module, ...]:
+    layers = blocks(count)
+    return mgc(layers, tuple((sample(),) for _ in layers), **kwargs)
+
+
+def ordered_graphs() -> tuple[GraphedCallable, ...]:
+    layers = blocks(2)
+    return mgc(layers, tuple((sample(),) for _ in range(4)), order=ORDER)
+
+
+def scale(x: torch.Tensor, *, factor: torch.Tensor) -> torch.Tensor:
+    return x * factor
+
+
+# ------------------------------------------------------------------------- catalogue
+
+
+def test_catalogue_entries_each_have_a_test():
+    ids = re.findall(r"^\| ([A-Z]\d+) \|", DOCS.read_text(), flags=re.MULTILINE)
+    assert len(ids) == len(set(ids)) and len(ids) >= 30, ids
+    here = pathlib.Path(__file__).resolve().parent
+    sources = (here / "test_errors.py").read_text() + (here / "test_cuda_faults.py").read_text()
+    missing = [i for i in ids if not re.search(rf"def test_{i.lower()}_", sources)]
+    assert not missing, f"catalogue entries without a test: {missing}"
+
+
+# ------------------------------------------------------------------------- validation
+
+
+def test_v1_num_warmup_iters_must_be_a_non_negative_int():
+    for bad in (-1, 1.5, True):
+        with raises(ValueError, "num_warmup_iters must be an int >= 0", f"got {bad!r}"):
+            mgc(Block(4), (sample(),), num_warmup_iters=bad)
+
+
+def test_v2_autocast_cache_is_refused():
+    layer = Block(4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with raises(RuntimeError, "autocast cache", "cache_enabled=False"):
+            mgc(layer, (sample(),))
+    assert not isinstance(layer.__dict__.get("forward"), GraphedCallable)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        leangraph.reset_all(mgc(layer, (sample(),)))  # without the cache it is fine
+
+
+def test_v3_callables_must_be_callable():
+    with raises(TypeError, "callables[1] is a int", "not callable"):
+        mgc((Block(4), 3), ((sample(),), (sample(),)))
+
+
+def test_v4_a_graphed_module_cannot_be_graphed_again():
+    layer = mgc(Block(4), (sample(),))
+    for _ in range(2):  # before and after its reset
+        with raises(ValueError, "callables[0] (Block) was already graphed"):
+            mgc((layer,), ((sample(),),))
+        leangraph.reset_all(layer)
+
+
+@pytest.mark.parametrize(("register", "kind"), [
+    (lambda m: m.register_forward_hook(lambda *a: None), "_forward_hooks"),
+    (lambda m: m.register_forward_pre_hook(lambda *a: None), "_forward_pre_hooks"),
+    (lambda m: m.register_full_backward_hook(lambda *a: None), "_backward_hooks"),
+    (lambda m: m.register_full_backward_pre_hook(lambda *a: None), "_backward_pre_hooks"),
+])
+@pytest.mark.parametrize("where", ["module", "submodule"])
+def test_v5_modules_with_hooks_are_refused(register, kind, where):
+    layers = blocks(3)
+    handle = register(layers[2] if where == "module" else layers[2].up)
+    place = "the module" if where == "module" else "submodule 'up'"
+    with raises(ValueError, f"callables[2] (Block): {place} has {kind}", "remove them"):
+        mgc(layers, tuple((sample(),) for _ in layers))
+    handle.remove()
+    leangraph.reset_all(mgc(layers, tuple((sample(),) for _ in layers)))
+
+
+class Stats(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4, requires_grad=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def test_v6_buffers_that_require_grad_are_refused():
+    with raises(ValueError, "callables[1] (Stats): buffer 'scale' requires grad"):
+        mgc((Block(4), Stats()), ((sample(),), (sample(),)))
+
+
+def test_v7_the_same_module_twice_without_an_order():
+    layer = Block(4)
+    with raises(ValueError, "callables[1] is the same module as callables[0]"):
+        mgc((layer, layer), ((sample(),), (sample(),)))
+
+
+def test_v8_sample_args_must_be_a_tuple():
+    with raises(TypeError, "sample_args must be a tuple, got Tensor"):
+        mgc((Block(4),), sample())
+
+
+def test_v9_sample_args_count_without_an_order():
+    with raises(ValueError, "sample_args has 1 entries for 2 callables"):
+        mgc(blocks(2), ((sample(),),))
+    with raises(ValueError, "sample_args has 3 entries for 2 callables"):
+        mgc(blocks(2), tuple((sample(),) for _ in range(3)))
+
+
+def test_v10_sample_args_count_with_an_order():
+    with raises(ValueError, "sample_args has 3 entries but the order needs 4",
+                "(2 layers x 2 microbatches)"):
+        mgc(blocks(2), tuple((sample(),) for _ in range(3)), order=ORDER)
+
+
+@pytest.mark.parametrize(("order", "layers", "parts"), [
+    ([1, 2, -2, 0], None, ["order[3] = 0", "1-based"]),
+    ([-1, 1, 2, -2], None, ["order[0] = -1: backward of chunk 1 with no outstanding forward"]),
+    ([1, 3, -3, -1], [1, 1], ["order[1] = 3: unknown chunk 3, the model has 2 chunks"]),
+    ([1.0, -1, 2, -2], None, ["order[0] = 1.0", "non-zero integers", "got float"]),
+    ([True, -1, 2, -2], None, ["order[0] = True", "got bool"]),
+    ([1, 2, -2], None, ["order runs 1 forwards but 0 backwards of chunk 1"]),
+    ([1, 2, -2, -1, 2, -2], None, ["order runs 2 forwards of chunk 2 but 1 of chunk 1"]),
+    ([1, 2, -2, -1], [1, 2], ["num_layers_per_chunk [1, 2] sums to 3 layers but 2 callables"]),
+    ([1, 2, -2, -1], [2], ["order[1] = 2: unknown chunk 2, the model has 1 chunks"]),
+    ([1, -1], [1, 1], ["order runs 0 forwards of chunk 2 but 1 of chunk 1"]),
+    ([1, 2, -2, -1], [0, 2], ["num_layers_per_chunk for chunk 1 must be >= 1, got 0"]),
+    ([], None, ["order is empty"]),
+    ("1,2,-2,-1", None, ["order must be a list of chunk ids, got str"]),
+])
+def test_v11_malformed_orders(order, layers, parts):
+    with raises(ValueError, *parts):
+        mgc(blocks(2), tuple((sample(),) for _ in range(2)), order=order,
+            num_layers_per_chunk=layers)
+
+
+def test_v11_uneven_split_and_num_layers_without_an_order():
+    with raises(ValueError, "3 callables cannot be split equally over 2 chunks",
+                "pass num_layers_per_chunk"):
+        mgc(blocks(3), tuple((sample(),) for _ in range(3)), order=[1, 2, -2, -1])
+    with raises(ValueError, "num_layers_per_chunk needs an order"):
+        mgc(blocks(2), ((sample(),), (sample(),)), num_layers_per_chunk=1)
+
+
+def test_v12_each_sample_args_entry_must_be_a_tuple():
+    with raises(TypeError, "sample_args[1] must be a tuple of arguments, got Tensor",
+                "wrap a single tensor as (tensor,)"):
+        mgc(blocks(2), ((sample(),), sample()))
+
+
+@pytest.mark.parametrize(("args", "got"), [
+    ((sample(), 3), "int"), ((sample(), 0.5), "float"), (([sample(), None],), "NoneType"),
+    (({"x": sample(), "flag": True},), "bool"),
+])
+def test_v13_sample_leaves_must_be_tensors(args, got):
+    with raises(TypeError, "sample_args[1]: every argument leaf must be a tensor", f"got {got}"):
+        mgc((lambda x: x * 2, lambda *a: a), ((sample(),), args), allow_unused_input=True)
+
+
+def test_v14_sample_kwargs_count_and_type():
+    with raises(ValueError, "sample_kwargs must have one dict per graph (1), got 2"):
+        mgc((scale,), ((sample(),),), sample_kwargs=({}, {}))
+    with raises(TypeError, "sample_kwargs[0] must be a dict, got list"):
+        mgc((scale,), ((sample(),),), sample_kwargs=([],))
+
+
+def test_v15_one_device_for_samples_and_parameters():
+    with raises(ValueError, "must share one device", "sample_args[0] is on cpu",
+                "sample_args[1] is on meta"):
+        mgc(blocks(2), ((sample(),), (torch.randn(2, 4, device="meta"),)))
+    with raises(ValueError, "must share one device", "sample_kwargs[0] is on meta"):
+        mgc((scale,), ((sample(),),),
+            sample_kwargs=({"factor": torch.tensor(2.0, device="meta")},))
+    with raises(ValueError, "sample_args[0] is on meta",
+                "callables[0] (Block) parameter 'norm.weight' is on cpu"):
+        mgc(Block(4), (torch.randn(2, 4, device="meta"),))
+
+
+def test_v16_backend_choice():
+    with raises(ValueError, "backend must be 'cuda', 'cpu' or None, got 'tpu'"):
+        mgc(Block(4), (sample(),), backend="tpu")
+    with raises(ValueError, "backend 'cpu' has no memory pool; pass pool=None"):
+        mgc(Block(4), (sample(),), pool=(0, 1))
+    meta = torch.nn.Linear(4, 4, device="meta")
+    with raises(ValueError, "backend 'cpu' needs CPU sample tensors, got tensors on meta"):
+        mgc(meta, (torch.randn(2, 4, device="meta"),))
+    if not torch.cuda.is_available():
+        with raises(RuntimeError, "backend 'cuda' needs a CUDA GPU"):
+            mgc(Block(4), (sample(),), backend="cuda")
+
+
+# ------------------------------------------------------------------------- warm-up / capture
+
+
+def unused_input(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(4, 4)
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+@needs_notes
+@pytest.mark.parametrize("warmup", [3, 0])
+def test_w1_outputs_must_depend_on_inputs_that_require_grad(warmup):
+    phase = "warm-up" if warmup else "capture"
+    with raises(ValueError, "callable 0 (unused_input): outputs do not depend on input 1",
+                "allow_unused_input=True") as info:
+        mgc((unused_input,), ((sample(), sample()),), num_warmup_iters=warmup)
+    assert f"raised during {phase} of callable 0 (unused_input)" in notes(info.value)
+    graphed = mgc((unused_input,), ((sample(), sample()),), allow_unused_input=True)[0]
+    x, y = sample(), sample()
+    graphed(x, y).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0)) and y.grad is None
+
+
+def test_w2_outputs_must_depend_on_parameters_that_require_grad():
+    with raises(ValueError, "callable 1 (TwoHeads): outputs do not depend on parameter 2, "
+                "parameter 3, which require grad"):
+        mgc((Block(4), TwoHeads()), ((sample(),), (sample(),)))
+    module = mgc(TwoHeads(), (sample(),), allow_unused_input=True)
+    module(sample()).sum().backward()
+    assert module.unused.weight.grad is None and module.used.weight.grad is not None
+
+
+def test_w3_outputs_must_be_tensors():
+    with raises(TypeError, "callable 0 (test_w3_outputs_must_be_tensors.<locals>.<lambda>): "
+                "output 1 must be a tensor, got int"):
+        mgc((lambda x: (x * 2, 3),), ((sample(),),))
+
+
+def test_w4_outputs_must_keep_their_structure():
+    calls = []
+
+    def flip(x: torch.Tensor):
+        calls.append(None)
+        return (x * 2,) if len(calls) % 2 else [x * 2]
+
+    with raises(RuntimeError, "callable 0 (test_w4_outputs_must_keep_their_structure.<locals>"
+                ".flip): outputs changed structure between runs", "TreeSpec(tuple",
+                "then TreeSpec(list"):
+        mgc((flip,), ((sample(),),))
+
+
+def test_w5_grad_only_through_closure_tensors():
+    weight = torch.randn(4, requires_grad=True)
+    with raises(ValueError, "callable 0 (test_w5_grad_only_through_closure_tensors.<locals>."
+                "<lambda>): outputs require grad only through tensors that are neither inputs "
+                "nor module parameters", "graph an nn.Module"):
+        mgc((lambda x: x * weight,), ((sample(requires_grad=False),),))
+
+
+class _Tap(torch.autograd.Function):
+    """Identity whose backward reports to ``owner.on_backward`` (which may raise)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, owner: Faulty) -> torch.Tensor:
+        ctx.owner = owner
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.owner.on_backward()
+        return grad, None
+
+
+class Faulty(torch.nn.Module):
+    """A Block that raises ``error`` at its ``fail_at``-th forward (or backward) call.
+
+    Every forward draws from the RNG of its input's device, and before raising it flips a
+    submodule's training flag: the state a failed ``make_graphed_callables`` must put back.
+    """
+
+    def __init__(self, width: int = 4, *, fail_at: int = 0, in_backward: bool = False,
+                 error: type[BaseException] = ValueError) -> None:
+        super().__init__()
+        self.inner = Block(width)
+        self.fail_at, self.in_backward, self.error = fail_at, in_backward, error
+        self.forwards = self.backwards = 0
+        self.raised: BaseException | None = None
+
+    def _maybe_fail(self, count: int) -> None:
+        if count == self.fail_at:
+            self.inner.up.training = False
+            self.raised = self.error(f"boom at call {count}")
+            raise self.raised
+
+    def on_backward(self) -> None:
+        self.backwards += 1
+        if self.in_backward:
+            self._maybe_fail(self.backwards)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        noise = torch.rand_like(x)  # the RNG of x's device
+        if not self.in_backward:
+            self._maybe_fail(self.forwards)
+        return _Tap.apply(self.inner(x), self) + 0 * noise
+
+
+@pytest.fixture
+def made(monkeypatch: pytest.MonkeyPatch) -> list[GraphedCallable]:
+    """Every GraphedCallable built while the test runs."""
+    built: list[GraphedCallable] = []
+    init = GraphedCallable.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(GraphedCallable, "__init__", recording)
+    return built
+
+
+def _failing_call(layers, *, order=None, samples=None):
+    """Run a failing make_graphed_callables; return what it raised and the state checks."""
+    params = [p for layer in layers for p in layer.parameters()]
+    for p in params:
+        p.grad = torch.full_like(p, 7.0)
+    grads = [p.grad for p in params]
+    training = [m.training for layer in layers for m in layer.modules()]
+    samples = samples or tuple((sample(),) for _ in layers)
+    rng = torch.get_rng_state()
+    with pytest.raises(BaseException) as info:
+        mgc(tuple(layers), samples, order=order, num_warmup_iters=2)
+    assert torch.equal(torch.get_rng_state(), rng), "CPU RNG state not restored"
+    assert [m.training for layer in layers for m in layer.modules()] == training
+    assert all(p.grad is g for p, g in zip(params, grads)), ".grad replaced"
+    assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in params), ".grad changed"
+    assert not any(isinstance(layer.__dict__.get("forward"), GraphedCallable) for layer in layers)
+    for p in params:
+        p.grad = None
+    return info.value
+
+
+def _works_again(layers, *, order=None, graphs: int | None = None):
+    """Eager work and a new capture of the same modules succeed, equal to eager copies."""
+    for layer in layers:
+        layer.fail_at = 0
+    reference = copy.deepcopy(layers)
+    x = torch.randn(2, 4)
+    for layer in layers:  # eager work on the very modules
+        layer(x).sum().backward()
+    for p in (p for layer in (*layers, *reference) for p in layer.parameters()):
+        p.grad = None
+    count = graphs or len(layers)
+    graphed = mgc(tuple(layers), tuple((sample(),) for _ in range(count)), order=order)
+    for index in range(count):
+        which = index if order is None else index // 2
+        x = torch.randn(2, 4, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        torch.manual_seed(index)
+        out = graphed[index](x)
+        torch.manual_seed(index)
+        ref = reference[which](x_ref)
+        assert torch.equal(out, ref)
+        out.backward(torch.ones_like(out))
+        ref.backward(torch.ones_like(ref))
+        assert torch.equal(x.grad, x_ref.grad)
+    leangraph.reset_all(graphed)
+
+
+# (phase, in_backward, fail_at) with num_warmup_iters=2: each pass calls each callable's
+# forward and backward once, so call 1 or 2 is warm-up and call 3 is capture.
+PHASES = {
+    "warm-up forward": ("warm-up", False, 2),
+    "warm-up backward": ("warm-up", True, 1),
+    "capture forward": ("capture", False, 3),
+    "capture backward": ("capture", True, 3),
+}
+
+
+@pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
+@pytest.mark.parametrize("where", list(PHASES))
+def test_w6_a_failing_callable_leaves_nothing_broken(where, error, made):
+    phase, in_backward, fail_at = PHASES[where]
+    torch.manual_seed(0)
+    layers = [Faulty(), Faulty(fail_at=fail_at, in_backward=in_backward, error=error), Faulty()]
+    raised = _failing_call(layers)
+    assert raised is layers[1].raised and type(raised) is error  # the original, unchanged
+    assert str(raised) == f"boom at call {fail_at}"
+    assert len(made) == 3 and all(g.is_reset for g in made), "graphs made so far not reset"
+    if NOTES:
+        kind = "B" if in_backward else "F"
+        assert re.search(rf"leangraph: raised during {phase} of callable 1 \(Faulty\), at "
+                         rf".*\({kind} c1 m0 l1\)", notes(raised)), notes(raised)
+    _works_again(layers)
+
+
+@needs_notes
+def test_w6_ordered_note_names_the_graph(made):
+    torch.manual_seed(0)
+    layers = [Faulty(), Faulty(fail_at=2)]  # chunk 2's second forward: microbatch 1
+    raised = _failing_call(layers, order=ORDER, samples=tuple((sample(),) for _ in range(4)))
+    assert raised is layers[1].raised
+    assert ("leangraph: raised during warm-up of graph (chunk 2, microbatch 1, layer 0), at "
+            "warm-up pass 0") in notes(raised)
+    assert len(made) == 4 and all(g.is_reset for g in made)
+    _works_again(layers, order=ORDER, graphs=4)
+
+
+def test_w6_success_leaves_grads_and_training_flags_alone():
+    layers = blocks(2)
+    for p in layers[0].parameters():
+        p.grad = torch.ones_like(p)
+    layers[1].up.eval()
+    graphed = mgc(layers, ((sample(),), (sample(),)))
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in layers[0].parameters())
+    assert all(p.grad is None for p in layers[1].parameters())
+    assert [m.training for m in layers[1].modules()] == [True, True, False, True]
+    leangraph.reset_all(graphed)
+
+
+@needs_notes
+def test_w7_out_of_memory_passes_through_on_cpu():
+    error = torch.OutOfMemoryError("fake")
+
+    def hungry(x: torch.Tensor) -> torch.Tensor:
+        raise error
+
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        mgc((hungry,), ((sample(),),))
+    assert info.value is error
+    assert notes(info.value).startswith("leangraph: raised during warm-up of callable 0 (")
+    assert "memory_allocated" not in notes(info.value)  # allocator figures are CUDA's
+
+
+# ------------------------------------------------------------------------- replay
+
+
+def test_r1_positional_argument_count():
+    graphed = graphed_blocks()
+    x = sample()
+    with raises(TypeError, "callable 0 (Block) takes 1 positional arguments as at capture, got 2"):
+        graphed[0](x, x)
+    with raises(TypeError, "callable 2 (Block) takes 1 positional arguments as at capture, got 0"):
+        graphed[2]()
+
+
+def test_r2_missing_or_extra_keyword_arguments():
+    graphed = mgc((scale,), ((sample(),),), sample_kwargs=({"factor": torch.tensor(2.0)},))[0]
+    x, factor = sample(), torch.tensor(3.0)
+    with raises(TypeError, "callable 0 (scale) takes keyword arguments ['factor'] as at capture, "
+                "got []"):
+        graphed(x)
+    with raises(TypeError, "takes keyword arguments ['factor'] as at capture, "
+                "got ['factor', 'offset']"):
+        graphed(x, factor=factor, offset=factor)
+    with raises(TypeError, "takes keyword arguments ['factor'] as at capture, got ['scale']"):
+        graphed(x, scale=factor)
+    with raises(TypeError, "callable 0 (scale) takes 1 positional arguments as at capture, got 2"):
+        graphed(x, factor)  # a keyword argument passed positionally
+    assert torch.equal(graphed(x, factor=factor), x.detach() * 3)
+
+
+@pytest.mark.parametrize(("value", "got"), [(None, "NoneType"), (1.0, "float"), (3, "int")])
+def test_r3_non_tensor_where_a_tensor_was_captured(value, got):
+    graphed = graphed_blocks()
+    with raises(TypeError, "callable 1 (Block) input 0 must be a tensor as at capture",
+                f"got {got}"):
+        graphed[1](value)
+
+
+def test_r4_argument_structure():
+    graphed = graphed_blocks()
+    for value in ([sample()], (sample(),), {"x": sample()}):
+        with raises(TypeError, "callable 0 (Block): arguments must keep the structure they had "
+                    "at capture", "TreeSpec(", "), got TreeSpec("):
+            graphed[0](value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_r5_dtype_is_never_cast(dtype):
+    graphed = graphed_blocks()
+    with raises(TypeError, "callable 0 (Block) input 0 must keep dtype torch.float32",
+                f"got {dtype}"):
+        graphed[0](torch.randn(2, 4, dtype=dtype, requires_grad=True))
+    with raises(TypeError, "must keep dtype torch.float32, got torch.int64"):
+        graphed[0](torch.ones(2, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (4,), (2, 1), (3, 4), (2, 4, 1), (1, 2, 4)])
+def test_r6_shape_is_never_broadcast(shape):
+    graphed = graphed_blocks()
+    with raises(ValueError, "callable 0 (Block) input 0 must keep shape (2, 4)",
+                f"got {shape}"):
+        graphed[0](torch.randn(*shape, requires_grad=True))
+
+
+def test_r6_other_strides_of_the_same_shape_are_copied():
+    layers = blocks(1)
+    reference = copy.deepcopy(layers[0])
+    graphed = mgc(layers, ((sample(),),))[0]
+    x = torch.randn(4, 2).t().requires_grad_()  # (2, 4), not contiguous
+    assert torch.equal(graphed(x), reference(x))
+
+
+def test_r7_device_is_never_moved():
+    graphed = graphed_blocks()
+    with raises(ValueError, "callable 0 (Block) input 0 must stay on cpu, got meta"):
+        graphed[0](torch.randn(2, 4, device="meta", requires_grad=True))
+
+
+def test_r8_requires_grad_must_match():
+    graphed = graphed_blocks()
+    with raises(ValueError, "callable 0 (Block) input 0 must have requires_grad=True as at "
+                "capture, got requires_grad=False"):
+        graphed[0](sample(requires_grad=False))
+    frozen = mgc(Block(4), (sample(requires_grad=False),))
+    with raises(ValueError, "callable 0 (Block) input 0 must have requires_grad=False as at "
+                "capture, got requires_grad=True"):
+        frozen(sample())
+
+
+def test_r9_chained_input_must_be_the_previous_layers_output():
+    layers = blocks(2)
+    graphed = mgc(layers, ((sample(),), (sample(),)), order=[1, -1], num_layers_per_chunk=2)
+    hidden = graphed[0](sample())
+    with raises(ValueError, "graph (chunk 1, microbatch 0, layer 1) input 0 is the output buffer "
+                "of graph (chunk 1, microbatch 0, layer 0)", "pass that graph's output itself, "
+                "got another tensor", "share_buffers=False"):
+        graphed[1](hidden.detach().clone().requires_grad_())
+    graphed[1](hidden).sum().backward()  # the output itself is fine
+    free = mgc(blocks(2), ((sample(),), (sample(),)), order=[1, -1], num_layers_per_chunk=2,
+               share_buffers=False)
+    free[1](sample()).sum().backward()  # without sharing, anything matching goes
+
+
+def test_r_ordered_labels_name_the_graph():
+    graphed = ordered_graphs()
+    with raises(ValueError, "graph (chunk 2, microbatch 1, layer 0) input 0 must keep shape "
+                "(2, 4), got (3, 4)"):
+        graphed[3](torch.randn(3, 4, requires_grad=True))
+    with raises(TypeError, "graph (chunk 1, microbatch 1, layer 0) takes 1 positional "
+                "arguments as at capture, got 2"):
+        graphed[1](sample(), sample())
+    leangraph.reset_all(graphed)
+    with raises(GraphResetError, "graph (chunk 1, microbatch 0, layer 0): cannot call"):
+        graphed[0](sample())
+
+
+def test_r_nested_and_keyword_leaves_are_named():
+    def pair(xs, *, mask):
+        return xs[0] * xs[1] * mask
+
+    graphed = mgc((pair,), (([sample(), sample()],),),
+                  sample_kwargs=({"mask": torch.ones(2, 4)},))[0]
+    with raises(ValueError, "callable 0 (test_r_nested_and_keyword_leaves_are_named.<locals>"
+                ".pair) input 0[1] must keep shape (2, 4), got (2, 5)"):
+        graphed([sample(), torch.randn(2, 5, requires_grad=True)], mask=torch.ones(2, 4))
+    with raises(TypeError, "kwarg 'mask' must keep dtype torch.float32, got torch.bool"):
+        graphed([sample(), sample()], mask=torch.ones(2, 4, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------------- lifecycle
+
+
+def test_l1_calling_a_reset_callable():
+    graphed = graphed_blocks()
+    graphed[1].forward.reset()
+    with raises(GraphResetError, "callable 1 (Block): cannot call", "was reset"):
+        graphed[1](sample())
+    graphed[1].eval()  # a reset module does not fall back to eager either
+    with raises(GraphResetError, "callable 1 (Block): cannot call"):
+        graphed[1](sample())
+    leangraph.reset_all(graphed)
+    with raises(GraphResetError, "callable 0 (Block): cannot call"):
+        graphed[0](sample())
+    assert issubclass(GraphResetError, RuntimeError)
+
+
+def test_l2_backward_through_a_reset_callable():
+    graphed = graphed_blocks()
+    out = graphed[2](graphed[1](graphed[0](sample())))
+    graphed[1].forward.reset()
+    with raises(GraphResetError, "callable 1 (Block): cannot run a backward", "was reset"):
+        out.sum().backward()
+
+
+def test_l3_second_backward_through_one_forward_replay():
+    graphed = graphed_blocks(1)[0]
+    loss = graphed(sample()).sum()
+    loss.backward(retain_graph=True)
+    with raises(RuntimeError, "callable 0 (Block): second backward through forward replay",
+                "retain_graph_in_backward=True"):
+        loss.backward()
+
+
+def test_l3_retain_graph_in_backward_allows_it():
+    layers = blocks(1)
+    reference = copy.deepcopy(layers[0])
+    graphed = mgc(layers, ((sample(),),), retain_graph_in_backward=True)[0]
+    x = sample()
+    x_ref = x.detach().clone().requires_grad_()
+    loss, loss_ref = graphed(x).sum(), reference(x_ref).sum()
+    for _ in range(2):
+        loss.backward(retain_graph=True)
+        loss_ref.backward(retain_graph=True)
+    assert torch.equal(x.grad, x_ref.grad)
+
+
+def test_l4_replay_while_outputs_await_backward():
+    graphed = graphed_blocks(1)[0]
+    first = graphed(sample())
+    with raises(RuntimeError, "callable 0 (Block)", "still await their backward"):
+        graphed(sample())
+    first.sum().backward()  # the refused replay changed nothing: the first backward still works
+    second = graphed(sample())  # after the backward, a replay is fine
+    del second
+    graphed(sample())  # and so it is once the outputs are gone
+
+
+def test_l4_outputs_that_do_not_require_grad_are_exempt():
+    graphed = graphed_blocks(1)[0]
+    with torch.no_grad():
+        first = graphed(sample())
+        second = graphed(sample())
+    assert not first.requires_grad and not second.requires_grad
+    frozen = mgc(Block(4).requires_grad_(False), (sample(requires_grad=False),))
+    first = frozen(sample(requires_grad=False))
+    second = frozen(sample(requires_grad=False))
+    del first, second
+
+
+def test_l5_backward_after_a_newer_replay():
+    graphed = graphed_blocks(1)[0]
+    loss1 = graphed(sample()).sum()  # the output is gone; its autograd graph is not
+    loss2 = graphed(sample()).sum()
+    with raises(RuntimeError, "callable 0 (Block): backward of forward replay 1 requested",
+                "replayed again since (replay 2)"):
+        loss1.backward()
+    loss2.backward()
+
+
+def test_l6_graphed_callables_cannot_be_copied_or_pickled():
+    graphed = graphed_blocks(2)
+    with raises(TypeError, "callable 1 (Block): a graphed callable cannot be copied or pickled"):
+        copy.deepcopy(graphed[1])
+    with raises(TypeError, "callable 0 (Block): a graphed callable cannot be copied or pickled"):
+        pickle.dumps(graphed[0].forward)
+
+
+def test_l7_reset_all_on_something_else():
+    graphed = graphed_blocks(1)
+    with raises(TypeError, "reset_all: entry 1 is a Linear, expected a GraphedCallable"):
+        leangraph.reset_all([graphed[0], torch.nn.Linear(2, 2)])
+    with raises(TypeError, "reset_all: entry 0 is a int"):
+        leangraph.reset_all(3)
