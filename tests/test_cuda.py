@@ -153,9 +153,11 @@ def _held_after_capture(microbatches):
 def test_held_memory_is_flat_in_microbatches_and_freed_by_reset_all():
     (alloc4, reserved4), after4 = _held_after_capture(4)
     (alloc16, reserved16), after16 = _held_after_capture(16)
-    # The static buffers are the same; torch keeps a few KiB of bookkeeping per CUDA graph
-    # (seen on an H200: 141 KiB more for 24 more graphs), hence 1% rather than exact.
-    assert abs(alloc16 - alloc4) <= alloc4 // 100, (alloc4, alloc16)
+    # The static buffers are the same; torch keeps some bookkeeping per CUDA graph (seen on
+    # an H200 with torch 2.11: 6016 bytes each). 8 KiB per extra graph is below any buffer
+    # here (an activation is 16 KiB), so a per-graph buffer would still fail this.
+    extra_graphs = 2 * 16 - 2 * 4
+    assert abs(alloc16 - alloc4) <= 8192 * extra_graphs, (alloc4, alloc16)
     assert reserved16 <= reserved4 + 2 * 1024 * 1024, (reserved4, reserved16)
     assert after4 == after16 == (0, 0)
 
