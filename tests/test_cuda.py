@@ -199,3 +199,65 @@ def test_capture_memory_error_when_the_plan_does_not_fit():
         assert torch.cuda.memory_allocated() == before
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+class LinearStack(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(width, width)
+        self.b = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_zero_bubble_training_is_bitwise_equal_to_eager_for_fp32_linear_stacks():
+    from leangraph.local_pipeline import run_order
+    from leangraph.order import Layout
+
+    order = [1, 2, 1, 2, -2, -1, 1, -2, 2, -1.5, -1, -2.5, -2.5, -2, -1.5, -1, -2.5, -1.5]
+    torch.manual_seed(0)
+    eager = [LinearStack(64).cuda() for _ in range(2)]
+    graphed_layers = copy.deepcopy(eager)
+    layout = Layout((1, 1), 3)
+    samples = tuple((torch.randn(8, 64, device="cuda", requires_grad=True),) for _ in range(6))
+    graphed = leangraph.make_graphed_callables(tuple(graphed_layers), samples, order=order)
+    data = [torch.randn(8, 64, device="cuda") for _ in range(3)]
+    target = [torch.randn(8, 64, device="cuda") for _ in range(3)]
+
+    def loss(out, m):
+        return torch.nn.functional.mse_loss(out, target[m])
+
+    for step in range(3):
+        results = []
+        for layers, lookup in ((eager, lambda c, m, l: eager[c - 1]),
+                               (graphed_layers, lambda c, m, l: graphed[layout.graph_index(c, m, l)])):
+            for layer in layers:
+                layer.zero_grad(set_to_none=True)
+            results.append(run_order(order, [1, 1], lookup, data, loss))
+        (e, g) = results
+        assert all(torch.equal(a, b) for a, b in zip(e.losses, g.losses)), step
+        assert all(torch.equal(a, b) for a, b in zip(e.input_grads, g.input_grads)), step
+        for p, q in zip((p for l in eager for p in l.parameters()),
+                        (p for l in graphed_layers for p in l.parameters())):
+            assert torch.equal(p.grad, q.grad), step
+            with torch.no_grad():
+                p -= 0.1 * p.grad
+                q -= 0.1 * q.grad
+    leangraph.reset_all(graphed)
+
+
+def test_capture_time_hooks_never_run_while_the_stream_captures():
+    log: list[bool] = []
+
+    def hook(module, *args):
+        log.append(torch.cuda.is_current_stream_capturing())
+
+    hooks = {kind: [hook] for kind in ("forward_pre", "forward", "backward_pre", "backward")}
+    layers = tuple(LinearStack(32).cuda() for _ in range(2))
+    samples = tuple((torch.randn(4, 32, device="cuda", requires_grad=True),) for _ in range(4))
+    graphed = leangraph.make_graphed_callables(layers, samples, order=[1, 2, -2, -1, 1, 2, -2, -1],
+                                               num_warmup_iters=2,
+                                               capture_time_hooks=[hooks, hooks])
+    assert len(log) == 3 * 8 * 2 and not any(log)
+    leangraph.reset_all(graphed)

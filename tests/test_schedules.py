@@ -429,11 +429,33 @@ _ZERO_BUBBLE = [
 ]
 
 
+def _split_actions_as_order(actions: list[str]) -> list[float]:
+    """Torch's actions of a zero-bubble schedule as an order: F +c, I -c, W -(c + 0.5), and a
+    full B as -c then -(c + 0.5) (an order with weight steps splits every backward)."""
+    leaves = [leaf for a in actions
+              for leaf in (a[1:a.index(")")].split(";") if a.startswith("(") else [a])]
+    parsed = [re.match(r"^(\d+)(F|I|W|B)(\d+)$", a).groups() for a in leaves]  # type: ignore[union-attr]
+    stages = sorted({int(stage) for stage, _, _ in parsed})
+    chunk = {stage: c for c, stage in enumerate(stages, start=1)}
+    order: list[float] = []
+    for stage, kind, _ in parsed:
+        c = chunk[int(stage)]
+        order += {"F": [c], "I": [-c], "W": [-(c + 0.5)], "B": [-c, -(c + 0.5)]}[kind]
+    return order
+
+
 @pytest.mark.parametrize("cls", _ZERO_BUBBLE)
 @pytest.mark.parametrize("rank", [0, 1])
-def test_from_pipelining_zero_bubble_raises(cls: type, rank: int) -> None:
-    with pytest.raises(ValueError, match=r"action \d+[IW]\d+ \(BACKWARD_(INPUT|WEIGHT)\)"):
-        from_pipelining(cls, 2, 4, rank, stages_per_rank=2)
+@pytest.mark.parametrize("m", [4, 6])
+def test_from_pipelining_zero_bubble_maps_i_and_w(cls: type, rank: int, m: int) -> None:
+    actions = [a for a in _torch_actions(cls, 2, m, rank, 2)
+               if re.match(r"^(\d+[FIWB]\d+|\(.*\)OVERLAP_F_B)$", a)]
+    order = from_pipelining(cls, 2, m, rank, stages_per_rank=2)
+    assert order == _split_actions_as_order(actions)
+    assert any(not float(e).is_integer() for e in order)
+    layout, steps = parse_order(order, num_callables=2, num_samples=2 * m,
+                                num_layers_per_chunk=1)
+    assert layout.num_microbatches == m and any(s.kind.value == "W" for s in steps)
 
 
 def test_from_pipelining_fallback_for_torch_without_single_stage_pipeline_order(
@@ -564,5 +586,16 @@ def test_actions_with_comms_and_overlap_are_mapped() -> None:
     overlap = ts._Action(-1, ts.OVERLAP_F_B, None, (ts._Action(5, ts.F, 0), ts._Action(1, ts.B, 0)))
     actions = [ts._Action(1, ts.F, 0), None, overlap, ts._Action(5, ts.B, 0)]
     assert _actions_to_order(actions, "custom", 1) == [1, 2, -1, -2]
-    with pytest.raises(ValueError, match=r"custom, rank 1, step 1: action 1W0 \(BACKWARD_WEIGHT\)"):
-        _actions_to_order([ts._Action(1, ts.F, 0), ts._Action(1, ts.W, 0)], "custom", 1)
+    assert _actions_to_order([ts._Action(1, ts.F, 0), ts._Action(1, ts.I, 0),
+                              ts._Action(1, ts.W, 0)], "custom", 1) == [1, -1, -1.5]
+
+    class Mystery:
+        computation_type = "MYSTERY"
+        stage_index = 1
+
+        def __str__(self) -> str:
+            return "1?0"
+
+    with pytest.raises(ValueError, match=r"custom, rank 1, step 1: action 1\?0 \(MYSTERY\) has "
+                                         r"no leangraph order entry"):
+        _actions_to_order([ts._Action(1, ts.F, 0), Mystery()], "custom", 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 from .backends import GraphBackend, make_backend
 from .buffers import BufferKey, StaticBuffers, plan_buffers
 from .capture import run_capture
+from .hooks import CaptureHooks, normalize_hooks
 from .errors import CaptureMemoryError
 from .progress import ProgressCallback
 from .report import CaptureRecord, MemoryRecorder
@@ -46,6 +47,10 @@ def make_graphed_callables(
     debug_outputs: bool = False,
     progress: Optional[ProgressCallback] = None,
     check_memory: bool = True,
+    pre_warmup_hook: Optional[Callable[[], None]] = None,
+    post_warmup_hook: Optional[Callable[[], None]] = None,
+    capture_time_hooks: Optional[Sequence[Optional[Mapping[str, Sequence[Callable[..., None]]]]]]
+    = None,
 ) -> Any:
     """Capture callables into forward and backward graphs, optionally in a pipeline order.
 
@@ -100,6 +105,12 @@ def make_graphed_callables(
             validity window (slower; for finding reads of reused buffers).
         progress: Called with a :class:`leangraph.progress.ProgressEvent` after every warm-up
             and capture step.
+        pre_warmup_hook: Called once before the whole warm-up.
+        post_warmup_hook: Called once after the whole warm-up (before capture).
+        capture_time_hooks: One entry per callable (or None), a dict with lists of
+            ``forward_pre``, ``forward``, ``backward_pre`` and ``backward`` hooks that run
+            outside stream capture around every warm-up and capture step of that callable,
+            in schedule order, and never at replay (see :mod:`leangraph.hooks`).
         check_memory: On CUDA, first compute :func:`leangraph.plan_memory` for these
             arguments and raise :class:`leangraph.CaptureMemoryError` if its peak does not
             fit in the memory available, before any warm-up or capture work.
@@ -139,7 +150,8 @@ def make_graphed_callables(
                 saved.restoring("the memory check (check_memory=True), before warm-up"):
             _check_fits(callables, sample_args, sample_kwargs, order, num_layers_per_chunk,
                         device)
-    graphs = _build_graphs(plan, callables, samples, graph_backend,
+    hooks = normalize_hooks(capture_time_hooks, callables)
+    graphs = _build_graphs(plan, callables, samples, graph_backend, hooks,
                            allow_unused_input=allow_unused_input,
                            retain_graph_in_backward=retain_graph_in_backward,
                            share_buffers=share_buffers)
@@ -147,8 +159,12 @@ def make_graphed_callables(
     observers = [recorder] + ([progress] if progress is not None else [])
     warmup_steps = num_warmup_iters * len(plan.warmup)
     try:
+        if pre_warmup_hook is not None:
+            pre_warmup_hook()
         run_warmup(plan, graphs, num_iters=num_warmup_iters, backend=graph_backend,
                    observers=observers, total_steps=warmup_steps + len(plan.capture))
+        if post_warmup_hook is not None:
+            post_warmup_hook()
         recorder.end_warmup()
         buffers = _plan_static_buffers(plan, graphs, samples, known_outputs=num_warmup_iters > 0,
                                        share=share_buffers)
@@ -493,6 +509,7 @@ def _build_graphs(
     callables: tuple[Any, ...],
     samples: list[tuple[Any, Any]],
     backend: GraphBackend,
+    hooks: list[CaptureHooks],
     *,
     allow_unused_input: bool,
     retain_graph_in_backward: bool,
@@ -517,6 +534,8 @@ def _build_graphs(
             pair=backend.new_pair(),
             allow_unused_input=allow_unused_input,
             retain_graph_in_backward=retain_graph_in_backward,
+            split_backward=plan.split_backward,
+            hooks=hooks[callable_index],
         ))
     return graphs
 

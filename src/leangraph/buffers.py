@@ -145,22 +145,40 @@ def plan_buffers(
             for source in inputs[g]:
                 if isinstance(source, int):
                     free.setdefault(slot_keys[source], []).append(source)
-    seed_keys: list[BufferKey] = []
-    seed_index: dict[BufferKey, int] = {}
-    seeds: list[tuple[Optional[int], ...]] = []
-    for keys in output_keys:
-        row: list[Optional[int]] = []
-        for key in keys:
-            if not key.requires_grad:
-                row.append(None)
-                continue
-            if not share or key not in seed_index:
-                seed_keys.append(key)
-                seed_index[key] = len(seed_keys) - 1
-            row.append(seed_index[key])
-        seeds.append(tuple(row))
+    seed_keys, seeds = _plan_seeds(plan, output_keys, share, lifetimes)
     return BufferPlan(tuple(slot_keys), tuple(inputs[g] for g in range(len(input_keys))),
                       tuple(seed_keys), tuple(seeds), tuple(lifetimes))
+
+
+def _plan_seeds(plan: Plan, output_keys: Sequence[Sequence[BufferKey]], share: bool,
+                lifetimes: Sequence[tuple[int, int]]
+                ) -> tuple[list[BufferKey], list[tuple[Optional[int], ...]]]:
+    """Gradient seeds. A seed is read only during its backward, so one per key serves every
+    graph; when a weight step reads it again later, seeds are shared only among graphs whose
+    [backward, weight step] spans do not overlap."""
+    seed_keys: list[BufferKey] = []
+    free: dict[BufferKey, list[int]] = {}
+    seeds: dict[int, tuple[Optional[int], ...]] = {}
+
+    def take(key: BufferKey) -> int:
+        if share and free.get(key):
+            return free[key].pop()
+        seed_keys.append(key)
+        return len(seed_keys) - 1
+
+    def give_back(row: tuple[Optional[int], ...]) -> None:
+        for slot in row:
+            if slot is not None:
+                free.setdefault(seed_keys[slot], []).append(slot)
+
+    for index, step in enumerate(plan.capture):
+        g = step.graph
+        if step.kind is StepKind.BACKWARD:
+            seeds[g] = tuple(take(k) if k.requires_grad else None for k in output_keys[g])
+        if step.is_backward and lifetimes[g][1] == index:
+            give_back(seeds.get(g, ()))
+    rows = [seeds.get(g, tuple(None for _ in output_keys[g])) for g in range(len(output_keys))]
+    return seed_keys, rows
 
 
 def allocate(keys: Sequence[BufferKey], *, requires_grad: bool = True) -> list[torch.Tensor]:

@@ -40,11 +40,11 @@ def run_capture(plan: Plan, graphs: Sequence[GraphedCallable], *, backend: Graph
                 if step.kind is StepKind.FORWARD:
                     _assign(graphs, step.graph, buffers)
                     graph._capture_forward()
-                elif buffers is None:
-                    graph._capture_backward(backend, release=False, chained=())
                 else:
-                    graph._capture_backward(backend, release=True,
-                                            chained=buffers.chained(step.graph))
+                    record = (graph._capture_weight if step.kind is StepKind.WEIGHT
+                              else graph._capture_backward)
+                    chained = () if buffers is None else buffers.chained(step.graph)
+                    record(backend, release=buffers is not None, chained=chained)
             if observers:
                 notify(observers, ProgressEvent("capture", steps_before + index + 1, total, step,
                                                 graph.label))

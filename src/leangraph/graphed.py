@@ -21,7 +21,8 @@ from torch.utils import _pytree as pytree
 from .backends.base import GraphBackend, GraphPair
 from .buffers import BufferKey
 from .errors import GraphResetError
-from .order import GraphId
+from .hooks import CaptureHooks
+from .order import GraphId, StepKind
 from .report import CaptureRecord
 
 __all__ = ["GraphedCallable", "TensorSpec"]
@@ -125,6 +126,8 @@ class GraphedCallable:
         pair: GraphPair,
         allow_unused_input: bool,
         retain_graph_in_backward: bool,
+        split_backward: bool = False,
+        hooks: Optional[CaptureHooks] = None,
     ) -> None:
         self._label = label
         self._graph_id = graph_id
@@ -154,6 +157,10 @@ class GraphedCallable:
         self._chained_from: tuple[Optional[str], ...] = ()
         self._released = False
         self._record: Optional[CaptureRecord] = None
+        self._split_backward = split_backward
+        self._hooks = hooks if hooks is not None else CaptureHooks()
+        self._static_weight_grads: tuple[Optional[torch.Tensor], ...] = ()
+        self._weight_pending: Optional[int] = None
         self._has_backward = False
         self._forward_generation = 0
         self._backward_generation = -1
@@ -243,6 +250,8 @@ class GraphedCallable:
         self._static_outputs = ()
         self._static_grad_outputs = ()
         self._static_grads = ()
+        self._static_weight_grads = ()
+        self._weight_pending = None
 
     def __del__(self) -> None:
         if getattr(self, "_pair", None) is not None:
@@ -326,20 +335,43 @@ class GraphedCallable:
 
     # Warm-up: eager passes whose outputs the caller holds only until their backward.
 
+    def _with_forward_hooks(self, leaves: Sequence[torch.Tensor],
+                            run: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        """``run()`` between the callable's forward_pre and forward capture-time hooks."""
+        args, kwargs = pytree.tree_unflatten(list(leaves), self._input_tree)
+        self._hooks.run("forward_pre", args, kwargs)
+        outputs = run()
+        assert self._output_tree is not None
+        self._hooks.run("forward", args, kwargs,
+                        pytree.tree_unflatten(list(outputs), self._output_tree))
+        return outputs
+
     def _warmup_forward(self) -> Optional[tuple[torch.Tensor, ...]]:
         """One eager forward on the samples; returns the outputs awaiting a backward, or None."""
-        outputs = self._run_user_fn(self._samples)
+        outputs = self._with_forward_hooks(self._samples,
+                                           lambda: self._run_user_fn(self._samples))
         self._output_keys = tuple(BufferKey.of(o) for o in outputs)
         return self._differentiable(outputs) or None
 
-    def _warmup_backward(self, outputs: tuple[torch.Tensor, ...]) -> None:
-        grads = torch.autograd.grad(
-            outputs,
-            self._grad_targets(self._samples),
-            grad_outputs=[torch.zeros_like(o) for o in outputs],
-            allow_unused=True,
-        )
-        self._check_unused(grads)
+    def _warmup_backward(self, outputs: tuple[torch.Tensor, ...], kind: StepKind) -> None:
+        """One eager backward (full, input-gradient or weight-gradient part) on ``outputs``."""
+        if kind is StepKind.BACKWARD and self._split_backward:
+            targets, retain = self._grad_targets(self._samples)[:self._num_input_targets()], True
+        elif kind is StepKind.WEIGHT:
+            targets, retain = self._param_targets(), False
+        else:
+            targets, retain = self._grad_targets(self._samples), False
+        self._hooks.run("backward_pre")
+        if targets:
+            grads = torch.autograd.grad(outputs, targets, retain_graph=retain,
+                                        allow_unused=True,
+                                        grad_outputs=[torch.zeros_like(o) for o in outputs])
+            if not self._split_backward:
+                self._check_unused(grads)
+        self._hooks.run("backward")
+
+    def _num_input_targets(self) -> int:
+        return sum(1 for spec in self._input_specs if spec.requires_grad)
 
     # Capture.
 
@@ -361,48 +393,98 @@ class GraphedCallable:
             for static, sample in zip(self._static_inputs, self._samples):
                 if not _same_buffer(static, sample):
                     static.copy_(sample)  # values do not matter on CUDA; keeps CPU runs exact
-        captured = pair.capture_forward(self._run_on_static)
+        captured_box: list[Any] = []
+
+        def capture() -> tuple[torch.Tensor, ...]:
+            captured_box.append(pair.capture_forward(self._run_on_static))
+            return captured_box[0].outputs
+
+        self._with_forward_hooks(self._static_inputs, capture)
+        captured = captured_box.pop()
         self._static_outputs = captured.outputs
         self._output_requires_grad = captured.requires_grad
         self._has_backward = any(captured.requires_grad)
 
+    def _grad_body(self, targets: Callable[[], tuple[torch.Tensor, ...]], retain: bool
+                   ) -> Callable[[Sequence[torch.Tensor]], Sequence[Optional[torch.Tensor]]]:
+        """A backward body differentiating the outputs w.r.t. ``targets()``.
+
+        Targets are looked up at run time: the CPU backend reruns the body against forward
+        replays made on the static inputs as they are then.
+        """
+        seeds = [g for g in self._static_grad_outputs if g is not None]
+
+        def body(outputs: Sequence[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
+            wanted = targets()
+            if not wanted:
+                return ()
+            return torch.autograd.grad(self._differentiable(outputs), wanted,
+                                       grad_outputs=seeds, allow_unused=True,
+                                       retain_graph=retain)
+        return body
+
+    def _input_targets(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in self._static_inputs if t.requires_grad)
+
+    def _param_targets(self) -> tuple[torch.Tensor, ...]:
+        return tuple(p for p in self._params if p.requires_grad)
+
     def _capture_backward(self, backend: GraphBackend, *, release: bool,
                           chained: Sequence[bool]) -> None:
-        """Record the backward graph; with ``release``, stop owning what dies here.
+        """Record the backward graph (input gradients only when the backward is split).
 
-        After this step the plan has no further use for this graph's outputs, its gradient
-        buffers or (for chained inputs) the previous layer's output, so they are kept only as
-        non-owning views and the pool hands their blocks to graphs captured later.
+        With ``release`` (and no weight step to come), stop owning what dies here: the plan
+        has no further use for this graph's outputs, its gradient buffers or (for chained
+        inputs) the previous layer's output, so they are kept only as non-owning views and
+        the pool hands their blocks to graphs captured later.
         """
         pair = self._pair
         assert pair is not None
         if not self._has_backward:
             return
-        flags = self._output_requires_grad
         if not self._static_grad_outputs:
             self._static_grad_outputs = tuple(
-                torch.empty_like(o) if rg else None for o, rg in zip(self._static_outputs, flags))
-        seeds = [g for g in self._static_grad_outputs if g is not None]
-        retain = self._retain_graph
-
-        def backward_body(outputs: Sequence[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
-            # Targets are looked up at run time: the CPU backend reruns this body against
-            # forward replays made on the static inputs as they are then.
-            return torch.autograd.grad(
-                self._differentiable(outputs), self._grad_targets(self._static_inputs),
-                grad_outputs=seeds, allow_unused=True, retain_graph=retain,
-            )
-
-        grads = pair.capture_backward(backward_body, retain_graph=retain)
-        self._check_unused(grads)
+                torch.empty_like(o) if rg else None
+                for o, rg in zip(self._static_outputs, self._output_requires_grad))
+        self._hooks.run("backward_pre")
+        if self._split_backward:  # the weight step still needs the saved activations
+            self._static_grads = pair.capture_backward(
+                self._grad_body(self._input_targets, True), retain_graph=True)
+            self._hooks.run("backward")
+            return
+        body = self._grad_body(lambda: self._input_targets() + self._param_targets(),
+                               self._retain_graph)
+        self._static_grads = pair.capture_backward(body, retain_graph=self._retain_graph)
+        self._hooks.run("backward")
+        self._check_unused(self._static_grads)
         if release:
-            self._released = True
-            self._static_outputs = tuple(backend.disown(o) for o in self._static_outputs)
-            grads = tuple(None if g is None else backend.disown(g) for g in grads)
-            self._static_inputs = tuple(
-                backend.alias(t).requires_grad_(t.requires_grad) if link else t
-                for t, link in zip(self._static_inputs, chained))
-        self._static_grads = grads
+            self._release_buffers(backend, chained)
+
+    def _capture_weight(self, backend: GraphBackend, *, release: bool,
+                        chained: Sequence[bool]) -> None:
+        """Record the deferred weight-gradient graph of a split backward."""
+        pair = self._pair
+        assert pair is not None
+        if not self._has_backward:
+            return
+        body = self._grad_body(self._param_targets, self._retain_graph)
+        self._hooks.run("backward_pre")
+        self._static_weight_grads = pair.capture_weight(body, retain_graph=self._retain_graph)
+        self._hooks.run("backward")
+        self._check_unused(self._static_grads + self._static_weight_grads)
+        if release:
+            self._release_buffers(backend, chained)
+
+    def _release_buffers(self, backend: GraphBackend, chained: Sequence[bool]) -> None:
+        self._released = True
+        self._static_outputs = tuple(backend.disown(o) for o in self._static_outputs)
+        self._static_grads = tuple(None if g is None else backend.disown(g)
+                                   for g in self._static_grads)
+        self._static_weight_grads = tuple(None if g is None else backend.disown(g)
+                                          for g in self._static_weight_grads)
+        self._static_inputs = tuple(
+            backend.alias(t).requires_grad_(t.requires_grad) if link else t
+            for t, link in zip(self._static_inputs, chained))
 
     def _owned_tensors(self) -> list[torch.Tensor]:
         """The static tensors this callable keeps allocated (shared ones included)."""
@@ -411,7 +493,8 @@ class GraphedCallable:
         owned += [g for g in self._static_grad_outputs if g is not None]
         if not self._released:
             owned += list(self._static_outputs)
-            owned += [g for g in self._static_grads if g is not None]
+            owned += [g for g in (*self._static_grads, *self._static_weight_grads)
+                      if g is not None]
         return owned
 
     def _finish_capture(self, module_binding: Optional[_ModuleBinding] = None, *,
@@ -427,6 +510,11 @@ class GraphedCallable:
 
     def _check_no_pending_backward(self) -> None:
         """Refuse a forward replay that would overwrite activations a backward still needs."""
+        if self._weight_pending is not None:
+            raise RuntimeError(
+                f"{self._label}: forward replayed while the weight step of replay "
+                f"{self._weight_pending} has not run; call backward_dw() first, it needs "
+                "the activations this replay would overwrite")
         if self._retain_graph or self._backward_generation == self._forward_generation:
             return
         if any(ref() is not None for ref in self._awaiting_backward):
@@ -489,12 +577,55 @@ class GraphedCallable:
             for static, grad in zip(self._static_grad_outputs, grads):
                 if static is not None and not _same_buffer(static, grad):
                     static.copy_(grad)
-            self._pair.replay_backward()
+            if self._static_grads:
+                self._pair.replay_backward()
             self._backward_generation = generation
             self._awaiting_backward = ()
+            if self._split_backward:
+                self._weight_pending = generation
+                return self._scatter_grads(clone_inputs)
             if self._guard is not None:
                 self._guard.invalidate(f"the backward of {self._label} ran")
             return self._scatter_grads(clone_inputs)
+
+    def backward_dw(self) -> None:
+        """Run the deferred weight-gradient step of the last backward (zero-bubble orders).
+
+        Replays the weight-gradient graph and accumulates into each parameter's ``.grad`` as
+        autograd would (``.grad`` set to a fresh tensor when None, else added to in place);
+        parameter ``post_accumulate_grad`` hooks do not run. Call it at the schedule's W step,
+        after the backward through this callable's outputs (which computed input gradients
+        only) and before its next forward replay.
+
+        Raises:
+            GraphResetError: if the callable was reset.
+            RuntimeError: if it was captured without weight steps, or no backward awaits its
+                weight step.
+        """
+        with self._lock:
+            self._require_ready("run its weight step")
+            if not self._split_backward:
+                raise RuntimeError(
+                    f"{self._label}: backward_dw() needs an order with -(c + 0.5) weight "
+                    "steps; this callable's backward computes weight gradients itself")
+            if self._weight_pending is None:
+                raise RuntimeError(
+                    f"{self._label}: backward_dw() called with no backward awaiting its weight "
+                    "step; run the backward through this callable's outputs first")
+            assert self._pair is not None
+            if self._static_weight_grads:
+                self._pair.replay_weight()
+            self._weight_pending = None
+            if self._guard is not None:
+                self._guard.invalidate(f"the weight step of {self._label} ran")
+            with torch.no_grad():
+                for param, grad in zip(self._param_targets(), self._static_weight_grads):
+                    if grad is None:
+                        continue
+                    if param.grad is None:
+                        param.grad = grad.clone()
+                    else:
+                        param.grad.add_(grad)
 
     def _scatter_grads(self, clone_inputs: Sequence[bool]) -> tuple[Optional[torch.Tensor], ...]:
         """One gradient per tensor passed to ``_Replay.apply`` (inputs, then parameters).
@@ -511,7 +642,7 @@ class GraphedCallable:
             grad = next(grads) if spec.requires_grad else None
             result.append(None if grad is None else (grad.clone() if clone else grad.detach()))
         for param in self._params:
-            grad = next(grads) if param.requires_grad else None
+            grad = next(grads, None) if param.requires_grad else None
             if grad is not None:
                 grad = grad.clone() if param.grad is None else grad.detach()
             result.append(grad)

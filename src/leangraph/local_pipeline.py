@@ -79,6 +79,13 @@ def run_order(
             chunk_outputs[(c, m)] = hidden
             if c == num_chunks:
                 losses[m] = loss_fn(hidden, m)
+        elif step.kind is StepKind.WEIGHT:
+            # Zero-bubble weight step: graphed layers replay their weight-gradient graphs;
+            # eager layers computed weight gradients in their backward already.
+            for index in reversed(range(layers_per_chunk[c - 1])):
+                weight_step = getattr(layer(c, m, index), "backward_dw", None)
+                if weight_step is not None:
+                    weight_step()
         else:
             if c == num_chunks:
                 losses[m].backward()

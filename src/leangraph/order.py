@@ -3,7 +3,9 @@
 An *order* is the list TransformerEngine's ``_order`` and Megatron-LM use to describe what one
 pipeline rank runs: ``+c`` is the next microbatch's forward of model chunk ``c`` (1-based) and
 ``-c`` is the backward of chunk ``c``'s oldest outstanding forward (first in, first out per
-chunk). This module turns such a list into immutable :class:`Step` records and owns the only
+chunk). Zero-bubble schedules split a backward in two: ``-(c + 0.5)`` is the deferred
+weight-gradient step of chunk ``c``'s oldest backward whose weight step has not run, and when
+an order has such entries its ``-c`` entries compute input gradients only. This module turns such a list into immutable :class:`Step` records and owns the only
 copy of the index arithmetic that maps (chunk, microbatch, layer) to a position in
 ``sample_args`` and in the tuple :func:`leangraph.make_graphed_callables` returns.
 """
@@ -23,6 +25,7 @@ class StepKind(enum.Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT = "W"
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,19 +117,26 @@ def unordered_layout(num_callables: int) -> Layout:
     return Layout(layers_per_chunk=(num_callables,), num_microbatches=1)
 
 
-def _chunk_ids(order: Sequence[object]) -> list[int]:
-    """Check every entry is a non-zero integer and return the entries as ints."""
-    entries = []
-    for position, entry in enumerate(order):
-        if isinstance(entry, bool) or not isinstance(entry, numbers.Integral):
-            raise ValueError(
-                f"order[{position}] = {entry!r}: entries must be non-zero integers "
-                f"(+c forward, -c backward of chunk c), got {type(entry).__name__}"
-            )
+def _entry(position: int, entry: object) -> tuple[StepKind, int]:
+    """The kind and chunk of one order entry: ``+c``, ``-c`` or ``-(c + 0.5)``."""
+    if isinstance(entry, bool) or not isinstance(entry, numbers.Real):
+        raise ValueError(
+            f"order[{position}] = {entry!r}: entries must be non-zero integers "
+            f"(+c forward, -c backward of chunk c) or -(c + 0.5) (weight step of chunk c), "
+            f"got {type(entry).__name__}"
+        )
+    if isinstance(entry, numbers.Integral):
         if entry == 0:
             raise ValueError(f"order[{position}] = 0: chunk ids are 1-based, 0 is not a chunk")
-        entries.append(int(entry))
-    return entries
+        return (StepKind.FORWARD if entry > 0 else StepKind.BACKWARD), abs(int(entry))
+    twice = float(entry) * 2
+    if entry < 0 and twice == int(twice) and int(twice) % 2 and entry <= -1.5:
+        return StepKind.WEIGHT, int(-float(entry) - 0.5)
+    raise ValueError(
+        f"order[{position}] = {entry!r}: entries must be non-zero integers (+c forward, -c "
+        "backward of chunk c) or -(c + 0.5) (weight step of chunk c), got "
+        f"{type(entry).__name__} {entry!r}"
+    )
 
 
 def _resolve_layers(
@@ -161,6 +171,47 @@ def _resolve_layers(
     return tuple(int(n) for n in layers)
 
 
+def _count_steps(order: Sequence[object], entries: Sequence[tuple[StepKind, int]],
+                 num_chunks: int) -> list[Step]:
+    """Number each entry's microbatch (first in, first out per chunk and kind)."""
+    counts = {kind: [0] * num_chunks for kind in StepKind}
+    steps = []
+    for position, (kind, chunk) in enumerate(entries):
+        entry = order[position]
+        if chunk > num_chunks:
+            raise ValueError(f"order[{position}] = {entry}: unknown chunk {chunk}, the model "
+                             f"has {num_chunks} chunks")
+        before = {StepKind.BACKWARD: StepKind.FORWARD, StepKind.WEIGHT: StepKind.BACKWARD}
+        if kind in before and counts[kind][chunk - 1] >= counts[before[kind]][chunk - 1]:
+            what = "backward" if kind is StepKind.BACKWARD else "weight step"
+            needs = "forward" if kind is StepKind.BACKWARD else "backward"
+            raise ValueError(f"order[{position}] = {entry}: {what} of chunk {chunk} with no "
+                             f"outstanding {needs}")
+        steps.append(Step(kind, chunk, counts[kind][chunk - 1], position))
+        counts[kind][chunk - 1] += 1
+    return steps
+
+
+def _check_weight_steps(steps: Sequence[Step], backwards: Sequence[int],
+                        layers: Sequence[int]) -> None:
+    """With weight steps, every backward needs one, and every chunk exactly one layer."""
+    for chunk, count in enumerate(backwards, start=1):
+        weights = sum(1 for s in steps if s.kind is StepKind.WEIGHT and s.chunk == chunk)
+        if weights != count:
+            raise ValueError(
+                f"order runs {count} backwards but {weights} weight steps of chunk {chunk}; "
+                "with -(c + 0.5) entries every -c (input gradients only) needs its weight step"
+            )
+        if layers[chunk - 1] != 1:
+            raise ValueError(
+                f"chunk {chunk} has {layers[chunk - 1]} layers, but an order with weight steps "
+                "needs exactly one layer per chunk: a weight step belongs to one graph, and a "
+                "-(c + 0.5) entry of a chunk with several layers would stand for several weight "
+                "graphs whose relative order (which fixes how the shared pool may be reused) "
+                "the order does not give; graph one layer per chunk, as TransformerEngine does"
+            )
+
+
 def parse_order(
     order: Sequence[object],
     *,
@@ -188,32 +239,16 @@ def parse_order(
         raise ValueError(f"order must be a list of chunk ids, got {type(order).__name__}")
     if not order:
         raise ValueError("order is empty")
-    entries = _chunk_ids(order)
+    entries = [_entry(position, entry) for position, entry in enumerate(order)]
     if isinstance(num_layers_per_chunk, Sequence):
         num_chunks = len(num_layers_per_chunk)
     else:
-        num_chunks = max(abs(e) for e in entries)
-    steps: list[Step] = []
-    forwards = [0] * num_chunks
-    backwards = [0] * num_chunks
-    for position, entry in enumerate(entries):
-        chunk = abs(entry)
-        if chunk > num_chunks:
-            raise ValueError(
-                f"order[{position}] = {entry}: unknown chunk {chunk}, the model has "
-                f"{num_chunks} chunks"
-            )
-        if entry > 0:
-            steps.append(Step(StepKind.FORWARD, chunk, forwards[chunk - 1], position))
-            forwards[chunk - 1] += 1
-        else:
-            if backwards[chunk - 1] >= forwards[chunk - 1]:
-                raise ValueError(
-                    f"order[{position}] = {entry}: backward of chunk {chunk} with no "
-                    "outstanding forward"
-                )
-            steps.append(Step(StepKind.BACKWARD, chunk, backwards[chunk - 1], position))
-            backwards[chunk - 1] += 1
+        num_chunks = max(chunk for _, chunk in entries)
+    steps = _count_steps(order, entries, num_chunks)
+    forwards = [sum(1 for s in steps if s.kind is StepKind.FORWARD and s.chunk == c)
+                for c in range(1, num_chunks + 1)]
+    backwards = [sum(1 for s in steps if s.kind is StepKind.BACKWARD and s.chunk == c)
+                 for c in range(1, num_chunks + 1)]
     for chunk in range(1, num_chunks + 1):
         fwd, bwd = forwards[chunk - 1], backwards[chunk - 1]
         if fwd != forwards[0]:
@@ -227,6 +262,8 @@ def parse_order(
                 "every forward needs its backward"
             )
     layers = _resolve_layers(num_layers_per_chunk, num_chunks, num_callables)
+    if any(s.kind is StepKind.WEIGHT for s in steps):
+        _check_weight_steps(steps, backwards, layers)
     layout = Layout(layers_per_chunk=layers, num_microbatches=forwards[0])
     if num_samples != layout.num_graphs:
         raise ValueError(

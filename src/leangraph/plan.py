@@ -3,7 +3,9 @@
 Warm-up and capture never re-derive anything from the order: they walk the plan. A
 :class:`GraphStep` says which graph runs (forward or backward) and which graphs' forward
 outputs are born and die at that step, so "what is alive" at any point is a fold over the
-steps before it. Forward outputs are born at their graph's forward and die at its backward.
+steps before it. Forward outputs are born at their graph's forward and die at its backward,
+or, when the order splits backwards (zero-bubble), at its deferred weight step: that step
+still differentiates the forward's saved activations.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ class GraphStep:
         g = self.graph_id
         return f"{self.kind.value} c{g.chunk} m{g.microbatch} l{g.layer}"
 
+    @property
+    def is_backward(self) -> bool:
+        """A backward (full or input-gradient) or weight-gradient step."""
+        return self.kind is not StepKind.FORWARD
+
 
 @dataclass(frozen=True, slots=True)
 class Plan:
@@ -49,6 +56,7 @@ class Plan:
     warmup: tuple[GraphStep, ...]
     capture: tuple[GraphStep, ...]
     ordered: bool
+    split_backward: bool = False
 
     def live_after(self, steps: Sequence[GraphStep]) -> list[frozenset[int]]:
         """The graphs whose forward outputs are alive after each of ``steps``."""
@@ -66,32 +74,35 @@ class Plan:
 
 
 def _graph_step(layout: Layout, kind: StepKind, chunk: int, microbatch: int, layer: int,
-                order_step: Step) -> GraphStep:
+                order_step: Step, split: bool = False) -> GraphStep:
     graph = layout.graph_index(chunk, microbatch, layer)
-    forward = kind is StepKind.FORWARD
+    last = StepKind.WEIGHT if split else StepKind.BACKWARD
     return GraphStep(
         kind=kind,
         graph=graph,
         graph_id=GraphId(chunk, microbatch, layer),
         callable_index=layout.callable_index(chunk, layer),
-        born=(graph,) if forward else (),
-        dies=() if forward else (graph,),
+        born=(graph,) if kind is StepKind.FORWARD else (),
+        dies=(graph,) if kind is last else (),
         order_step=order_step,
     )
 
 
-def _expand(layout: Layout, step: Step) -> list[GraphStep]:
+def _expand(layout: Layout, step: Step, split: bool = False) -> list[GraphStep]:
     """A chunk's forward runs its layers first to last; its backward, last to first."""
     layers = range(layout.layers_per_chunk[step.chunk - 1])
-    if step.kind is StepKind.BACKWARD:
+    if step.kind is not StepKind.FORWARD:
         layers = reversed(layers)  # type: ignore[assignment]
-    return [_graph_step(layout, step.kind, step.chunk, step.microbatch, l, step) for l in layers]
+    return [_graph_step(layout, step.kind, step.chunk, step.microbatch, l, step, split)
+            for l in layers]
 
 
 def build_plan(layout: Layout, steps: Sequence[Step]) -> Plan:
     """Plan for an explicit pipeline order: warm-up and capture both follow the order."""
-    expanded = tuple(g for step in steps for g in _expand(layout, step))
-    return Plan(layout=layout, warmup=expanded, capture=expanded, ordered=True)
+    split = any(step.kind is StepKind.WEIGHT for step in steps)
+    expanded = tuple(g for step in steps for g in _expand(layout, step, split))
+    return Plan(layout=layout, warmup=expanded, capture=expanded, ordered=True,
+                split_backward=split)
 
 
 def build_unordered_plan(num_callables: int) -> Plan:

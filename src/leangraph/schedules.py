@@ -322,24 +322,30 @@ def _action_kind(action: Any) -> str:
     return str(getattr(ctype, "name", ctype))
 
 
-def _action_entry(action: Any, local_chunks: dict[int, int]) -> int | None:
-    """Map one torch action to an order entry: ``+c``, ``-c`` or None (nothing to run).
+def _action_entries(action: Any, local_chunks: dict[int, int], split: bool) -> list[float]:
+    """Map one torch action to order entries (none for actions that run nothing).
+
+    ``F`` is ``+c``; ``I`` (input gradients) is ``-c`` and ``W`` (weight gradients)
+    ``-(c + 0.5)``; a full ``B`` is ``-c``, or, in an order that splits backwards, ``-c``
+    followed at once by ``-(c + 0.5)`` (there ``-c`` alone computes input gradients only).
 
     Raises:
-        ValueError: for actions an order cannot express (split backward ``I`` / ``W`` and
-            anything unknown), naming the action.
+        ValueError: for actions an order cannot express, naming the action.
     """
     kind = _action_kind(action)
     if kind in _SKIPPED_KINDS:
-        return None
+        return []
+    chunk = local_chunks[action.stage_index]
     if kind in _FORWARD_KINDS:
-        return local_chunks[action.stage_index]
+        return [chunk]
     if kind in _BACKWARD_KINDS:
-        return -local_chunks[action.stage_index]
-    reason = "orders express forwards (F) and full backwards (B) only"
-    if kind in _SPLIT_BACKWARD_KINDS:
-        reason += "; split input/weight backwards (zero-bubble schedules) are not supported yet"
-    raise ValueError(f"action {action} ({kind}) has no leangraph order entry: {reason}")
+        return [-chunk, -(chunk + 0.5)] if split else [-chunk]
+    if kind == "BACKWARD_INPUT":
+        return [-chunk]
+    if kind in ("BACKWARD_WEIGHT", "WEIGHT"):
+        return [-(chunk + 0.5)]
+    raise ValueError(f"action {action} ({kind}) has no leangraph order entry: orders express "
+                     "forwards (F), backwards (B) and split backwards (I, W) only")
 
 
 def _leaf_actions(action: Any) -> list[Any]:
@@ -356,21 +362,24 @@ def _leaf_actions(action: Any) -> list[Any]:
     return [leaf for sub_action in sub_actions for leaf in _leaf_actions(sub_action)]
 
 
-def _actions_to_order(actions: Sequence[Any], schedule_name: str, rank: int) -> list[int]:
+def _actions_to_order(actions: Sequence[Any], schedule_name: str,
+                      rank: int) -> list[float]:
     """Map a rank's torch action list to an order, chunk ids by ascending stage index."""
     leaves = [(pos, leaf) for pos, action in enumerate(actions) for leaf in _leaf_actions(action)]
     stage_ids = sorted({leaf.stage_index for _, leaf in leaves})
     local_chunks = {stage: chunk for chunk, stage in enumerate(stage_ids, start=1)}
-    order: list[int] = []
-    runs: dict[tuple[int, bool], list[Any]] = {}
+    split = any(_action_kind(leaf) in _SPLIT_BACKWARD_KINDS for _, leaf in leaves)
+    order: list[float] = []
+    runs: dict[tuple[int, str], list[Any]] = {}
     for position, leaf in leaves:
         try:
-            entry = _action_entry(leaf, local_chunks)
+            entries = _action_entries(leaf, local_chunks, split)
         except ValueError as exc:
             raise ValueError(f"{schedule_name}, rank {rank}, step {position}: {exc}") from None
-        if entry is not None:
+        for entry in entries:
             order.append(entry)
-            runs.setdefault((abs(entry), entry > 0), []).append(leaf)
+            kind = "F" if entry > 0 else ("B" if float(entry).is_integer() else "W")
+            runs.setdefault((int(abs(entry)), kind), []).append(leaf)
     _check_fifo(runs, schedule_name, rank)
     return order
 
@@ -384,20 +393,21 @@ def _ranks(actions: Sequence[Any]) -> list[int]:
     return [ordered.index(i) for i in indices]
 
 
-def _check_fifo(runs: dict[tuple[int, bool], list[Any]], schedule_name: str, rank: int) -> None:
+def _check_fifo(runs: dict[tuple[int, str], list[Any]], schedule_name: str, rank: int) -> None:
     """Refuse a schedule whose backwards are not first in, first out per stage.
 
     ``-c`` always means the oldest outstanding forward of chunk ``c``. A schedule that runs
     backwards in another sequence (``ScheduleLoopedBFS`` runs them newest first) would replay
     graphs out of their capture order, and graphs sharing a pool are only safe replayed in it.
-    Microbatches are compared by rank, not value: torch 2.13's ``Schedule1F1B`` numbers the
-    last rank's forwards from 1 but its backwards from 0.
+    Weight steps must likewise follow their backwards in order. Microbatches are compared by
+    rank, not value: torch 2.13's ``Schedule1F1B`` numbers the last rank's forwards from 1
+    but its backwards from 0.
     """
-    for (chunk, forward), actions in runs.items():
-        if not forward:
+    for (chunk, kind), actions in runs.items():
+        if kind == "W":
             continue
-        backwards = runs.get((chunk, False), [])
-        for fwd_rank, bwd_rank, action in zip(_ranks(actions), _ranks(backwards), backwards):
+        later = runs.get((chunk, "B" if kind == "F" else "W"), [])
+        for fwd_rank, bwd_rank, action in zip(_ranks(actions), _ranks(later), later):
             if fwd_rank != bwd_rank:
                 raise ValueError(
                     f"{schedule_name}, rank {rank}: action {action} runs a backward out of "
@@ -413,7 +423,7 @@ def from_pipelining(
     num_microbatches: int,
     rank: int,
     stages_per_rank: int = 1,
-) -> list[int]:
+) -> list[float]:
     """The order a ``torch.distributed.pipelining`` schedule class runs on one rank.
 
     The schedule is constructed on stand-in stage objects (no process group, no

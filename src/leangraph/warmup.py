@@ -48,7 +48,7 @@ def _warmup_pass(plan: Plan, graphs: Sequence[GraphedCallable], iteration: int,
             else:
                 outputs = awaiting_backward.get(step.graph)
                 if outputs is not None:
-                    graph._warmup_backward(outputs)
+                    graph._warmup_backward(outputs, step.kind)
                 for dead in step.dies:
                     awaiting_backward.pop(dead, None)
             del outputs

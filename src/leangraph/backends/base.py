@@ -46,11 +46,22 @@ class GraphPair(Protocol):
         so that the backward may be replayed more than once per forward.
         """
 
+    def capture_weight(
+        self, body: BackwardBody, *, retain_graph: bool
+    ) -> tuple[Optional[torch.Tensor], ...]:
+        """Record a second, deferred backward graph (zero-bubble weight gradients).
+
+        Needs :meth:`capture_backward` to have run with ``retain_graph=True``.
+        """
+
     def replay_forward(self) -> None:
         """Rerun the forward, overwriting the static outputs in place."""
 
     def replay_backward(self) -> None:
         """Rerun the backward against the last forward replay, overwriting the gradients."""
+
+    def replay_weight(self) -> None:
+        """Rerun the weight-gradient graph against the last forward replay."""
 
     def reset(self) -> None:
         """Release both graphs and everything captured with them. Idempotent."""

@@ -38,16 +38,20 @@ def _copy_into(static: Sequence[Optional[torch.Tensor]],
 
 
 class CpuGraphPair:
-    """Forward and backward "graphs" that rerun their bodies into static buffers."""
+    """Forward and backward "graphs" that rerun their bodies into static buffers.
+
+    The backward part is ``"backward"`` (a full or input-gradient backward) and, for
+    zero-bubble orders, ``"weight"`` (the deferred weight-gradient backward).
+    """
 
     def __init__(self, backend: CpuBackend) -> None:
         self._backend = backend
         self._forward_body: Optional[ForwardBody] = None
-        self._backward_body: Optional[BackwardBody] = None
         self._live_outputs: Optional[Sequence[torch.Tensor]] = None
         self._static_outputs: tuple[torch.Tensor, ...] = ()
-        self._static_grads: tuple[Optional[torch.Tensor], ...] = ()
-        self._retain_graph = False
+        self._grad_bodies: dict[str, BackwardBody] = {}
+        self._static_grads: dict[str, tuple[Optional[torch.Tensor], ...]] = {}
+        self._retain: dict[str, bool] = {}
         self._grad_enabled = True
 
     def capture_forward(self, body: ForwardBody) -> CapturedOutputs:
@@ -60,19 +64,28 @@ class CpuGraphPair:
         self._static_outputs = tuple(self._backend.poisoned_like(o) for o in outputs)
         return CapturedOutputs(self._static_outputs, tuple(o.requires_grad for o in outputs))
 
+    def _capture_grads(self, part: str, body: BackwardBody,
+                       retain_graph: bool) -> tuple[Optional[torch.Tensor], ...]:
+        if self._live_outputs is None:
+            raise RuntimeError(f"{part} captured before its forward")
+        grads = tuple(body(self._live_outputs))
+        self._grad_bodies[part] = body
+        self._retain[part] = retain_graph
+        if not retain_graph:
+            self._live_outputs = None
+        static = tuple(None if g is None else self._backend.poisoned_like(g) for g in grads)
+        self._static_grads[part] = static
+        return static
+
     def capture_backward(
         self, body: BackwardBody, *, retain_graph: bool
     ) -> tuple[Optional[torch.Tensor], ...]:
-        if self._live_outputs is None:
-            raise RuntimeError("backward captured before its forward")
-        grads = tuple(body(self._live_outputs))
-        self._backward_body = body
-        self._retain_graph = retain_graph
-        if not retain_graph:
-            self._live_outputs = None
-        self._static_grads = tuple(
-            None if g is None else self._backend.poisoned_like(g) for g in grads)
-        return self._static_grads
+        return self._capture_grads("backward", body, retain_graph)
+
+    def capture_weight(
+        self, body: BackwardBody, *, retain_graph: bool
+    ) -> tuple[Optional[torch.Tensor], ...]:
+        return self._capture_grads("weight", body, retain_graph)
 
     def replay_forward(self) -> None:
         if self._forward_body is None:
@@ -86,22 +99,29 @@ class CpuGraphPair:
         """Hold the autograd graph of ``outputs`` only if a backward can differentiate it."""
         self._live_outputs = outputs if any(o.requires_grad for o in outputs) else None
 
-    def replay_backward(self) -> None:
-        if self._backward_body is None:
-            raise RuntimeError("backward graph was reset or never captured")
+    def _replay_grads(self, part: str) -> None:
+        body = self._grad_bodies.get(part)
+        if body is None:
+            raise RuntimeError(f"{part} graph was reset or never captured")
         if self._live_outputs is None:
-            raise RuntimeError("backward replayed with no forward replay to differentiate")
-        grads = self._backward_body(self._live_outputs)
-        if not self._retain_graph:
+            raise RuntimeError(f"{part} replayed with no forward replay to differentiate")
+        grads = body(self._live_outputs)
+        if not self._retain[part]:
             self._live_outputs = None
-        _copy_into(self._static_grads, grads)
+        _copy_into(self._static_grads[part], grads)
+
+    def replay_backward(self) -> None:
+        self._replay_grads("backward")
+
+    def replay_weight(self) -> None:
+        self._replay_grads("weight")
 
     def reset(self) -> None:
         self._forward_body = None
-        self._backward_body = None
         self._live_outputs = None
         self._static_outputs = ()
-        self._static_grads = ()
+        self._grad_bodies.clear()
+        self._static_grads.clear()
 
 
 class CpuBackend:

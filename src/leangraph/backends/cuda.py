@@ -127,6 +127,7 @@ class CudaGraphPair:
         self._backend: Optional[CudaBackend] = backend
         self._forward: Optional[torch.cuda.CUDAGraph] = None
         self._backward: Optional[torch.cuda.CUDAGraph] = None
+        self._weight: Optional[torch.cuda.CUDAGraph] = None
         self._captured_outputs: Optional[tuple[torch.Tensor, ...]] = None
 
     def _owner(self) -> CudaBackend:
@@ -147,11 +148,20 @@ class CudaGraphPair:
     def capture_backward(
         self, body: BackwardBody, *, retain_graph: bool
     ) -> tuple[Optional[torch.Tensor], ...]:
+        self._backward = torch.cuda.CUDAGraph()
+        return self._capture_grads(self._backward, body, retain_graph)
+
+    def capture_weight(
+        self, body: BackwardBody, *, retain_graph: bool
+    ) -> tuple[Optional[torch.Tensor], ...]:
+        self._weight = torch.cuda.CUDAGraph()
+        return self._capture_grads(self._weight, body, retain_graph)
+
+    def _capture_grads(self, graph: torch.cuda.CUDAGraph, body: BackwardBody,
+                       retain_graph: bool) -> tuple[Optional[torch.Tensor], ...]:
         outputs = self._captured_outputs
         if outputs is None:
             raise RuntimeError("backward captured before its forward")
-        graph = torch.cuda.CUDAGraph()
-        self._backward = graph
         grads = tuple(self._owner().capture(graph, lambda: body(outputs)))
         if not retain_graph:
             # The saved activations go back to the pool; later captures may reuse them.
@@ -169,11 +179,17 @@ class CudaGraphPair:
             raise RuntimeError("backward graph was reset or never captured")
         self._backward.replay()
 
+    def replay_weight(self) -> None:
+        if self._weight is None:
+            raise RuntimeError("weight-gradient graph was reset or never captured")
+        self._weight.replay()
+
     def reset(self) -> None:
-        for graph in (self._forward, self._backward):
+        for graph in (self._forward, self._backward, self._weight):
             if graph is not None:
                 graph.reset()
         self._forward = None
         self._backward = None
+        self._weight = None
         self._captured_outputs = None
         self._backend = None

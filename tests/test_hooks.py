@@ -1,0 +1,83 @@
+"""Capture-time hooks run around warm-up and capture steps in schedule order, never at replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import leangraph
+
+
+class Layer(torch.nn.Module):
+    """Records whether its forward is running (as it is during stream capture)."""
+
+    running = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Layer.running = True
+        try:
+            return x * self.weight
+        finally:
+            Layer.running = False
+
+
+def _hooks(log: list[str], name: str) -> dict[str, list]:
+    def hook(kind):
+        def record(module, *args):
+            assert not Layer.running, "a hook ran inside the recorded forward"
+            if torch.cuda.is_available():
+                assert not torch.cuda.is_current_stream_capturing()
+            log.append(f"{kind}:{name}")
+        return record
+    return {kind: [hook(kind)] for kind in ("forward_pre", "forward", "backward_pre", "backward")}
+
+
+def _expected(sequence: list[tuple[str, str]], passes: int) -> list[str]:
+    one = []
+    for kind, name in sequence:
+        pre, post = ("forward_pre", "forward") if kind == "F" else ("backward_pre", "backward")
+        one += [f"{pre}:{name}", f"{post}:{name}"]
+    return one * passes
+
+
+@pytest.mark.parametrize("iters", [1, 2])
+def test_ordered_hook_log_is_exact(iters):
+    log: list[str] = []
+    layers = (Layer(), Layer())
+    samples = tuple((torch.randn(3, requires_grad=True),) for _ in range(4))
+    graphed = leangraph.make_graphed_callables(
+        layers, samples, order=[1, 2, 1, -2, -1, 2, -2, -1], num_warmup_iters=iters,
+        capture_time_hooks=[_hooks(log, "c1"), _hooks(log, "c2")],
+        pre_warmup_hook=lambda: log.append("pre-warmup"),
+        post_warmup_hook=lambda: log.append("post-warmup"))
+    steps = [("F", "c1"), ("F", "c2"), ("F", "c1"), ("B", "c2"), ("B", "c1"), ("F", "c2"),
+             ("B", "c2"), ("B", "c1")]
+    assert log == (["pre-warmup"] + _expected(steps, iters) + ["post-warmup"]
+                   + _expected(steps, 1))
+    count = len(log)
+    graphed[0](torch.randn(3, requires_grad=True)).sum().backward()
+    assert len(log) == count, "hooks must never run at replay"
+
+
+def test_unordered_hook_log_is_exact():
+    log: list[str] = []
+    layers = (Layer(), Layer())
+    samples = tuple((torch.randn(3, requires_grad=True),) for _ in range(2))
+    leangraph.make_graphed_callables(layers, samples, num_warmup_iters=2,
+                                     capture_time_hooks=[_hooks(log, "a"), _hooks(log, "b")])
+    warmup = [("F", "a"), ("B", "a"), ("F", "b"), ("B", "b")]
+    capture = [("F", "a"), ("F", "b"), ("B", "b"), ("B", "a")]
+    assert log == _expected(warmup, 2) + _expected(capture, 1)
+
+
+def test_hook_entries_are_validated():
+    samples = ((torch.randn(3, requires_grad=True),),)
+    with pytest.raises(ValueError, match=r"capture_time_hooks has 2 entries for 1 callables"):
+        leangraph.make_graphed_callables((Layer(),), samples, capture_time_hooks=[None, None])
+    with pytest.raises(ValueError, match=r"capture_time_hooks\[0\]: unknown hook kinds \['after'\]"):
+        leangraph.make_graphed_callables((Layer(),), samples,
+                                         capture_time_hooks=[{"after": []}])

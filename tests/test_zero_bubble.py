@@ -1,0 +1,120 @@
+"""Split backward (zero-bubble) orders: -(c + 0.5) weight steps and backward_dw()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import leangraph
+from leangraph.buffers import BufferKey, plan_buffers
+from leangraph.order import StepKind, parse_order
+from leangraph.plan import build_plan
+from models import Block, assert_histories_equal, train_both
+
+# 2 chunks x 1 layer, 2 microbatches; weight steps deferred past other work.
+ZB = [1, 2, 1, -2, 2, -1, -2.5, -2, -1.5, -1, -2.5, -1.5]
+# 3 microbatches, weight steps of chunk 2 batched late.
+ZB3 = [1, 2, 1, 2, -2, -1, 1, -2, 2, -1.5, -1, -2.5, -2.5, -2, -1.5, -1, -2.5, -1.5]
+
+
+def test_parse_weight_steps():
+    layout, steps = parse_order(ZB, num_callables=2, num_samples=4)
+    assert [str(s) for s in steps[6:9]] == ["W c2 m0", "B c2 m1", "W c1 m0"]
+    plan = build_plan(layout, steps)
+    assert plan.split_backward
+    backward = next(s for s in plan.capture if s.kind is StepKind.BACKWARD)
+    weight = next(s for s in plan.capture if s.kind is StepKind.WEIGHT and s.graph == backward.graph)
+    assert backward.dies == () and weight.dies == (backward.graph,)
+
+
+@pytest.mark.parametrize(("order", "message"), [
+    ([1, -1.5, -1], r"order\[1\] = -1.5: weight step of chunk 1 with no outstanding backward"),
+    ([1, -1, 1, -1, -1.5], r"2 backwards but 1 weight steps of chunk 1"),
+    ([1, -1, -1.25], r"order\[2\] = -1.25: entries must be .* or -\(c \+ 0.5\)"),
+    ([1, -1, 1.5], r"order\[2\] = 1.5"),
+])
+def test_malformed_weight_steps(order, message):
+    with pytest.raises(ValueError, match=message):
+        parse_order(order, num_callables=1, num_samples=order.count(1))
+
+
+def test_weight_steps_need_one_layer_per_chunk():
+    with pytest.raises(ValueError, match="chunk 1 has 2 layers, but an order with weight steps "
+                                         "needs exactly one layer per chunk"):
+        parse_order([1, -1, -1.5], num_callables=2, num_samples=2)
+
+
+@pytest.mark.parametrize(("order", "microbatches"), [(ZB, 2), (ZB3, 3)])
+def test_zero_bubble_training_matches_eager_exactly(order, microbatches):
+    history, graphed = train_both(order, [1, 1], width=8, microbatches=microbatches, steps=3)
+    assert_histories_equal(history, exact=True)
+    leangraph.reset_all(graphed)
+
+
+def _zb_graphs():
+    torch.manual_seed(0)
+    layers = tuple(Block(8) for _ in range(2))
+    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(4))
+    return layers, leangraph.make_graphed_callables(layers, samples, order=ZB)
+
+
+def test_input_grads_come_before_the_weight_step():
+    layers, graphed = _zb_graphs()
+    x = torch.randn(4, 8, requires_grad=True)
+    out = graphed[0](x)  # chunk 1, microbatch 0
+    out.square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert all(p.grad is None for p in layers[0].parameters())
+    graphed[0].backward_dw()
+    assert all(p.grad is not None for p in layers[0].parameters())
+    reference = Block(8)
+    reference.load_state_dict(layers[0].state_dict())
+    y = x.detach().clone().requires_grad_()
+    reference(y).square().sum().backward()
+    assert torch.equal(x.grad, y.grad)
+    for p, q in zip(layers[0].parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_backward_dw_misuse_raises():
+    _, graphed = _zb_graphs()
+    with pytest.raises(RuntimeError, match=r"graph \(chunk 1, microbatch 0, layer 0\): "
+                                           r"backward_dw\(\) called with no backward awaiting"):
+        graphed[0].backward_dw()
+    x = torch.randn(4, 8, requires_grad=True)
+    graphed[0](x).sum().backward()
+    with pytest.raises(RuntimeError, match="forward replayed while the weight step of replay 1"):
+        graphed[0](x)
+    graphed[0].backward_dw()
+    graphed[0](x).sum().backward()
+    graphed[0].reset()
+    with pytest.raises(leangraph.GraphResetError, match="cannot run its weight step"):
+        graphed[0].backward_dw()
+    assert graphed[0]._static_weight_grads == () and graphed[0]._pair is None
+
+
+def test_backward_dw_needs_a_split_order():
+    torch.manual_seed(0)
+    graphed = leangraph.make_graphed_callables(
+        (Block(8),), ((torch.randn(4, 8, requires_grad=True),),), order=[1, -1])
+    with pytest.raises(RuntimeError, match=r"backward_dw\(\) needs an order with -\(c \+ 0.5\)"):
+        graphed[0].backward_dw()
+
+
+def test_seeds_are_not_shared_between_overlapping_backward_and_weight_spans():
+    key = BufferKey((4, 8), torch.float32, torch.device("cpu"), True)
+    layout, steps = parse_order(ZB3, num_callables=2, num_samples=6)
+    plan = build_plan(layout, steps)
+    buffers = plan_buffers(plan, [[key]] * 6, [[key]] * 6, chainable=[True] * 6)
+    spans = {}
+    for index, step in enumerate(plan.capture):
+        if step.kind is StepKind.BACKWARD:
+            spans[step.graph] = [index, None]
+        elif step.kind is StepKind.WEIGHT:
+            spans[step.graph][1] = index
+    for a in spans:
+        for b in spans:
+            if a < b and buffers.seeds[a][0] == buffers.seeds[b][0]:
+                (a0, a1), (b0, b1) = spans[a], spans[b]
+                assert a1 < b0 or b1 < a0, (a, b)
+    assert 1 < len(buffers.seed_keys) < 6
