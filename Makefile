@@ -8,6 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.leangraph-stamp
 
 .PHONY: setup demo test test-cuda lint clean
+LINT_TOOLS := ruff==0.17.6 mypy==2.4.1
 
 setup: $(STAMP)
 
@@ -35,6 +36,13 @@ test: setup
 # On a GPU machine: the CUDA suite alone, verbose.
 test-cuda: setup
 	$(PY) -m pytest -q -m "cuda or multigpu" -rs
+
+# Quality gates: ruff (lint and format check) and mypy on the package.
+lint: setup
+	$(PY) -c "import ruff, mypy" 2>/dev/null || $(PY) -m pip install -q $(LINT_TOOLS)
+	$(PY) -m ruff check src
+	$(PY) -m ruff format --check src
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) src/*.egg-info .pytest_cache

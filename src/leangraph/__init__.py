@@ -9,27 +9,27 @@ from __future__ import annotations
 
 from .api import make_graphed_callables, reset_all
 from .errors import CaptureMemoryError, GraphResetError, LeangraphError
-from .memory_plan import MemoryPlan, plan_memory
 from .graphed import GraphedCallable
+from .memory_plan import MemoryPlan, plan_memory
 from .order import GraphId, Layout
 from .progress import ProgressEvent
 from .report import MemoryReport, memory_report, plot_memory
 
 __all__ = [
-    "make_graphed_callables",
-    "reset_all",
-    "GraphedCallable",
-    "GraphId",
-    "Layout",
-    "GraphResetError",
-    "LeangraphError",
     "CaptureMemoryError",
+    "GraphId",
+    "GraphResetError",
+    "GraphedCallable",
+    "Layout",
+    "LeangraphError",
     "MemoryPlan",
-    "plan_memory",
-    "ProgressEvent",
     "MemoryReport",
+    "ProgressEvent",
+    "make_graphed_callables",
     "memory_report",
+    "plan_memory",
     "plot_memory",
+    "reset_all",
 ]
 
 __version__ = "0.1.0"

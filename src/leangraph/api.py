@@ -6,7 +6,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -14,13 +14,13 @@ from torch.utils import _pytree as pytree
 from .backends import GraphBackend, make_backend
 from .buffers import BufferKey, StaticBuffers, plan_buffers
 from .capture import run_capture
-from .hooks import CaptureHooks, normalize_hooks
 from .errors import CaptureMemoryError
-from .progress import ProgressCallback
-from .report import CaptureRecord, MemoryRecorder
 from .graphed import GraphedCallable, _ModuleBinding
+from .hooks import CaptureHooks, normalize_hooks
 from .order import parse_order
 from .plan import Plan, build_plan, build_unordered_plan
+from .progress import ProgressCallback
+from .report import CaptureRecord, MemoryRecorder
 from .warmup import run_warmup
 
 __all__ = ["make_graphed_callables", "reset_all"]
@@ -28,29 +28,28 @@ __all__ = ["make_graphed_callables", "reset_all"]
 log = logging.getLogger("leangraph")
 
 SampleArgs = tuple[Any, ...]
-Graphed = Union[GraphedCallable, torch.nn.Module]
+Graphed = GraphedCallable | torch.nn.Module
 
 
 def make_graphed_callables(
-    callables: Union[Callable[..., Any], tuple[Callable[..., Any], ...]],
-    sample_args: Union[SampleArgs, tuple[SampleArgs, ...]],
+    callables: Callable[..., Any] | tuple[Callable[..., Any], ...],
+    sample_args: SampleArgs | tuple[SampleArgs, ...],
     *,
-    sample_kwargs: Optional[Union[dict[str, Any], Sequence[dict[str, Any]]]] = None,
+    sample_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
     num_warmup_iters: int = 3,
     allow_unused_input: bool = False,
-    pool: Optional[Any] = None,
-    order: Optional[Sequence[int]] = None,
-    num_layers_per_chunk: Optional[Union[int, Sequence[int]]] = None,
+    pool: Any | None = None,
+    order: Sequence[int] | None = None,
+    num_layers_per_chunk: int | Sequence[int] | None = None,
     retain_graph_in_backward: bool = False,
-    backend: Optional[str] = None,
+    backend: str | None = None,
     share_buffers: bool = True,
     debug_outputs: bool = False,
-    progress: Optional[ProgressCallback] = None,
+    progress: ProgressCallback | None = None,
     check_memory: bool = True,
-    pre_warmup_hook: Optional[Callable[[], None]] = None,
-    post_warmup_hook: Optional[Callable[[], None]] = None,
-    capture_time_hooks: Optional[Sequence[Optional[Mapping[str, Sequence[Callable[..., None]]]]]]
-    = None,
+    pre_warmup_hook: Callable[[], None] | None = None,
+    post_warmup_hook: Callable[[], None] | None = None,
+    capture_time_hooks: Sequence[Mapping[str, Sequence[Callable[..., None]]] | None] | None = None,
 ) -> Any:
     """Capture callables into forward and backward graphs, optionally in a pipeline order.
 
@@ -130,8 +129,11 @@ def make_graphed_callables(
         sample_args = (sample_args,)
         sample_kwargs = None if sample_kwargs is None else (sample_kwargs,)  # type: ignore[assignment]
     assert isinstance(callables, tuple)
-    if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int) \
-            or num_warmup_iters < 0:
+    if (
+        isinstance(num_warmup_iters, bool)
+        or not isinstance(num_warmup_iters, int)
+        or num_warmup_iters < 0
+    ):
         raise ValueError(f"num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}")
     _check_autocast()
     for index, fn in enumerate(callables):
@@ -146,30 +148,50 @@ def make_graphed_callables(
     if check_memory and graph_backend.name == "cuda":
         # The check runs the callables' code once: what it draws must not move the RNGs, on
         # success or failure, and a failure there restores module state as later ones do.
-        with torch.random.fork_rng(devices=[device], device_type="cuda"), \
-                saved.restoring("the memory check (check_memory=True), before warm-up"):
-            _check_fits(callables, sample_args, sample_kwargs, order, num_layers_per_chunk,
-                        device)
+        with (
+            torch.random.fork_rng(devices=[device], device_type="cuda"),
+            saved.restoring("the memory check (check_memory=True), before warm-up"),
+        ):
+            _check_fits(callables, sample_args, sample_kwargs, order, num_layers_per_chunk, device)
     hooks = normalize_hooks(capture_time_hooks, callables)
-    graphs = _build_graphs(plan, callables, samples, graph_backend, hooks,
-                           allow_unused_input=allow_unused_input,
-                           retain_graph_in_backward=retain_graph_in_backward,
-                           share_buffers=share_buffers)
+    graphs = _build_graphs(
+        plan,
+        callables,
+        samples,
+        graph_backend,
+        hooks,
+        allow_unused_input=allow_unused_input,
+        retain_graph_in_backward=retain_graph_in_backward,
+        share_buffers=share_buffers,
+    )
     recorder = MemoryRecorder(device, getattr(graph_backend, "pool", None))
     observers = [recorder] + ([progress] if progress is not None else [])
     warmup_steps = num_warmup_iters * len(plan.warmup)
     try:
         if pre_warmup_hook is not None:
             pre_warmup_hook()
-        run_warmup(plan, graphs, num_iters=num_warmup_iters, backend=graph_backend,
-                   observers=observers, total_steps=warmup_steps + len(plan.capture))
+        run_warmup(
+            plan,
+            graphs,
+            num_iters=num_warmup_iters,
+            backend=graph_backend,
+            observers=observers,
+            total_steps=warmup_steps + len(plan.capture),
+        )
         if post_warmup_hook is not None:
             post_warmup_hook()
         recorder.end_warmup()
-        buffers = _plan_static_buffers(plan, graphs, samples, known_outputs=num_warmup_iters > 0,
-                                       share=share_buffers)
-        run_capture(plan, graphs, backend=graph_backend, buffers=buffers, observers=observers,
-                    steps_before=warmup_steps)
+        buffers = _plan_static_buffers(
+            plan, graphs, samples, known_outputs=num_warmup_iters > 0, share=share_buffers
+        )
+        run_capture(
+            plan,
+            graphs,
+            backend=graph_backend,
+            buffers=buffers,
+            observers=observers,
+            steps_before=warmup_steps,
+        )
         del buffers
     except BaseException as exc:
         _note_out_of_memory(exc, device)  # figures as at the failure, before the resets
@@ -179,11 +201,12 @@ def make_graphed_callables(
         raise
     finally:
         graph_backend.teardown()
-    return _hand_back(plan, callables, graphs, single, debug_outputs=debug_outputs,
-                      record=recorder.finish())
+    return _hand_back(
+        plan, callables, graphs, single, debug_outputs=debug_outputs, record=recorder.finish()
+    )
 
 
-def reset_all(graphed: Union[Graphed, Sequence[Graphed]]) -> None:
+def reset_all(graphed: Graphed | Sequence[Graphed]) -> None:
     """Reset every graphed callable of one ``make_graphed_callables`` result.
 
     Accepts what ``make_graphed_callables`` returned: a :class:`GraphedCallable`, a module
@@ -233,8 +256,9 @@ class _MetaTwin(torch.nn.Module):
         for name, tensor in (*module.named_parameters(), *module.named_buffers()):
             meta = torch.empty_like(tensor, device="meta")
             if isinstance(tensor, torch.nn.Parameter):
-                self.register_parameter(name.replace(".", "__"),
-                                        torch.nn.Parameter(meta, tensor.requires_grad))
+                self.register_parameter(
+                    name.replace(".", "__"), torch.nn.Parameter(meta, tensor.requires_grad)
+                )
             else:
                 self.register_buffer(name.replace(".", "__"), meta)
         self._names = [n for n, _ in (*module.named_parameters(), *module.named_buffers())]
@@ -246,26 +270,42 @@ class _MetaTwin(torch.nn.Module):
 
 def _to_meta(tree: Any) -> Any:
     return pytree.tree_map(
-        lambda t: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
-        if isinstance(t, torch.Tensor) else t, tree)
+        lambda t: (
+            torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+            if isinstance(t, torch.Tensor)
+            else t
+        ),
+        tree,
+    )
 
 
-def _check_fits(callables: tuple[Any, ...], sample_args: Any, sample_kwargs: Any,
-                order: Optional[Sequence[int]], num_layers_per_chunk: Any,
-                device: torch.device) -> None:
+def _check_fits(
+    callables: tuple[Any, ...],
+    sample_args: Any,
+    sample_kwargs: Any,
+    order: Sequence[int] | None,
+    num_layers_per_chunk: Any,
+    device: torch.device,
+) -> None:
     from .memory_plan import plan_memory
 
     if not all(isinstance(fn, torch.nn.Module) for fn in callables):
-        log.warning("check_memory skipped: plain functions cannot be measured on the meta "
-                    "device (their captured tensors are real); graph nn.Modules to check")
+        log.warning(
+            "check_memory skipped: plain functions cannot be measured on the meta "
+            "device (their captured tensors are real); graph nn.Modules to check"
+        )
         return
     twins: dict[int, _MetaTwin] = {}
     meta_callables = tuple(twins.setdefault(id(fn), _MetaTwin(fn)) for fn in callables)
     rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     try:  # meta kernels of random ops may still advance the device generator's offset
-        plan = plan_memory(meta_callables, _to_meta(tuple(sample_args)),
-                           sample_kwargs=_to_meta(sample_kwargs), order=order,
-                           num_layers_per_chunk=num_layers_per_chunk)
+        plan = plan_memory(
+            meta_callables,
+            _to_meta(tuple(sample_args)),
+            sample_kwargs=_to_meta(sample_kwargs),
+            order=order,
+            num_layers_per_chunk=num_layers_per_chunk,
+        )
     finally:
         if rng is not None:
             torch.cuda.set_rng_state(rng, device)
@@ -328,8 +368,8 @@ def _check_distinct_modules(callables: tuple[Any, ...]) -> None:
 def _make_plan(
     callables: tuple[Any, ...],
     sample_args: Any,
-    order: Optional[Sequence[int]],
-    num_layers_per_chunk: Optional[Union[int, Sequence[int]]],
+    order: Sequence[int] | None,
+    num_layers_per_chunk: int | Sequence[int] | None,
 ) -> Plan:
     if not isinstance(sample_args, (tuple, list)):
         raise TypeError(f"sample_args must be a tuple, got {type(sample_args).__name__}")
@@ -342,9 +382,12 @@ def _make_plan(
                 "without an order each callable needs exactly one"
             )
         return build_unordered_plan(len(callables))
-    layout, steps = parse_order(order, num_callables=len(callables),
-                                num_samples=len(sample_args),
-                                num_layers_per_chunk=num_layers_per_chunk)
+    layout, steps = parse_order(
+        order,
+        num_callables=len(callables),
+        num_samples=len(sample_args),
+        num_layers_per_chunk=num_layers_per_chunk,
+    )
     return build_plan(layout, steps)
 
 
@@ -376,7 +419,7 @@ def _normalize_samples(sample_args: Any, sample_kwargs: Any, count: int) -> list
 
 def _common_device(samples: list[tuple[Any, Any]], callables: tuple[Any, ...]) -> torch.device:
     """The one device of every sample tensor and parameter; else name the first two that differ."""
-    first: Optional[tuple[torch.device, str]] = None
+    first: tuple[torch.device, str] | None = None
     for where, tensor in _device_owners(samples, callables):
         if first is None:
             first = (tensor.device, where)
@@ -419,20 +462,25 @@ class _SavedState:
         # Only where CUDA is already initialised (a CUDA backend initialises it): reading the
         # CUDA RNG would otherwise initialise CUDA for a CPU-only call.
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.training = [(module, module.training) for fn in callables
-                         if isinstance(fn, torch.nn.Module) for module in fn.modules()]
+        self.training = [
+            (module, module.training)
+            for fn in callables
+            if isinstance(fn, torch.nn.Module)
+            for module in fn.modules()
+        ]
 
     def restore(self, exc: BaseException) -> None:
         """Put everything back; a step that fails is noted on ``exc``, which stays the error."""
         steps: list[tuple[str, Callable[[], None]]] = [
-            ("the CPU RNG state", lambda: torch.set_rng_state(self.cpu_rng))]
+            ("the CPU RNG state", lambda: torch.set_rng_state(self.cpu_rng))
+        ]
         if self.cuda_rng is not None:
             cuda_rng = self.cuda_rng
             steps.append(("the CUDA RNG states", lambda: torch.cuda.set_rng_state_all(cuda_rng)))
         for what, step in steps:
             try:
                 step()
-            except Exception as error:  # noqa: BLE001 - the original failure is the one to raise
+            except Exception as error:
                 _add_note(exc, f"leangraph: could not restore {what} after the failure: {error!r}")
         for module, training in self.training:
             module.training = training
@@ -467,23 +515,30 @@ def _note_out_of_memory(exc: BaseException, device: torch.device) -> None:
         allocated = torch.cuda.memory_allocated(device)
         reserved = torch.cuda.memory_reserved(device)
         get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch>=2.7
-        fraction = "" if get_fraction is None else \
-            f", per-process memory fraction {get_fraction(device):g}"
-    except Exception:  # noqa: BLE001 - figures are a courtesy; never mask the OOM itself
+        fraction = (
+            ""
+            if get_fraction is None
+            else f", per-process memory fraction {get_fraction(device):g}"
+        )
+    except Exception:
         return
-    _add_note(exc, (
-        f"leangraph: out of memory on {device} in make_graphed_callables: memory_allocated "
-        f"{_mib(allocated)}, memory_reserved {_mib(reserved)}, free on the device {_mib(free)} "
-        f"of {_mib(total)}{fraction}; the graphs made so far were reset, and "
-        "torch.cuda.empty_cache() returns their memory once this error is dropped"
-    ))
+    _add_note(
+        exc,
+        (
+            f"leangraph: out of memory on {device} in make_graphed_callables: memory_allocated "
+            f"{_mib(allocated)}, memory_reserved {_mib(reserved)}, free on the device {_mib(free)} "
+            f"of {_mib(total)}{fraction}; the graphs made so far were reset, and "
+            "torch.cuda.empty_cache() returns their memory once this error is dropped"
+        ),
+    )
 
 
 # ---------------------------------------------------------------------------- assembly
 
 
-def _static_leaves(leaves: list[torch.Tensor], seen: set[int], *,
-                   copy_repeats: bool) -> list[torch.Tensor]:
+def _static_leaves(
+    leaves: list[torch.Tensor], seen: set[int], *, copy_repeats: bool
+) -> list[torch.Tensor]:
     """Sample tensors as detached leaves; with ``copy_repeats`` (samples that will be static
     inputs) a tensor already given to another graph is copied."""
     static = []
@@ -499,8 +554,11 @@ def _static_leaves(leaves: list[torch.Tensor], seen: set[int], *,
 def _label(plan: Plan, graph: int, fn: Any, callable_index: int) -> str:
     if plan.ordered:
         return f"graph ({plan.layout.graph_id(graph)})"
-    name = type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(
-        fn, "__qualname__", type(fn).__name__)
+    name = (
+        type(fn).__name__
+        if isinstance(fn, torch.nn.Module)
+        else getattr(fn, "__qualname__", type(fn).__name__)
+    )
     return f"callable {callable_index} ({name})"
 
 
@@ -524,48 +582,63 @@ def _build_graphs(
         fn = callables[callable_index]
         leaves, tree = pytree.tree_flatten(samples[graph])
         params = tuple(fn.parameters()) if isinstance(fn, torch.nn.Module) else ()
-        graphs.append(GraphedCallable(
-            fn=fn.forward if isinstance(fn, torch.nn.Module) else fn,
-            label=_label(plan, graph, fn, callable_index),
-            graph_id=graph_id if plan.ordered else None,
-            samples=_static_leaves(leaves, seen, copy_repeats=not share_buffers),
-            input_tree=tree,
-            params=params,
-            pair=backend.new_pair(),
-            allow_unused_input=allow_unused_input,
-            retain_graph_in_backward=retain_graph_in_backward,
-            split_backward=plan.split_backward,
-            hooks=hooks[callable_index],
-        ))
+        graphs.append(
+            GraphedCallable(
+                fn=fn.forward if isinstance(fn, torch.nn.Module) else fn,
+                label=_label(plan, graph, fn, callable_index),
+                graph_id=graph_id if plan.ordered else None,
+                samples=_static_leaves(leaves, seen, copy_repeats=not share_buffers),
+                input_tree=tree,
+                params=params,
+                pair=backend.new_pair(),
+                allow_unused_input=allow_unused_input,
+                retain_graph_in_backward=retain_graph_in_backward,
+                split_backward=plan.split_backward,
+                hooks=hooks[callable_index],
+            )
+        )
     return graphs
 
 
-def _plan_static_buffers(plan: Plan, graphs: list[GraphedCallable],
-                         samples: list[tuple[Any, Any]], *, known_outputs: bool,
-                         share: bool) -> Optional[StaticBuffers]:
+def _plan_static_buffers(
+    plan: Plan,
+    graphs: list[GraphedCallable],
+    samples: list[tuple[Any, Any]],
+    *,
+    known_outputs: bool,
+    share: bool,
+) -> StaticBuffers | None:
     """The buffer plan from what warm-up saw, allocated; None without sharing."""
     if not share:
         return None
     input_keys = [[BufferKey.of(t) for t in g._samples] for g in graphs]
     output_keys = [g._output_keys for g in graphs] if known_outputs else None
     chainable = [bool(args) and isinstance(args[0], torch.Tensor) for args, _ in samples]
-    return StaticBuffers.allocate(
-        plan_buffers(plan, input_keys, output_keys, chainable=chainable))
+    return StaticBuffers.allocate(plan_buffers(plan, input_keys, output_keys, chainable=chainable))
 
 
 def _hand_back(
-    plan: Plan, callables: tuple[Any, ...], graphs: list[GraphedCallable], single: bool, *,
-    debug_outputs: bool, record: CaptureRecord
+    plan: Plan,
+    callables: tuple[Any, ...],
+    graphs: list[GraphedCallable],
+    single: bool,
+    *,
+    debug_outputs: bool,
+    record: CaptureRecord,
 ) -> Any:
     results: list[Any] = []
     for graph, fn in zip(graphs, callables if not plan.ordered else [None] * len(graphs)):
         if isinstance(fn, torch.nn.Module):
-            graph._finish_capture(_ModuleBinding(
-                module=weakref.ref(fn),
-                eager_forward=weakref.WeakMethod(fn.forward),
-                training=fn.training,
-            ), debug_outputs=debug_outputs, record=record)
-            fn.forward = graph  # type: ignore[method-assign]
+            graph._finish_capture(
+                _ModuleBinding(
+                    module=weakref.ref(fn),
+                    eager_forward=weakref.WeakMethod(fn.forward),
+                    training=fn.training,
+                ),
+                debug_outputs=debug_outputs,
+                record=record,
+            )
+            fn.forward = graph
             results.append(fn)
         else:
             graph._finish_capture(debug_outputs=debug_outputs, record=record)

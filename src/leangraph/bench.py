@@ -24,7 +24,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -34,7 +34,7 @@ from .report import MemoryReport, TimelinePoint, memory_report
 from .schedules import interleaved_1f1b
 from .workloads import BlockShape, TransformerBlock, make_blocks
 
-__all__ = ["BenchConfig", "MethodResult", "BenchResult", "run_bench"]
+__all__ = ["BenchConfig", "BenchResult", "MethodResult", "run_bench"]
 
 MIB = 1024 * 1024
 
@@ -48,8 +48,11 @@ class BenchConfig:
     rank: int = 0
     num_microbatches: int = 16
     layers_per_chunk: int = 4
-    shape: BlockShape = BlockShape(hidden=1024, heads=16, sequence=2048,
-                                   dtype=torch.bfloat16)
+    shape: BlockShape = field(
+        default_factory=lambda: BlockShape(
+            hidden=1024, heads=16, sequence=2048, dtype=torch.bfloat16
+        )
+    )
     steps: int = 5
     warmup_iters: int = 3
     methods: tuple[str, ...] = ("eager", "torch", "leangraph")
@@ -61,12 +64,12 @@ class MethodResult:
     """Figures of one method; bytes relative to its start, None where not applicable."""
 
     name: str
-    step_peak_bytes: Optional[int] = None
-    capture_peak_bytes: Optional[int] = None
-    held_bytes: Optional[int] = None
-    capture_seconds: Optional[float] = None
-    step_seconds: Optional[float] = None
-    memory_check_seconds: Optional[float] = None  # part of capture_seconds (leangraph)
+    step_peak_bytes: int | None = None
+    capture_peak_bytes: int | None = None
+    held_bytes: int | None = None
+    capture_seconds: float | None = None
+    step_seconds: float | None = None
+    memory_check_seconds: float | None = None  # part of capture_seconds (leangraph)
     losses: list[float] = field(default_factory=list)
 
 
@@ -77,21 +80,27 @@ class BenchResult:
     config: dict[str, Any]
     methods: dict[str, MethodResult]
     losses_agree: dict[str, bool]
-    report: Optional[MemoryReport] = None
+    report: MemoryReport | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Plain data (the memory report's timeline included) for ``json.dump``."""
-        data = {"config": self.config, "losses_agree": self.losses_agree,
-                "methods": {name: asdict(m) for name, m in self.methods.items()},
-                "ratios_to_eager_step_peak": {
-                    name: {f: self.ratio(name, f) for f in
-                           ("step_peak_bytes", "capture_peak_bytes", "held_bytes")}
-                    for name in self.methods}}
+        data: dict[str, Any] = {
+            "config": self.config,
+            "losses_agree": self.losses_agree,
+            "methods": {name: asdict(m) for name, m in self.methods.items()},
+            "ratios_to_eager_step_peak": {
+                name: {
+                    f: self.ratio(name, f)
+                    for f in ("step_peak_bytes", "capture_peak_bytes", "held_bytes")
+                }
+                for name in self.methods
+            },
+        }
         if self.report is not None:
             data["leangraph_timeline"] = [asdict(p) for p in self.report.timeline]
         return data
 
-    def ratio(self, method: str, figure: str) -> Optional[float]:
+    def ratio(self, method: str, figure: str) -> float | None:
         """``figure`` of ``method`` over the eager step peak."""
         eager = self.methods.get("eager")
         value = getattr(self.methods.get(method), figure, None) if method in self.methods else None
@@ -118,19 +127,19 @@ class _Meter:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
 
-    def peak_allocated(self) -> Optional[int]:
+    def peak_allocated(self) -> int | None:
         if not self.cuda:
             return None
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - self.allocated
 
-    def peak_reserved(self) -> Optional[int]:
+    def peak_reserved(self) -> int | None:
         if not self.cuda:
             return None
         torch.cuda.synchronize()
         return torch.cuda.max_memory_reserved() - self.reserved
 
-    def held(self) -> Optional[int]:
+    def held(self) -> int | None:
         return torch.cuda.memory_reserved() - self.reserved if self.cuda else None
 
 
@@ -144,34 +153,56 @@ class _Workload:
 
     def __init__(self, config: BenchConfig) -> None:
         self.config = config
-        self.order = interleaved_1f1b(config.pp_size, config.vp_size, config.rank,
-                                      config.num_microbatches)
+        self.order = interleaved_1f1b(
+            config.pp_size, config.vp_size, config.rank, config.num_microbatches
+        )
         self.chunks = [config.layers_per_chunk] * config.vp_size
         self.layout = Layout(tuple(self.chunks), config.num_microbatches)
         self.blocks = make_blocks(self.layout.num_callables, config.shape, config.device)
         gen = torch.Generator().manual_seed(1)
         s = config.shape
-        self.inputs = [torch.randn(s.micro_batch, s.sequence, s.hidden, generator=gen)
-                       .to(config.device, s.dtype) for _ in range(config.num_microbatches)]
-        self.targets = [torch.randn(s.micro_batch, s.sequence, s.hidden, generator=gen)
-                        .to(config.device, s.dtype) for _ in range(config.num_microbatches)]
-        self.report: Optional[MemoryReport] = None
+        self.inputs = [
+            torch.randn(s.micro_batch, s.sequence, s.hidden, generator=gen).to(
+                config.device, s.dtype
+            )
+            for _ in range(config.num_microbatches)
+        ]
+        self.targets = [
+            torch.randn(s.micro_batch, s.sequence, s.hidden, generator=gen).to(
+                config.device, s.dtype
+            )
+            for _ in range(config.num_microbatches)
+        ]
+        self.report: MemoryReport | None = None
 
     def sample(self) -> tuple[torch.Tensor]:
         s = self.config.shape
-        return (torch.randn(s.micro_batch, s.sequence, s.hidden, device=self.config.device,
-                            dtype=s.dtype, requires_grad=True),)
+        return (
+            torch.randn(
+                s.micro_batch,
+                s.sequence,
+                s.hidden,
+                device=self.config.device,
+                dtype=s.dtype,
+                requires_grad=True,
+            ),
+        )
 
     def step(self, lookup: LayerLookup, blocks: list[TransformerBlock]) -> list[float]:
         for block in blocks:
             block.zero_grad(set_to_none=True)
-        result = run_order(self.order, self.chunks, lookup, self.inputs,
-                           lambda out, m: torch.nn.functional.mse_loss(out.float(),
-                                                                       self.targets[m].float()))
+        result = run_order(
+            self.order,
+            self.chunks,
+            lookup,
+            self.inputs,
+            lambda out, m: torch.nn.functional.mse_loss(out.float(), self.targets[m].float()),
+        )
         return [float(loss) for loss in result.losses]
 
-    def timed_steps(self, lookup: LayerLookup, blocks: list[TransformerBlock]
-                    ) -> tuple[list[float], float]:
+    def timed_steps(
+        self, lookup: LayerLookup, blocks: list[TransformerBlock]
+    ) -> tuple[list[float], float]:
         losses = self.step(lookup, blocks)  # not timed: first replays, lazy inits
         times = []
         for _ in range(self.config.steps):
@@ -189,14 +220,19 @@ def _bench_eager(work: _Workload) -> MethodResult:
     losses = work.step(lambda c, m, l: blocks[work.layout.callable_index(c, l)], blocks)
     result = MethodResult("eager", step_peak_bytes=meter.peak_allocated(), losses=losses)
     _, result.step_seconds = work.timed_steps(
-        lambda c, m, l: blocks[work.layout.callable_index(c, l)], blocks)
+        lambda c, m, l: blocks[work.layout.callable_index(c, l)], blocks
+    )
     return result
 
 
 def _forward_positions(work: _Workload) -> dict[tuple[int, int, int], int]:
     """(chunk, microbatch, layer) -> position in the schedule's forward order."""
-    _, steps = parse_order(work.order, num_callables=work.layout.num_callables,
-                           num_samples=work.layout.num_graphs, num_layers_per_chunk=work.chunks)
+    _, steps = parse_order(
+        work.order,
+        num_callables=work.layout.num_callables,
+        num_samples=work.layout.num_graphs,
+        num_layers_per_chunk=work.chunks,
+    )
     positions: dict[tuple[int, int, int], int] = {}
     for step in steps:
         if step.kind is StepKind.FORWARD:
@@ -216,22 +252,28 @@ class _SharedParams(torch.nn.Module):
         return self.block(x)
 
 
-def _bench_graphed(work: _Workload, name: str,
-                   capture: Callable[[list[TransformerBlock]], LayerLookup]) -> MethodResult:
+def _bench_graphed(
+    work: _Workload, name: str, capture: Callable[[list[TransformerBlock]], LayerLookup]
+) -> MethodResult:
     blocks = copy.deepcopy(work.blocks)
     meter = _Meter(work.config.device)
     start = time.perf_counter()
     lookup = capture(blocks)
     _sync(work.config.device)
-    result = MethodResult(name, capture_seconds=time.perf_counter() - start,
-                          capture_peak_bytes=meter.peak_allocated(), held_bytes=meter.held())
+    result = MethodResult(
+        name,
+        capture_seconds=time.perf_counter() - start,
+        capture_peak_bytes=meter.peak_allocated(),
+        held_bytes=meter.held(),
+    )
     record = work.report.record if name == "leangraph" and work.report is not None else None
     if record is not None and record.warmup_peak_bytes is not None:
         # leangraph restarts the allocator's peak counter per phase; its record has both.
         peak = max(record.warmup_peak_bytes, record.capture_peak_bytes or 0)
         result.capture_peak_bytes = peak - meter.allocated
         result.memory_check_seconds = (result.capture_seconds or 0.0) - (
-            record.warmup_seconds + record.capture_seconds)
+            record.warmup_seconds + record.capture_seconds
+        )
     meter.restart_peak()
     result.losses = work.step(lookup, blocks)
     result.step_peak_bytes = meter.peak_reserved()
@@ -242,13 +284,17 @@ def _bench_graphed(work: _Workload, name: str,
 def _torch_capture(work: _Workload) -> Callable[[list[TransformerBlock]], LayerLookup]:
     def capture(blocks: list[TransformerBlock]) -> LayerLookup:
         positions = _forward_positions(work)
-        wrappers = [None] * len(positions)
-        for (c, _, l), index in positions.items():
-            wrappers[index] = _SharedParams(blocks[work.layout.callable_index(c, l)])
+        by_index = sorted(positions.items(), key=lambda item: item[1])
+        wrappers = [
+            _SharedParams(blocks[work.layout.callable_index(c, l)]) for (c, _, l), _ in by_index
+        ]
         graphed = torch.cuda.make_graphed_callables(
-            tuple(wrappers), tuple(work.sample() for _ in wrappers),
-            num_warmup_iters=work.config.warmup_iters)
-        return lambda c, m, l: graphed[positions[(c, m, l)]]
+            tuple(wrappers),
+            tuple(work.sample() for _ in wrappers),
+            num_warmup_iters=work.config.warmup_iters,
+        )
+        return lambda c, m, l: graphed[positions[(c, m, l)]]  # type: ignore[return-value]
+
     return capture
 
 
@@ -258,9 +304,12 @@ def _leangraph_capture(work: _Workload) -> Callable[[list[TransformerBlock]], La
     def capture(blocks: list[TransformerBlock]) -> LayerLookup:
         sample = work.sample()  # one sample for every graph: leangraph copies what it needs
         graphed = make_graphed_callables(
-            tuple(blocks), tuple(sample for _ in range(work.layout.num_graphs)),
-            order=work.order, num_layers_per_chunk=work.chunks,
-            num_warmup_iters=work.config.warmup_iters)
+            tuple(blocks),
+            tuple(sample for _ in range(work.layout.num_graphs)),
+            order=work.order,
+            num_layers_per_chunk=work.chunks,
+            num_warmup_iters=work.config.warmup_iters,
+        )
         work.report = memory_report(graphed)
         replay: list[TimelinePoint] = []
 
@@ -272,20 +321,23 @@ def _leangraph_capture(work: _Workload) -> Callable[[list[TransformerBlock]], La
             def sampled(x: torch.Tensor) -> torch.Tensor:
                 out = graph(x)
                 allocated = torch.cuda.memory_allocated() if x.is_cuda else 0
-                replay.append(TimelinePoint("replay", f"F c{c} m{m} l{l}", graph.label,
-                                            allocated))
+                replay.append(TimelinePoint("replay", f"F c{c} m{m} l{l}", graph.label, allocated))
                 if len(replay) == work.layout.num_graphs and work.report is not None:
                     work.report = work.report.with_points(replay)
                 return out
+
             return sampled
+
         return lookup
+
     return capture
 
 
 def _agree(reference: list[float], losses: list[float], dtype: torch.dtype) -> bool:
     tolerance = 1e-6 if dtype == torch.float32 else 2e-2
     return len(reference) == len(losses) and all(
-        abs(a - b) <= tolerance * max(1.0, abs(a)) for a, b in zip(reference, losses))
+        abs(a - b) <= tolerance * max(1.0, abs(a)) for a, b in zip(reference, losses)
+    )
 
 
 def run_bench(config: BenchConfig) -> BenchResult:
@@ -303,8 +355,11 @@ def run_bench(config: BenchConfig) -> BenchResult:
         methods[name] = runners[name]()
         _sync(config.device)
     reference = methods["eager"].losses if "eager" in methods else []
-    agree = {name: _agree(reference, m.losses, config.shape.dtype)
-             for name, m in methods.items() if name != "eager" and reference}
+    agree = {
+        name: _agree(reference, m.losses, config.shape.dtype)
+        for name, m in methods.items()
+        if name != "eager" and reference
+    }
     settings = asdict(config)
     settings["shape"] = {**asdict(config.shape), "dtype": str(config.shape.dtype)}
     return BenchResult(settings, methods, agree, report=work.report)
@@ -312,27 +367,32 @@ def run_bench(config: BenchConfig) -> BenchResult:
 
 def format_table(result: BenchResult) -> str:
     """The result as a fixed-width table, MiB and ratios to the eager step peak."""
-    def mib(value: Optional[int]) -> str:
+
+    def mib(value: int | None) -> str:
         return "-" if value is None else f"{value / MIB:.0f}"
 
     def ratio(name: str, figure: str) -> str:
         value = result.ratio(name, figure)
         return "" if value is None else f" ({value:.2f}x)"
 
-    def secs(value: Optional[float]) -> str:
+    def secs(value: float | None) -> str:
         return "-" if value is None else f"{value * 1000:.1f}"
 
-    header = (f"{'method':<10} {'step peak MiB':>20} {'warm-up+capture peak MiB':>26} "
-              f"{'held after capture MiB':>24} {'capture s':>9} {'step ms':>8} {'loss':>6}")
+    header = (
+        f"{'method':<10} {'step peak MiB':>20} {'warm-up+capture peak MiB':>26} "
+        f"{'held after capture MiB':>24} {'capture s':>9} {'step ms':>8} {'loss':>6}"
+    )
     lines = [header, "-" * len(header)]
     for name, m in result.methods.items():
-        agree = {True: "ok", False: "DIFF"}.get(result.losses_agree.get(name), "ref")  # type: ignore[call-overload]
+        verdict = result.losses_agree.get(name)
+        agree = "ref" if verdict is None else ("ok" if verdict else "DIFF")
         lines.append(
             f"{name:<10} {mib(m.step_peak_bytes) + ratio(name, 'step_peak_bytes'):>20} "
             f"{mib(m.capture_peak_bytes) + ratio(name, 'capture_peak_bytes'):>26} "
             f"{mib(m.held_bytes) + ratio(name, 'held_bytes'):>24} "
             f"{'-' if m.capture_seconds is None else f'{m.capture_seconds:.2f}':>9} "
-            f"{secs(m.step_seconds):>8} {agree:>6}")
+            f"{secs(m.step_seconds):>8} {agree:>6}"
+        )
     return "\n".join(lines)
 
 
@@ -343,8 +403,11 @@ def plot_bars(result: BenchResult, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figures = [("step peak", "step_peak_bytes"), ("warm-up+capture peak", "capture_peak_bytes"),
-               ("held after capture", "held_bytes")]
+    figures = [
+        ("step peak", "step_peak_bytes"),
+        ("warm-up+capture peak", "capture_peak_bytes"),
+        ("held after capture", "held_bytes"),
+    ]
     names = list(result.methods)
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(figures)

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Optional, Union
 
 import torch
 
 from .order import StepKind
 from .plan import Plan
 
-__all__ = ["BufferKey", "Chained", "BufferPlan", "StaticBuffers", "plan_buffers", "allocate"]
+__all__ = ["BufferKey", "BufferPlan", "Chained", "StaticBuffers", "allocate", "plan_buffers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +47,7 @@ class Chained:
     source: int
 
 
-InputSource = Union[int, Chained]
+InputSource = int | Chained
 """A slot index into :attr:`BufferPlan.slot_keys`, or a chained output."""
 
 
@@ -64,7 +63,7 @@ class BufferPlan:
     slot_keys: tuple[BufferKey, ...]
     inputs: tuple[tuple[InputSource, ...], ...]
     seed_keys: tuple[BufferKey, ...]
-    seeds: tuple[tuple[Optional[int], ...], ...]
+    seeds: tuple[tuple[int | None, ...], ...]
     lifetimes: tuple[tuple[int, int], ...]
 
     def slot_users(self, slot: int) -> list[int]:
@@ -83,8 +82,13 @@ def _lifetimes(plan: Plan, has_backward: Sequence[bool]) -> list[tuple[int, int]
     return [(first[g], last[g]) for g in range(plan.layout.num_graphs)]
 
 
-def _chain_source(plan: Plan, graph: int, input_keys: Sequence[Sequence[BufferKey]],
-                  output_keys: Sequence[Sequence[BufferKey]], first_leaf_is_arg0: bool) -> Optional[int]:
+def _chain_source(
+    plan: Plan,
+    graph: int,
+    input_keys: Sequence[Sequence[BufferKey]],
+    output_keys: Sequence[Sequence[BufferKey]],
+    first_leaf_is_arg0: bool,
+) -> int | None:
     """The previous layer of the same chunk and microbatch, if its output can feed leaf 0."""
     graph_id = plan.layout.graph_id(graph)
     if graph_id.layer == 0 or not first_leaf_is_arg0 or not input_keys[graph]:
@@ -99,7 +103,7 @@ def _chain_source(plan: Plan, graph: int, input_keys: Sequence[Sequence[BufferKe
 def plan_buffers(
     plan: Plan,
     input_keys: Sequence[Sequence[BufferKey]],
-    output_keys: Optional[Sequence[Sequence[BufferKey]]],
+    output_keys: Sequence[Sequence[BufferKey]] | None,
     *,
     chainable: Sequence[bool],
     share: bool = True,
@@ -137,28 +141,41 @@ def plan_buffers(
     for index, step in enumerate(plan.capture):
         g = step.graph
         if step.kind is StepKind.FORWARD:
-            chain = _chain_source(plan, g, input_keys, output_keys, chainable[g]) if (
-                share and plan.ordered) else None
-            inputs[g] = tuple(Chained(chain) if (chain is not None and i == 0) else take(key)
-                              for i, key in enumerate(input_keys[g]))
+            chain = (
+                _chain_source(plan, g, input_keys, output_keys, chainable[g])
+                if (share and plan.ordered)
+                else None
+            )
+            inputs[g] = tuple(
+                Chained(chain) if (chain is not None and i == 0) else take(key)
+                for i, key in enumerate(input_keys[g])
+            )
         if lifetimes[g][1] == index:  # the graph's last step: its input slots come free
             for source in inputs[g]:
                 if isinstance(source, int):
                     free.setdefault(slot_keys[source], []).append(source)
     seed_keys, seeds = _plan_seeds(plan, output_keys, share, lifetimes)
-    return BufferPlan(tuple(slot_keys), tuple(inputs[g] for g in range(len(input_keys))),
-                      tuple(seed_keys), tuple(seeds), tuple(lifetimes))
+    return BufferPlan(
+        tuple(slot_keys),
+        tuple(inputs[g] for g in range(len(input_keys))),
+        tuple(seed_keys),
+        tuple(seeds),
+        tuple(lifetimes),
+    )
 
 
-def _plan_seeds(plan: Plan, output_keys: Sequence[Sequence[BufferKey]], share: bool,
-                lifetimes: Sequence[tuple[int, int]]
-                ) -> tuple[list[BufferKey], list[tuple[Optional[int], ...]]]:
+def _plan_seeds(
+    plan: Plan,
+    output_keys: Sequence[Sequence[BufferKey]],
+    share: bool,
+    lifetimes: Sequence[tuple[int, int]],
+) -> tuple[list[BufferKey], list[tuple[int | None, ...]]]:
     """Gradient seeds. A seed is read only during its backward, so one per key serves every
     graph; when a weight step reads it again later, seeds are shared only among graphs whose
     [backward, weight step] spans do not overlap."""
     seed_keys: list[BufferKey] = []
     free: dict[BufferKey, list[int]] = {}
-    seeds: dict[int, tuple[Optional[int], ...]] = {}
+    seeds: dict[int, tuple[int | None, ...]] = {}
 
     def take(key: BufferKey) -> int:
         if share and free.get(key):
@@ -166,7 +183,7 @@ def _plan_seeds(plan: Plan, output_keys: Sequence[Sequence[BufferKey]], share: b
         seed_keys.append(key)
         return len(seed_keys) - 1
 
-    def give_back(row: tuple[Optional[int], ...]) -> None:
+    def give_back(row: tuple[int | None, ...]) -> None:
         for slot in row:
             if slot is not None:
                 free.setdefault(seed_keys[slot], []).append(slot)
@@ -184,8 +201,12 @@ def _plan_seeds(plan: Plan, output_keys: Sequence[Sequence[BufferKey]], share: b
 def allocate(keys: Sequence[BufferKey], *, requires_grad: bool = True) -> list[torch.Tensor]:
     """One empty tensor per key, outside any graph pool (``requires_grad`` as the key says,
     unless ``requires_grad`` is False: gradient seeds never require grad)."""
-    return [torch.empty(k.shape, dtype=k.dtype, device=k.device)
-            .requires_grad_(k.requires_grad and requires_grad) for k in keys]
+    return [
+        torch.empty(k.shape, dtype=k.dtype, device=k.device).requires_grad_(
+            k.requires_grad and requires_grad
+        )
+        for k in keys
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,19 +219,23 @@ class StaticBuffers:
 
     @classmethod
     def allocate(cls, plan: BufferPlan) -> StaticBuffers:
-        return cls(plan, tuple(allocate(plan.slot_keys)),
-                   tuple(allocate(plan.seed_keys, requires_grad=False)))
+        return cls(
+            plan,
+            tuple(allocate(plan.slot_keys)),
+            tuple(allocate(plan.seed_keys, requires_grad=False)),
+        )
 
     def chained(self, graph: int) -> tuple[bool, ...]:
         """Per input leaf of ``graph``: whether it is the previous layer's output."""
         return tuple(s is not None for s in self.chain_sources(graph))
 
-    def chain_sources(self, graph: int) -> tuple[Optional[int], ...]:
+    def chain_sources(self, graph: int) -> tuple[int | None, ...]:
         """Per input leaf of ``graph``: the graph whose output it is, or None."""
         return tuple(s.source if isinstance(s, Chained) else None for s in self.plan.inputs[graph])
 
-    def inputs_for(self, graph: int, outputs_of: Callable[[int], tuple[torch.Tensor, ...]]
-                   ) -> list[torch.Tensor]:
+    def inputs_for(
+        self, graph: int, outputs_of: Callable[[int], tuple[torch.Tensor, ...]]
+    ) -> list[torch.Tensor]:
         """Static inputs of ``graph``; ``outputs_of(g)`` gives graph ``g``'s static outputs."""
         result = []
         for source in self.plan.inputs[graph]:
@@ -220,5 +245,5 @@ class StaticBuffers:
                 result.append(self.slots[source])
         return result
 
-    def seeds_for(self, graph: int) -> list[Optional[torch.Tensor]]:
+    def seeds_for(self, graph: int) -> list[torch.Tensor | None]:
         return [None if i is None else self.seeds[i] for i in self.plan.seeds[graph]]

@@ -9,7 +9,6 @@ steps.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
 
 from .backends.base import GraphBackend
 from .buffers import StaticBuffers
@@ -22,9 +21,15 @@ from .progress import ProgressCallback, ProgressEvent, notify
 __all__ = ["run_capture"]
 
 
-def run_capture(plan: Plan, graphs: Sequence[GraphedCallable], *, backend: GraphBackend,
-                buffers: Optional[StaticBuffers], observers: Sequence[ProgressCallback] = (),
-                steps_before: int = 0) -> None:
+def run_capture(
+    plan: Plan,
+    graphs: Sequence[GraphedCallable],
+    *,
+    backend: GraphBackend,
+    buffers: StaticBuffers | None,
+    observers: Sequence[ProgressCallback] = (),
+    steps_before: int = 0,
+) -> None:
     """Record every graph of ``plan`` over ``graphs`` (indexed by graph).
 
     With ``buffers`` (schedule-driven reuse) each graph takes its static inputs and gradient
@@ -41,17 +46,21 @@ def run_capture(plan: Plan, graphs: Sequence[GraphedCallable], *, backend: Graph
                     _assign(graphs, step.graph, buffers)
                     graph._capture_forward()
                 else:
-                    record = (graph._capture_weight if step.kind is StepKind.WEIGHT
-                              else graph._capture_backward)
+                    record = (
+                        graph._capture_weight
+                        if step.kind is StepKind.WEIGHT
+                        else graph._capture_backward
+                    )
                     chained = () if buffers is None else buffers.chained(step.graph)
                     record(backend, release=buffers is not None, chained=chained)
             if observers:
-                notify(observers, ProgressEvent("capture", steps_before + index + 1, total, step,
-                                                graph.label))
+                notify(
+                    observers,
+                    ProgressEvent("capture", steps_before + index + 1, total, step, graph.label),
+                )
 
 
-def _assign(graphs: Sequence[GraphedCallable], graph: int,
-            buffers: Optional[StaticBuffers]) -> None:
+def _assign(graphs: Sequence[GraphedCallable], graph: int, buffers: StaticBuffers | None) -> None:
     callable_ = graphs[graph]
     if buffers is None:
         callable_._assign_buffers(callable_._samples, ())
@@ -60,4 +69,5 @@ def _assign(graphs: Sequence[GraphedCallable], graph: int,
         callable_._assign_buffers(
             buffers.inputs_for(graph, lambda g: graphs[g]._static_outputs),
             buffers.seeds_for(graph),
-            [None if s is None else graphs[s].label for s in sources])
+            [None if s is None else graphs[s].label for s in sources],
+        )

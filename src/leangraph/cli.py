@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["main"]
 
@@ -17,25 +17,34 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
     from .workloads import BlockShape
 
-    config = DemoConfig(steps=args.steps, num_microbatches=args.microbatches,
-                        shape=BlockShape(hidden=args.hidden, sequence=args.sequence),
-                        device=args.device)
+    config = DemoConfig(
+        steps=args.steps,
+        num_microbatches=args.microbatches,
+        shape=BlockShape(hidden=args.hidden, sequence=args.sequence),
+        device=args.device,
+    )
     result = run_demo(config)
     if result.device == "cpu":
-        print("No GPU found: running on leangraph's CPU reference backend (graph semantics "
-              "emulated on the CPU).")
-    print(f"device: {result.device}; interleaved 1F1B order of rank {config.rank} "
-          f"(pp={config.pp_size}, vp={config.vp_size}, {config.num_microbatches} microbatches):")
+        print(
+            "No GPU found: running on leangraph's CPU reference backend (graph semantics "
+            "emulated on the CPU)."
+        )
+    print(
+        f"device: {result.device}; interleaved 1F1B order of rank {config.rank} "
+        f"(pp={config.pp_size}, vp={config.vp_size}, {config.num_microbatches} microbatches):"
+    )
     print(f"  {result.order}")
     print(f"{'step':>4}  {'eager loss':>12}  {'graphed loss':>12}  {'|diff|':>9}")
     for step, (e, g) in enumerate(zip(result.eager_losses, result.graphed_losses)):
         print(f"{step:>4}  {e:>12.6f}  {g:>12.6f}  {abs(e - g):>9.2e}")
     if result.memory:
         m = result.memory
-        print(f"memory: before capture {m['before_capture'] / MIB:.1f} MiB, peak during "
-              f"warm-up+capture {m['peak_capture'] / MIB:.1f} MiB, held after capture "
-              f"{m['after_capture'] / MIB:.1f} MiB allocated / {m['reserved'] / MIB:.1f} MiB "
-              "reserved")
+        print(
+            f"memory: before capture {m['before_capture'] / MIB:.1f} MiB, peak during "
+            f"warm-up+capture {m['peak_capture'] / MIB:.1f} MiB, held after capture "
+            f"{m['after_capture'] / MIB:.1f} MiB allocated / {m['reserved'] / MIB:.1f} MiB "
+            "reserved"
+        )
     else:
         print("memory: not measured on the CPU backend")
     worst = max(abs(e - g) for e, g in zip(result.eager_losses, result.graphed_losses))
@@ -46,7 +55,7 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @contextlib.contextmanager
-def progress_bar(enabled: bool = True) -> Iterator[Optional[Callable[[Any], None]]]:
+def progress_bar(enabled: bool = True) -> Iterator[Callable[[Any], None] | None]:
     """A rich progress bar over warm-up and capture, as a ``progress=`` callback.
 
     Yields None (no bar) when disabled, when rich is missing or stderr is not a terminal.
@@ -58,18 +67,30 @@ def progress_bar(enabled: bool = True) -> Iterator[Optional[Callable[[Any], None
     if not enabled or not sys.stderr.isatty():
         yield None
         return
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[graph]}"), transient=True) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[graph]}"),
+        transient=True,
+    ) as bar:
         task = bar.add_task("warm-up", total=None, graph="")
 
         def update(event: Any) -> None:
-            bar.update(task, completed=event.done, total=event.total,
-                       description=event.phase, graph=event.label)
+            bar.update(
+                task,
+                completed=event.done,
+                total=event.total,
+                description=event.phase,
+                graph=event.label,
+            )
+
         yield update
 
 
-def _workload_args(parser: argparse.ArgumentParser, *, microbatches: int, hidden: int,
-                   heads: int, sequence: int) -> None:
+def _workload_args(
+    parser: argparse.ArgumentParser, *, microbatches: int, hidden: int, heads: int, sequence: int
+) -> None:
     """The flags that describe one pipeline rank's transformer workload."""
     parser.add_argument("--pp", type=int, default=4, help="pipeline-parallel size")
     parser.add_argument("--vp", type=int, default=2, help="virtual chunks per rank")
@@ -88,8 +109,13 @@ def _shape(args: argparse.Namespace) -> Any:
 
     from .workloads import BlockShape
 
-    return BlockShape(hidden=args.hidden, heads=args.heads, sequence=args.sequence,
-                      micro_batch=args.micro_batch, dtype=getattr(torch, _DTYPES[args.dtype]))
+    return BlockShape(
+        hidden=args.hidden,
+        heads=args.heads,
+        sequence=args.sequence,
+        micro_batch=args.micro_batch,
+        dtype=getattr(torch, _DTYPES[args.dtype]),
+    )
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -112,12 +138,16 @@ def _plan(args: argparse.Namespace) -> int:
         shape = _shape(args)
         order = interleaved_1f1b(args.pp, args.vp, args.rank, args.microbatches)
         blocks = make_blocks(args.vp * args.layers, shape, "meta")
-        samples = tuple((sample_hidden(shape, "meta"),)
-                        for _ in range(args.vp * args.layers * args.microbatches))
+        samples = tuple(
+            (sample_hidden(shape, "meta"),)
+            for _ in range(args.vp * args.layers * args.microbatches)
+        )
         plan = plan_memory(tuple(blocks), samples, order=order, num_layers_per_chunk=args.layers)
-        print(f"memory plan of rank {args.rank} (pp={args.pp}, vp={args.vp}, "
-              f"{args.microbatches} microbatches, {args.layers} blocks per chunk, hidden "
-              f"{args.hidden}, sequence {args.sequence}, {args.dtype}), computed on meta tensors:")
+        print(
+            f"memory plan of rank {args.rank} (pp={args.pp}, vp={args.vp}, "
+            f"{args.microbatches} microbatches, {args.layers} blocks per chunk, hidden "
+            f"{args.hidden}, sequence {args.sequence}, {args.dtype}), computed on meta tensors:"
+        )
     print(plan.describe())
     return 0
 
@@ -133,13 +163,22 @@ def _bench(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     methods = tuple(args.methods.split(","))
     if device == "cpu":
-        print("No GPU: benchmarking on the CPU reference backend; memory is not measured and "
-              "torch's CUDA-only make_graphed_callables is left out.")
+        print(
+            "No GPU: benchmarking on the CPU reference backend; memory is not measured and "
+            "torch's CUDA-only make_graphed_callables is left out."
+        )
         methods = tuple(m for m in methods if m != "torch")
     config = BenchConfig(
-        pp_size=args.pp, vp_size=args.vp, rank=args.rank, num_microbatches=args.microbatches,
-        layers_per_chunk=args.layers, steps=args.steps, methods=methods, device=device,
-        shape=_shape(args))
+        pp_size=args.pp,
+        vp_size=args.vp,
+        rank=args.rank,
+        num_microbatches=args.microbatches,
+        layers_per_chunk=args.layers,
+        steps=args.steps,
+        methods=methods,
+        device=device,
+        shape=_shape(args),
+    )
     result = run_bench(config)
     print(format_table(result))
     if args.json:
@@ -162,8 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sequence", type=int, default=32)
     demo.add_argument("--device", choices=["cpu", "cuda"], default=None)
     demo.set_defaults(handler=_demo)
-    bench = sub.add_parser("bench", help="eager vs torch.cuda.make_graphed_callables vs "
-                           "leangraph on one pipeline rank")
+    bench = sub.add_parser(
+        "bench", help="eager vs torch.cuda.make_graphed_callables vs leangraph on one pipeline rank"
+    )
     _workload_args(bench, microbatches=16, hidden=1024, heads=16, sequence=2048)
     bench.add_argument("--steps", type=int, default=5, help="timed steps per method")
     bench.add_argument("--methods", default="eager,torch,leangraph")
@@ -174,8 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(handler=_bench)
     plan = sub.add_parser("plan", help="print the memory plan of a workload, without a GPU")
     _workload_args(plan, microbatches=16, hidden=1024, heads=16, sequence=2048)
-    plan.add_argument("--function", help="module:function returning (callables, sample_args"
-                      "[, plan_memory keyword dict]) to plan instead of the built-in workload")
+    plan.add_argument(
+        "--function",
+        help="module:function returning (callables, sample_args"
+        "[, plan_memory keyword dict]) to plan instead of the built-in workload",
+    )
     plan.set_defaults(handler=_plan)
     return parser
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import make_graphed_callables, reset_all
-from .local_pipeline import run_order
+from .local_pipeline import LayerLookup, run_order
 from .order import Layout
 from .schedules import interleaved_1f1b
 from .workloads import BlockShape, make_blocks, sample_hidden
@@ -33,7 +33,7 @@ class DemoConfig:
     num_microbatches: int = 4
     layers_per_chunk: int = 2
     steps: int = 5
-    shape: BlockShape = BlockShape()
+    shape: BlockShape = field(default_factory=BlockShape)
     device: str | None = None  # None: cuda when available
 
 
@@ -48,13 +48,26 @@ class DemoResult:
     memory: dict[str, int] = field(default_factory=dict)
 
 
-def _train(order, layers_per_chunk, lookup, params, data, target, steps) -> list[float]:
+def _train(
+    order: list[int],
+    layers_per_chunk: list[int],
+    lookup: LayerLookup,
+    params: list[torch.nn.Parameter],
+    data: list[list[torch.Tensor]],
+    target: list[torch.Tensor],
+    steps: int,
+) -> list[float]:
     optim = torch.optim.SGD(params, lr=0.01)
     losses = []
     for step in range(steps):
         optim.zero_grad(set_to_none=True)
-        result = run_order(order, layers_per_chunk, lookup, data[step],
-                           lambda out, m: torch.nn.functional.mse_loss(out, target[m]))
+        result = run_order(
+            order,
+            layers_per_chunk,
+            lookup,
+            data[step],
+            lambda out, m: torch.nn.functional.mse_loss(out, target[m]),
+        )
         optim.step()
         losses.append(float(torch.stack(result.losses).mean()))
     return losses
@@ -63,37 +76,59 @@ def _train(order, layers_per_chunk, lookup, params, data, target, steps) -> list
 def run_demo(config: DemoConfig = DemoConfig()) -> DemoResult:
     """Train eager and graphed copies of the same blocks; see the module docstring."""
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    order = interleaved_1f1b(config.pp_size, config.vp_size, config.rank,
-                             config.num_microbatches)
+    order = interleaved_1f1b(config.pp_size, config.vp_size, config.rank, config.num_microbatches)
     chunks = [config.layers_per_chunk] * config.vp_size
     layout = Layout(tuple(chunks), config.num_microbatches)
     eager = make_blocks(layout.num_callables, config.shape, device)
     graphed_blocks = copy.deepcopy(eager)
     gen = torch.Generator().manual_seed(1)
     shape = config.shape
-    data = [[torch.randn(shape.micro_batch, shape.sequence, shape.hidden, generator=gen)
-             .to(device, shape.dtype) for _ in range(config.num_microbatches)]
-            for _ in range(config.steps)]
-    target = [torch.randn(shape.micro_batch, shape.sequence, shape.hidden, generator=gen)
-              .to(device, shape.dtype) for _ in range(config.num_microbatches)]
+    data = [
+        [
+            torch.randn(shape.micro_batch, shape.sequence, shape.hidden, generator=gen).to(
+                device, shape.dtype
+            )
+            for _ in range(config.num_microbatches)
+        ]
+        for _ in range(config.steps)
+    ]
+    target = [
+        torch.randn(shape.micro_batch, shape.sequence, shape.hidden, generator=gen).to(
+            device, shape.dtype
+        )
+        for _ in range(config.num_microbatches)
+    ]
     result = DemoResult(device=device, order=list(order))
     result.eager_losses = _train(
-        order, chunks, lambda c, m, l: eager[layout.callable_index(c, l)],
-        [p for b in eager for p in b.parameters()], data, target, config.steps)
+        order,
+        chunks,
+        lambda c, m, l: eager[layout.callable_index(c, l)],
+        [p for b in eager for p in b.parameters()],
+        data,
+        target,
+        config.steps,
+    )
     samples = tuple((sample_hidden(shape, device),) for _ in range(layout.num_graphs))
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         result.memory["before_capture"] = torch.cuda.memory_allocated()
     log.info("capturing %d graphs on %s", layout.num_graphs, device)
-    graphed = make_graphed_callables(tuple(graphed_blocks), samples, order=order,
-                                     num_layers_per_chunk=chunks)
+    graphed = make_graphed_callables(
+        tuple(graphed_blocks), samples, order=order, num_layers_per_chunk=chunks
+    )
     if device == "cuda":
         result.memory["peak_capture"] = torch.cuda.max_memory_allocated()
         result.memory["after_capture"] = torch.cuda.memory_allocated()
         result.memory["reserved"] = torch.cuda.memory_reserved()
     result.graphed_losses = _train(
-        order, chunks, lambda c, m, l: graphed[layout.graph_index(c, m, l)],
-        [p for b in graphed_blocks for p in b.parameters()], data, target, config.steps)
+        order,
+        chunks,
+        lambda c, m, l: graphed[layout.graph_index(c, m, l)],
+        [p for b in graphed_blocks for p in b.parameters()],
+        data,
+        target,
+        config.steps,
+    )
     reset_all(graphed)
     return result

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-__all__ = ["LeangraphError", "GraphResetError", "CaptureMemoryError", "phase_note"]
+__all__ = ["CaptureMemoryError", "GraphResetError", "LeangraphError", "phase_note"]
 
 
 class LeangraphError(RuntimeError):

@@ -13,7 +13,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -61,9 +61,7 @@ class TensorSpec:
                 f"{owner} {self.name} must keep shape {self.shape}, got {tuple(value.shape)}"
             )
         if value.device != self.device:
-            raise ValueError(
-                f"{owner} {self.name} must stay on {self.device}, got {value.device}"
-            )
+            raise ValueError(f"{owner} {self.name} must stay on {self.device}, got {value.device}")
         if value.requires_grad != self.requires_grad:
             raise ValueError(
                 f"{owner} {self.name} must have requires_grad={self.requires_grad} as at "
@@ -76,11 +74,13 @@ def _leaf_names(tree: Any) -> list[str]:
     """Readable names for the tensor leaves of ``(args, kwargs)``."""
     names = []
     for path, _ in pytree.tree_flatten_with_path(tree)[0]:
-        head, *rest = path[1:]
+        group, head, *rest = path
         suffix = "".join(str(k) for k in rest)
-        if path[0].idx == 0:  # positional arguments
+        if isinstance(group, pytree.SequenceKey) and group.idx == 0:  # positional arguments
+            assert isinstance(head, pytree.SequenceKey)
             names.append(f"input {head.idx}{suffix}")
         else:
+            assert isinstance(head, pytree.MappingKey)
             names.append(f"kwarg {head.key!r}{suffix}")
     return names
 
@@ -107,11 +107,13 @@ class GraphedCallable:
     already are those buffers), replays the forward graph and returns the outputs wired into
     autograd; their backward replays the backward graph.
 
-    Memory aliasing: the returned outputs are views of graph-owned static buffers. They stay
-    valid until this callable's next forward replay (or its :meth:`reset`); clone them to keep
-    them longer. Gradients handed to parameters and to leaf inputs are fresh tensors; gradients
-    flowing into earlier autograd nodes alias the static gradient buffers until the next
-    backward replay of this callable.
+    Memory aliasing: the returned outputs are views of graph-owned static buffers. With buffer
+    sharing (the default) they stay valid until this callable's backward replay (its weight
+    step, for split backwards), or its next forward replay when it has no backward; without
+    sharing, until its next forward replay. Never after :meth:`reset`. Clone them to keep
+    them longer. Gradients stored by autograd (parameters' and leaf inputs' ``.grad``) are
+    fresh tensors; gradients flowing into earlier autograd nodes alias static gradient
+    buffers and are consumed by those nodes at once.
     """
 
     def __init__(
@@ -119,7 +121,7 @@ class GraphedCallable:
         *,
         fn: Callable[..., Any],
         label: str,
-        graph_id: Optional[GraphId],
+        graph_id: GraphId | None,
         samples: Sequence[torch.Tensor],
         input_tree: pytree.TreeSpec,
         params: Sequence[torch.nn.Parameter],
@@ -127,14 +129,14 @@ class GraphedCallable:
         allow_unused_input: bool,
         retain_graph_in_backward: bool,
         split_backward: bool = False,
-        hooks: Optional[CaptureHooks] = None,
+        hooks: CaptureHooks | None = None,
     ) -> None:
         self._label = label
         self._graph_id = graph_id
         self._lock = threading.RLock()
         self._state = _State.CAPTURING
-        self._fn: Optional[Callable[..., Any]] = fn
-        self._pair: Optional[GraphPair] = pair
+        self._fn: Callable[..., Any] | None = fn
+        self._pair: GraphPair | None = pair
         # Warm-up runs on the samples; capture and replay on the static inputs the engine
         # assigns from the buffer plan. The samples are dropped once capture is done.
         self._samples: tuple[torch.Tensor, ...] = tuple(samples)
@@ -142,32 +144,33 @@ class GraphedCallable:
         self._input_tree = input_tree
         self._input_specs = tuple(
             TensorSpec.of(name, t)
-            for name, t in zip(_leaf_names(pytree.tree_unflatten(list(samples), input_tree)),
-                               samples)
+            for name, t in zip(
+                _leaf_names(pytree.tree_unflatten(list(samples), input_tree)), samples
+            )
         )
         self._params = tuple(params)
         self._allow_unused_input = allow_unused_input
         self._retain_graph = retain_graph_in_backward
-        self._output_tree: Optional[pytree.TreeSpec] = None
+        self._output_tree: pytree.TreeSpec | None = None
         self._static_outputs: tuple[torch.Tensor, ...] = ()
         self._output_requires_grad: tuple[bool, ...] = ()
-        self._static_grad_outputs: tuple[Optional[torch.Tensor], ...] = ()
-        self._static_grads: tuple[Optional[torch.Tensor], ...] = ()
+        self._static_grad_outputs: tuple[torch.Tensor | None, ...] = ()
+        self._static_grads: tuple[torch.Tensor | None, ...] = ()
         self._output_keys: tuple[BufferKey, ...] = ()
-        self._chained_from: tuple[Optional[str], ...] = ()
+        self._chained_from: tuple[str | None, ...] = ()
         self._released = False
-        self._record: Optional[CaptureRecord] = None
+        self._record: CaptureRecord | None = None
         self._split_backward = split_backward
         self._hooks = hooks if hooks is not None else CaptureHooks()
-        self._static_weight_grads: tuple[Optional[torch.Tensor], ...] = ()
-        self._weight_pending: Optional[int] = None
+        self._static_weight_grads: tuple[torch.Tensor | None, ...] = ()
+        self._weight_pending: int | None = None
         self._has_backward = False
         self._forward_generation = 0
         self._backward_generation = -1
         self._awaiting_backward: tuple[weakref.ref[torch.Tensor], ...] = ()
-        self._guard: Optional[_OutputGuard] = None
+        self._guard: _OutputGuard | None = None
         self._debug_outputs = False
-        self._module_binding: Optional[_ModuleBinding] = None
+        self._module_binding: _ModuleBinding | None = None
 
     # ----------------------------------------------------------------------------- public
 
@@ -177,7 +180,7 @@ class GraphedCallable:
         return self._label
 
     @property
-    def graph_id(self) -> Optional[GraphId]:
+    def graph_id(self) -> GraphId | None:
         """Chunk, microbatch and layer when captured with an order, else ``None``."""
         return self._graph_id
 
@@ -266,8 +269,9 @@ class GraphedCallable:
     def _flatten_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         leaves, tree = pytree.tree_flatten((args, kwargs))
         if tree != self._input_tree:
-            want_args, want_kwargs = pytree.tree_unflatten(list(self._static_inputs),
-                                                           self._input_tree)
+            want_args, want_kwargs = pytree.tree_unflatten(
+                list(self._static_inputs), self._input_tree
+            )
             if len(args) != len(want_args):
                 raise TypeError(
                     f"{self._label} takes {len(want_args)} positional arguments as at capture, "
@@ -314,7 +318,7 @@ class GraphedCallable:
         names = [s.name for s in self._input_specs if s.requires_grad]
         return names + [f"parameter {i}" for i, p in enumerate(self._params) if p.requires_grad]
 
-    def _check_unused(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+    def _check_unused(self, grads: Sequence[torch.Tensor | None]) -> None:
         if self._allow_unused_input:
             return
         unused = [name for name, g in zip(self._target_names(), grads) if g is None]
@@ -335,37 +339,42 @@ class GraphedCallable:
 
     # Warm-up: eager passes whose outputs the caller holds only until their backward.
 
-    def _with_forward_hooks(self, leaves: Sequence[torch.Tensor],
-                            run: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    def _with_forward_hooks(
+        self, leaves: Sequence[torch.Tensor], run: Callable[[], tuple[torch.Tensor, ...]]
+    ) -> tuple[torch.Tensor, ...]:
         """``run()`` between the callable's forward_pre and forward capture-time hooks."""
         args, kwargs = pytree.tree_unflatten(list(leaves), self._input_tree)
         self._hooks.run("forward_pre", args, kwargs)
         outputs = run()
         assert self._output_tree is not None
-        self._hooks.run("forward", args, kwargs,
-                        pytree.tree_unflatten(list(outputs), self._output_tree))
+        self._hooks.run(
+            "forward", args, kwargs, pytree.tree_unflatten(list(outputs), self._output_tree)
+        )
         return outputs
 
-    def _warmup_forward(self) -> Optional[tuple[torch.Tensor, ...]]:
+    def _warmup_forward(self) -> tuple[torch.Tensor, ...] | None:
         """One eager forward on the samples; returns the outputs awaiting a backward, or None."""
-        outputs = self._with_forward_hooks(self._samples,
-                                           lambda: self._run_user_fn(self._samples))
+        outputs = self._with_forward_hooks(self._samples, lambda: self._run_user_fn(self._samples))
         self._output_keys = tuple(BufferKey.of(o) for o in outputs)
         return self._differentiable(outputs) or None
 
     def _warmup_backward(self, outputs: tuple[torch.Tensor, ...], kind: StepKind) -> None:
         """One eager backward (full, input-gradient or weight-gradient part) on ``outputs``."""
         if kind is StepKind.BACKWARD and self._split_backward:
-            targets, retain = self._grad_targets(self._samples)[:self._num_input_targets()], True
+            targets, retain = self._grad_targets(self._samples)[: self._num_input_targets()], True
         elif kind is StepKind.WEIGHT:
             targets, retain = self._param_targets(), False
         else:
             targets, retain = self._grad_targets(self._samples), False
         self._hooks.run("backward_pre")
         if targets:
-            grads = torch.autograd.grad(outputs, targets, retain_graph=retain,
-                                        allow_unused=True,
-                                        grad_outputs=[torch.zeros_like(o) for o in outputs])
+            grads = torch.autograd.grad(
+                outputs,
+                targets,
+                retain_graph=retain,
+                allow_unused=True,
+                grad_outputs=[torch.zeros_like(o) for o in outputs],
+            )
             if not self._split_backward:
                 self._check_unused(grads)
         self._hooks.run("backward")
@@ -375,9 +384,12 @@ class GraphedCallable:
 
     # Capture.
 
-    def _assign_buffers(self, static_inputs: Sequence[torch.Tensor],
-                        seeds: Sequence[Optional[torch.Tensor]],
-                        chained_from: Sequence[Optional[str]] = ()) -> None:
+    def _assign_buffers(
+        self,
+        static_inputs: Sequence[torch.Tensor],
+        seeds: Sequence[torch.Tensor | None],
+        chained_from: Sequence[str | None] = (),
+    ) -> None:
         """Take the static inputs and gradient seeds the buffer plan gave this graph.
 
         ``chained_from[i]`` names the graph whose output buffer input ``i`` is, if any.
@@ -405,8 +417,9 @@ class GraphedCallable:
         self._output_requires_grad = captured.requires_grad
         self._has_backward = any(captured.requires_grad)
 
-    def _grad_body(self, targets: Callable[[], tuple[torch.Tensor, ...]], retain: bool
-                   ) -> Callable[[Sequence[torch.Tensor]], Sequence[Optional[torch.Tensor]]]:
+    def _grad_body(
+        self, targets: Callable[[], tuple[torch.Tensor, ...]], retain: bool
+    ) -> Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor | None]]:
         """A backward body differentiating the outputs w.r.t. ``targets()``.
 
         Targets are looked up at run time: the CPU backend reruns the body against forward
@@ -414,13 +427,18 @@ class GraphedCallable:
         """
         seeds = [g for g in self._static_grad_outputs if g is not None]
 
-        def body(outputs: Sequence[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
+        def body(outputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor | None]:
             wanted = targets()
             if not wanted:
                 return ()
-            return torch.autograd.grad(self._differentiable(outputs), wanted,
-                                       grad_outputs=seeds, allow_unused=True,
-                                       retain_graph=retain)
+            return torch.autograd.grad(
+                self._differentiable(outputs),
+                wanted,
+                grad_outputs=seeds,
+                allow_unused=True,
+                retain_graph=retain,
+            )
+
         return body
 
     def _input_targets(self) -> tuple[torch.Tensor, ...]:
@@ -429,8 +447,9 @@ class GraphedCallable:
     def _param_targets(self) -> tuple[torch.Tensor, ...]:
         return tuple(p for p in self._params if p.requires_grad)
 
-    def _capture_backward(self, backend: GraphBackend, *, release: bool,
-                          chained: Sequence[bool]) -> None:
+    def _capture_backward(
+        self, backend: GraphBackend, *, release: bool, chained: Sequence[bool]
+    ) -> None:
         """Record the backward graph (input gradients only when the backward is split).
 
         With ``release`` (and no weight step to come), stop owning what dies here: the plan
@@ -445,23 +464,27 @@ class GraphedCallable:
         if not self._static_grad_outputs:
             self._static_grad_outputs = tuple(
                 torch.empty_like(o) if rg else None
-                for o, rg in zip(self._static_outputs, self._output_requires_grad))
+                for o, rg in zip(self._static_outputs, self._output_requires_grad)
+            )
         self._hooks.run("backward_pre")
         if self._split_backward:  # the weight step still needs the saved activations
             self._static_grads = pair.capture_backward(
-                self._grad_body(self._input_targets, True), retain_graph=True)
+                self._grad_body(self._input_targets, True), retain_graph=True
+            )
             self._hooks.run("backward")
             return
-        body = self._grad_body(lambda: self._input_targets() + self._param_targets(),
-                               self._retain_graph)
+        body = self._grad_body(
+            lambda: self._input_targets() + self._param_targets(), self._retain_graph
+        )
         self._static_grads = pair.capture_backward(body, retain_graph=self._retain_graph)
         self._hooks.run("backward")
         self._check_unused(self._static_grads)
         if release:
             self._release_buffers(backend, chained)
 
-    def _capture_weight(self, backend: GraphBackend, *, release: bool,
-                        chained: Sequence[bool]) -> None:
+    def _capture_weight(
+        self, backend: GraphBackend, *, release: bool, chained: Sequence[bool]
+    ) -> None:
         """Record the deferred weight-gradient graph of a split backward."""
         pair = self._pair
         assert pair is not None
@@ -478,28 +501,39 @@ class GraphedCallable:
     def _release_buffers(self, backend: GraphBackend, chained: Sequence[bool]) -> None:
         self._released = True
         self._static_outputs = tuple(backend.disown(o) for o in self._static_outputs)
-        self._static_grads = tuple(None if g is None else backend.disown(g)
-                                   for g in self._static_grads)
-        self._static_weight_grads = tuple(None if g is None else backend.disown(g)
-                                          for g in self._static_weight_grads)
+        self._static_grads = tuple(
+            None if g is None else backend.disown(g) for g in self._static_grads
+        )
+        self._static_weight_grads = tuple(
+            None if g is None else backend.disown(g) for g in self._static_weight_grads
+        )
         self._static_inputs = tuple(
             backend.alias(t).requires_grad_(t.requires_grad) if link else t
-            for t, link in zip(self._static_inputs, chained))
+            for t, link in zip(self._static_inputs, chained)
+        )
 
     def _owned_tensors(self) -> list[torch.Tensor]:
         """The static tensors this callable keeps allocated (shared ones included)."""
-        owned = [t for t, chained in zip(self._static_inputs, self._chained_from or
-                                         (None,) * len(self._static_inputs)) if chained is None]
+        owned = [
+            t
+            for t, chained in zip(
+                self._static_inputs, self._chained_from or (None,) * len(self._static_inputs)
+            )
+            if chained is None
+        ]
         owned += [g for g in self._static_grad_outputs if g is not None]
         if not self._released:
             owned += list(self._static_outputs)
-            owned += [g for g in (*self._static_grads, *self._static_weight_grads)
-                      if g is not None]
+            owned += [g for g in (*self._static_grads, *self._static_weight_grads) if g is not None]
         return owned
 
-    def _finish_capture(self, module_binding: Optional[_ModuleBinding] = None, *,
-                        debug_outputs: bool = False,
-                        record: Optional[CaptureRecord] = None) -> None:
+    def _finish_capture(
+        self,
+        module_binding: _ModuleBinding | None = None,
+        *,
+        debug_outputs: bool = False,
+        record: CaptureRecord | None = None,
+    ) -> None:
         self._record = record
         self._module_binding = module_binding
         self._debug_outputs = debug_outputs
@@ -514,7 +548,8 @@ class GraphedCallable:
             raise RuntimeError(
                 f"{self._label}: forward replayed while the weight step of replay "
                 f"{self._weight_pending} has not run; call backward_dw() first, it needs "
-                "the activations this replay would overwrite")
+                "the activations this replay would overwrite"
+            )
         if self._retain_graph or self._backward_generation == self._forward_generation:
             return
         if any(ref() is not None for ref in self._awaiting_backward):
@@ -554,11 +589,12 @@ class GraphedCallable:
     def _note_outputs(self, outputs: Sequence[torch.Tensor]) -> None:
         """Remember (weakly) the outputs of the latest replay that await a backward."""
         self._awaiting_backward = tuple(
-            weakref.ref(o) for o, rg in zip(outputs, self._output_requires_grad) if rg)
+            weakref.ref(o) for o, rg in zip(outputs, self._output_requires_grad) if rg
+        )
 
     def _replay_backward(
         self, grads: Sequence[torch.Tensor], generation: int, clone_inputs: Sequence[bool]
-    ) -> tuple[Optional[torch.Tensor], ...]:
+    ) -> tuple[torch.Tensor | None, ...]:
         with self._lock:
             self._require_ready("run a backward")
             if generation != self._forward_generation:
@@ -607,11 +643,13 @@ class GraphedCallable:
             if not self._split_backward:
                 raise RuntimeError(
                     f"{self._label}: backward_dw() needs an order with -(c + 0.5) weight "
-                    "steps; this callable's backward computes weight gradients itself")
+                    "steps; this callable's backward computes weight gradients itself"
+                )
             if self._weight_pending is None:
                 raise RuntimeError(
                     f"{self._label}: backward_dw() called with no backward awaiting its weight "
-                    "step; run the backward through this callable's outputs first")
+                    "step; run the backward through this callable's outputs first"
+                )
             assert self._pair is not None
             if self._static_weight_grads:
                 self._pair.replay_weight()
@@ -627,7 +665,7 @@ class GraphedCallable:
                     else:
                         param.grad.add_(grad)
 
-    def _scatter_grads(self, clone_inputs: Sequence[bool]) -> tuple[Optional[torch.Tensor], ...]:
+    def _scatter_grads(self, clone_inputs: Sequence[bool]) -> tuple[torch.Tensor | None, ...]:
         """One gradient per tensor passed to ``_Replay.apply`` (inputs, then parameters).
 
         A gradient autograd may *store* (a leaf input's ``.grad``, or a parameter whose
@@ -637,7 +675,7 @@ class GraphedCallable:
         earlier autograd node is a view, consumed by that node before any other replay.
         """
         grads = iter(self._static_grads)
-        result: list[Optional[torch.Tensor]] = []
+        result: list[torch.Tensor | None] = []
         for spec, clone in zip(self._input_specs, clone_inputs):
             grad = next(grads) if spec.requires_grad else None
             result.append(None if grad is None else (grad.clone() if clone else grad.detach()))
@@ -655,7 +693,7 @@ class _OutputGuard:
     def __init__(self, label: str, generation: int) -> None:
         self.label = label
         self.generation = generation
-        self.reason: Optional[str] = None
+        self.reason: str | None = None
 
     def invalidate(self, reason: str) -> None:
         if self.reason is None:
@@ -693,7 +731,7 @@ class _Replay(torch.autograd.Function):
     """Autograd node of one forward replay; its backward replays the backward graph."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, owner: GraphedCallable, clone_inputs: tuple[bool, ...], *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         outputs = owner._replay_forward(tensors[: len(clone_inputs)])
@@ -706,7 +744,7 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         owner: GraphedCallable = ctx.owner
         grad_inputs = owner._replay_backward(grads, ctx.generation, ctx.clone_inputs)
         return (None, None, *grad_inputs)

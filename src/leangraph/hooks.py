@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
-__all__ = ["CaptureHooks", "HOOK_KINDS", "normalize_hooks"]
+__all__ = ["HOOK_KINDS", "CaptureHooks", "normalize_hooks"]
 
 HOOK_KINDS = ("forward_pre", "forward", "backward_pre", "backward")
 
@@ -42,8 +42,9 @@ class CaptureHooks:
             hook(self.target, *args)
 
 
-def normalize_hooks(entries: Optional[Sequence[Optional[Mapping[str, Sequence[Hook]]]]],
-                    callables: Sequence[Any]) -> list[CaptureHooks]:
+def normalize_hooks(
+    entries: Sequence[Mapping[str, Sequence[Hook]] | None] | None, callables: Sequence[Any]
+) -> list[CaptureHooks]:
     """One :class:`CaptureHooks` per callable from the user's ``capture_time_hooks``.
 
     Raises:
@@ -53,19 +54,25 @@ def normalize_hooks(entries: Optional[Sequence[Optional[Mapping[str, Sequence[Ho
     if entries is None:
         return [CaptureHooks(fn) for fn in callables]
     if len(entries) != len(callables):
-        raise ValueError(f"capture_time_hooks has {len(entries)} entries for {len(callables)} "
-                         "callables; give one (or None) per callable")
+        raise ValueError(
+            f"capture_time_hooks has {len(entries)} entries for {len(callables)} "
+            "callables; give one (or None) per callable"
+        )
     result = []
     for index, (fn, entry) in enumerate(zip(callables, entries)):
         entry = entry or {}
         unknown = sorted(set(entry) - set(HOOK_KINDS))
         if unknown:
-            raise ValueError(f"capture_time_hooks[{index}]: unknown hook kinds {unknown}; "
-                             f"expected some of {list(HOOK_KINDS)}")
+            raise ValueError(
+                f"capture_time_hooks[{index}]: unknown hook kinds {unknown}; "
+                f"expected some of {list(HOOK_KINDS)}"
+            )
         for kind, hooks in entry.items():
             for hook in hooks:
                 if not callable(hook):
-                    raise TypeError(f"capture_time_hooks[{index}][{kind!r}] holds a "
-                                    f"{type(hook).__name__}, which is not callable")
+                    raise TypeError(
+                        f"capture_time_hooks[{index}][{kind!r}] holds a "
+                        f"{type(hook).__name__}, which is not callable"
+                    )
         result.append(CaptureHooks(fn, **{k: tuple(v) for k, v in entry.items()}))
     return result

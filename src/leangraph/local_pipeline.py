@@ -15,7 +15,7 @@ import torch
 
 from .order import StepKind, parse_order
 
-__all__ = ["LayerLookup", "LossFn", "run_order", "StepResult"]
+__all__ = ["LayerLookup", "LossFn", "StepResult", "run_order"]
 
 LayerLookup = Callable[[int, int, int], Callable[[torch.Tensor], torch.Tensor]]
 """``(chunk, microbatch, layer) -> callable``; chunk 1-based, the others 0-based."""
@@ -56,9 +56,12 @@ def run_order(
             microbatch comes before chunk ``c``'s (the hand-over would not exist yet).
     """
     num_chunks = len(layers_per_chunk)
-    _, steps = parse_order(order, num_callables=sum(layers_per_chunk),
-                           num_samples=sum(layers_per_chunk) * len(inputs),
-                           num_layers_per_chunk=list(layers_per_chunk))
+    _, steps = parse_order(
+        order,
+        num_callables=sum(layers_per_chunk),
+        num_samples=sum(layers_per_chunk) * len(inputs),
+        num_layers_per_chunk=list(layers_per_chunk),
+    )
     chunk_inputs: dict[tuple[int, int], torch.Tensor] = {}
     chunk_outputs: dict[tuple[int, int], torch.Tensor] = {}
     losses: dict[int, torch.Tensor] = {}
@@ -71,8 +74,10 @@ def run_order(
             elif (c - 1, m) in chunk_outputs:
                 source = chunk_outputs[(c - 1, m)]
             else:
-                raise ValueError(f"order[{step.position}]: chunk {c} forward of microbatch {m} "
-                                 f"runs before chunk {c - 1} produced it")
+                raise ValueError(
+                    f"order[{step.position}]: chunk {c} forward of microbatch {m} "
+                    f"runs before chunk {c - 1} produced it"
+                )
             hidden = chunk_inputs[(c, m)] = source.detach().requires_grad_(True)
             for index in range(layers_per_chunk[c - 1]):
                 hidden = layer(c, m, index)(hidden)

@@ -43,7 +43,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch.nn import functional as F
@@ -56,11 +56,11 @@ from .plan import GraphStep, Plan, build_plan, build_unordered_plan
 
 __all__ = [
     "LayerMemory",
-    "StepMemory",
     "MemoryPlan",
-    "plan_memory",
+    "StepMemory",
     "format_bytes",
     "key_bytes",
+    "plan_memory",
 ]
 
 SampleArgs = tuple[Any, ...]
@@ -204,12 +204,12 @@ class MemoryPlan:
 
 
 def plan_memory(
-    callables: Union[Callable[..., Any], tuple[Callable[..., Any], ...]],
-    sample_args: Union[SampleArgs, tuple[SampleArgs, ...]],
+    callables: Callable[..., Any] | tuple[Callable[..., Any], ...],
+    sample_args: SampleArgs | tuple[SampleArgs, ...],
     *,
-    sample_kwargs: Optional[Union[dict[str, Any], Sequence[dict[str, Any]]]] = None,
-    order: Optional[Sequence[int]] = None,
-    num_layers_per_chunk: Optional[Union[int, Sequence[int]]] = None,
+    sample_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
+    order: Sequence[int] | None = None,
+    num_layers_per_chunk: int | Sequence[int] | None = None,
     meta_attention: str = "cuda",
 ) -> MemoryPlan:
     """Plan the memory of ``make_graphed_callables`` with the same arguments, without capturing.
@@ -307,8 +307,8 @@ def _normalize(
 def _make_plan(
     num_callables: int,
     num_samples: int,
-    order: Optional[Sequence[int]],
-    num_layers_per_chunk: Optional[Union[int, Sequence[int]]],
+    order: Sequence[int] | None,
+    num_layers_per_chunk: int | Sequence[int] | None,
 ) -> Plan:
     """The plan ``make_graphed_callables`` would walk for these arguments."""
     if order is None:
@@ -320,15 +320,18 @@ def _make_plan(
                 "without an order each callable needs exactly one"
             )
         return build_unordered_plan(num_callables)
-    layout, steps = parse_order(order, num_callables=num_callables, num_samples=num_samples,
-                                num_layers_per_chunk=num_layers_per_chunk)
+    layout, steps = parse_order(
+        order,
+        num_callables=num_callables,
+        num_samples=num_samples,
+        num_layers_per_chunk=num_layers_per_chunk,
+    )
     return build_plan(layout, steps)
 
 
 def _check_one_device(fns: tuple[Any, ...], samples: list[tuple[Any, Any]]) -> None:
     devices = {t.device for s in samples for t in pytree.tree_leaves(s)}
-    devices |= {p.device for fn in fns if isinstance(fn, torch.nn.Module)
-                for p in fn.parameters()}
+    devices |= {p.device for fn in fns if isinstance(fn, torch.nn.Module) for p in fn.parameters()}
     if len(devices) > 1:
         raise ValueError(f"sample tensors and parameters must share one device, got {devices}")
 
@@ -406,16 +409,17 @@ def _run_forward(
         return tensor
 
     args, kwargs = pytree.tree_unflatten(inputs, tree)
-    with torch.enable_grad(), _MetaAttention(meta_attention), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with (
+        torch.enable_grad(),
+        _MetaAttention(meta_attention),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+    ):
         outputs = pytree.tree_leaves(fn(*args, **kwargs))
     saved = [t for t in (ref() for ref in packed) if t is not None]
     return outputs, saved
 
 
-def _measure(
-    fn: Any, sample: tuple[Any, Any], meta_attention: str, graph: int
-) -> LayerMemory:
+def _measure(fn: Any, sample: tuple[Any, Any], meta_attention: str, graph: int) -> LayerMemory:
     """Measure one forward of ``fn`` on ``sample``; see :class:`LayerMemory`."""
     leaves, tree = pytree.tree_flatten(sample)
     inputs = [t.detach().requires_grad_(t.requires_grad) for t in leaves]
@@ -424,8 +428,9 @@ def _measure(
     outputs, saved_tensors = _run_forward(fn, inputs, tree, meta_attention)
     for index, out in enumerate(outputs):
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"graph {graph}: output {index} must be a tensor, got "
-                            f"{type(out).__name__}")
+            raise TypeError(
+                f"graph {graph}: output {index} must be a tensor, got {type(out).__name__}"
+            )
     storages = dict(_storage(t) for t in saved_tensors + inputs + params + buffers + outputs)
     saved = {_storage(t)[0] for t in saved_tensors}
     fixed = {_storage(t)[0] for t in params + buffers}
@@ -452,8 +457,9 @@ class _MetaAttention(TorchFunctionMode):
         super().__init__()
         self._like = like
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Optional[dict[str, Any]] = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and self._like != "math":
             fused = _flash_attention(self._like, *args, **kwargs)
@@ -467,12 +473,12 @@ def _flash_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attn_mask: Optional[torch.Tensor] = None,
+    attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     enable_gqa: bool = False,
-) -> Optional[torch.Tensor]:
+) -> torch.Tensor | None:
     """The flash kernel's output on meta tensors, or None where the kernel does not apply."""
     if query.device.type != "meta" or attn_mask is not None:
         return None
@@ -480,16 +486,19 @@ def _flash_attention(
         return None  # let PyTorch raise its own error
     if like == "cuda":
         return torch.ops.aten._scaled_dot_product_flash_attention(
-            query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+            query, key, value, dropout_p, is_causal, False, scale=scale
+        )[0]
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, scale=scale)[0]
+        query, key, value, dropout_p, is_causal, scale=scale
+    )[0]
 
 
 # ---------------------------------------------------------------------------- walking the plan
 
 
-def _walk_plan(plan: Plan, graphs: Sequence[LayerMemory], static_in: int,
-               grad_out: int) -> MemoryPlan:
+def _walk_plan(
+    plan: Plan, graphs: Sequence[LayerMemory], static_in: int, grad_out: int
+) -> MemoryPlan:
     """Walk warm-up (lean and keep-all) and capture over the per-graph measurements."""
     held = [m.in_flight_bytes for m in graphs]
     transient = [m.transient_bytes for m in graphs]
@@ -522,10 +531,13 @@ def _static_bytes(
 ) -> tuple[int, int]:
     """Bytes of the input slots and gradient seeds the engine's buffer plan allocates."""
     chainable = [bool(args) and isinstance(args[0], torch.Tensor) for args, _ in samples]
-    buffers = plan_buffers(plan, [m.inputs for m in graphs], [m.outputs for m in graphs],
-                           chainable=chainable)
-    return (sum(key_bytes(k) for k in buffers.slot_keys),
-            sum(key_bytes(k) for k in buffers.seed_keys))
+    buffers = plan_buffers(
+        plan, [m.inputs for m in graphs], [m.outputs for m in graphs], chainable=chainable
+    )
+    return (
+        sum(key_bytes(k) for k in buffers.slot_keys),
+        sum(key_bytes(k) for k in buffers.seed_keys),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -586,7 +598,8 @@ def _ranges(indices: Sequence[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
     parts: list[str] = []
     start = prev = indices[0]
-    for index in list(indices[1:]) + [None]:  # type: ignore[list-item]
+    following: list[int | None] = [*indices[1:], None]
+    for index in following:
         if index is not None and index == prev + 1:
             prev = index
             continue
@@ -600,12 +613,16 @@ def _describe_layers(plan: MemoryPlan) -> list[str]:
     groups: dict[LayerMemory, list[int]] = {}
     for index, layer in enumerate(plan.layers):
         groups.setdefault(layer, []).append(index)
-    header = ("callables", "activations", "saved inputs", "outputs", "grad-inputs",
-              "param grads")
+    header = ("callables", "activations", "saved inputs", "outputs", "grad-inputs", "param grads")
     rows = [header] + [
-        (_ranges(indices), format_bytes(m.activation_bytes), format_bytes(m.saved_input_bytes),
-         format_bytes(m.output_bytes), format_bytes(m.grad_input_bytes),
-         format_bytes(m.param_grad_bytes))
+        (
+            _ranges(indices),
+            format_bytes(m.activation_bytes),
+            format_bytes(m.saved_input_bytes),
+            format_bytes(m.output_bytes),
+            format_bytes(m.grad_input_bytes),
+            format_bytes(m.param_grad_bytes),
+        )
         for m, indices in groups.items()
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -613,7 +630,7 @@ def _describe_layers(plan: MemoryPlan) -> list[str]:
     for row in rows:
         cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
         lines.append("  " + "  ".join(cells))
-    return lines + [""]
+    return [*lines, ""]
 
 
 def _describe_plan(plan: MemoryPlan) -> list[str]:
@@ -627,8 +644,12 @@ def _describe_plan(plan: MemoryPlan) -> list[str]:
         ("held after capture", plan.held_bytes, "pool high-water + static buffers"),
     ]
     width = max(len(name) for name, _, _ in rows)
-    lines = [f"  {name.ljust(width)}  {format_bytes(value):>11}  {note}".rstrip()
-             for name, value, note in rows]
-    lines.append(f"  most graphs in flight: {plan.max_in_flight}; largest backward transient "
-                 f"{format_bytes(plan.peak_transient_bytes)}")
-    return ["plan:"] + lines
+    lines = [
+        f"  {name.ljust(width)}  {format_bytes(value):>11}  {note}".rstrip()
+        for name, value, note in rows
+    ]
+    lines.append(
+        f"  most graphs in flight: {plan.max_in_flight}; largest backward transient "
+        f"{format_bytes(plan.peak_transient_bytes)}"
+    )
+    return ["plan:", *lines]

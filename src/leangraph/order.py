@@ -5,9 +5,11 @@ pipeline rank runs: ``+c`` is the next microbatch's forward of model chunk ``c``
 ``-c`` is the backward of chunk ``c``'s oldest outstanding forward (first in, first out per
 chunk). Zero-bubble schedules split a backward in two: ``-(c + 0.5)`` is the deferred
 weight-gradient step of chunk ``c``'s oldest backward whose weight step has not run, and when
-an order has such entries its ``-c`` entries compute input gradients only. This module turns such a list into immutable :class:`Step` records and owns the only
-copy of the index arithmetic that maps (chunk, microbatch, layer) to a position in
-``sample_args`` and in the tuple :func:`leangraph.make_graphed_callables` returns.
+an order has such entries its ``-c`` entries compute input gradients only.
+
+This module turns such a list into immutable :class:`Step` records and owns the only copy of
+the index arithmetic that maps (chunk, microbatch, layer) to a position in ``sample_args``
+and in the tuple :func:`leangraph.make_graphed_callables` returns.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["StepKind", "Step", "GraphId", "Layout", "parse_order", "unordered_layout"]
+__all__ = ["GraphId", "Layout", "Step", "StepKind", "parse_order", "unordered_layout"]
 
 
 class StepKind(enum.Enum):
@@ -126,9 +128,10 @@ def _entry(position: int, entry: object) -> tuple[StepKind, int]:
             f"got {type(entry).__name__}"
         )
     if isinstance(entry, numbers.Integral):
-        if entry == 0:
+        value = int(entry)
+        if value == 0:
             raise ValueError(f"order[{position}] = 0: chunk ids are 1-based, 0 is not a chunk")
-        return (StepKind.FORWARD if entry > 0 else StepKind.BACKWARD), abs(int(entry))
+        return (StepKind.FORWARD if value > 0 else StepKind.BACKWARD), abs(value)
     twice = float(entry) * 2
     if entry < 0 and twice == int(twice) and int(twice) % 2 and entry <= -1.5:
         return StepKind.WEIGHT, int(-float(entry) - 0.5)
@@ -171,29 +174,34 @@ def _resolve_layers(
     return tuple(int(n) for n in layers)
 
 
-def _count_steps(order: Sequence[object], entries: Sequence[tuple[StepKind, int]],
-                 num_chunks: int) -> list[Step]:
+def _count_steps(
+    order: Sequence[object], entries: Sequence[tuple[StepKind, int]], num_chunks: int
+) -> list[Step]:
     """Number each entry's microbatch (first in, first out per chunk and kind)."""
     counts = {kind: [0] * num_chunks for kind in StepKind}
     steps = []
     for position, (kind, chunk) in enumerate(entries):
         entry = order[position]
         if chunk > num_chunks:
-            raise ValueError(f"order[{position}] = {entry}: unknown chunk {chunk}, the model "
-                             f"has {num_chunks} chunks")
+            raise ValueError(
+                f"order[{position}] = {entry}: unknown chunk {chunk}, the model "
+                f"has {num_chunks} chunks"
+            )
         before = {StepKind.BACKWARD: StepKind.FORWARD, StepKind.WEIGHT: StepKind.BACKWARD}
         if kind in before and counts[kind][chunk - 1] >= counts[before[kind]][chunk - 1]:
             what = "backward" if kind is StepKind.BACKWARD else "weight step"
             needs = "forward" if kind is StepKind.BACKWARD else "backward"
-            raise ValueError(f"order[{position}] = {entry}: {what} of chunk {chunk} with no "
-                             f"outstanding {needs}")
+            raise ValueError(
+                f"order[{position}] = {entry}: {what} of chunk {chunk} with no outstanding {needs}"
+            )
         steps.append(Step(kind, chunk, counts[kind][chunk - 1], position))
         counts[kind][chunk - 1] += 1
     return steps
 
 
-def _check_weight_steps(steps: Sequence[Step], backwards: Sequence[int],
-                        layers: Sequence[int]) -> None:
+def _check_weight_steps(
+    steps: Sequence[Step], backwards: Sequence[int], layers: Sequence[int]
+) -> None:
     """With weight steps, every backward needs one, and every chunk exactly one layer."""
     for chunk, count in enumerate(backwards, start=1):
         weights = sum(1 for s in steps if s.kind is StepKind.WEIGHT and s.chunk == chunk)
@@ -245,10 +253,14 @@ def parse_order(
     else:
         num_chunks = max(chunk for _, chunk in entries)
     steps = _count_steps(order, entries, num_chunks)
-    forwards = [sum(1 for s in steps if s.kind is StepKind.FORWARD and s.chunk == c)
-                for c in range(1, num_chunks + 1)]
-    backwards = [sum(1 for s in steps if s.kind is StepKind.BACKWARD and s.chunk == c)
-                 for c in range(1, num_chunks + 1)]
+    forwards = [
+        sum(1 for s in steps if s.kind is StepKind.FORWARD and s.chunk == c)
+        for c in range(1, num_chunks + 1)
+    ]
+    backwards = [
+        sum(1 for s in steps if s.kind is StepKind.BACKWARD and s.chunk == c)
+        for c in range(1, num_chunks + 1)
+    ]
     for chunk in range(1, num_chunks + 1):
         fwd, bwd = forwards[chunk - 1], backwards[chunk - 1]
         if fwd != forwards[0]:

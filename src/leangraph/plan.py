@@ -73,8 +73,15 @@ class Plan:
         return max((len(s) for s in self.live_after(steps)), default=0)
 
 
-def _graph_step(layout: Layout, kind: StepKind, chunk: int, microbatch: int, layer: int,
-                order_step: Step, split: bool = False) -> GraphStep:
+def _graph_step(
+    layout: Layout,
+    kind: StepKind,
+    chunk: int,
+    microbatch: int,
+    layer: int,
+    order_step: Step,
+    split: bool = False,
+) -> GraphStep:
     graph = layout.graph_index(chunk, microbatch, layer)
     last = StepKind.WEIGHT if split else StepKind.BACKWARD
     return GraphStep(
@@ -93,16 +100,18 @@ def _expand(layout: Layout, step: Step, split: bool = False) -> list[GraphStep]:
     layers = range(layout.layers_per_chunk[step.chunk - 1])
     if step.kind is not StepKind.FORWARD:
         layers = reversed(layers)  # type: ignore[assignment]
-    return [_graph_step(layout, step.kind, step.chunk, step.microbatch, l, step, split)
-            for l in layers]
+    return [
+        _graph_step(layout, step.kind, step.chunk, step.microbatch, l, step, split) for l in layers
+    ]
 
 
 def build_plan(layout: Layout, steps: Sequence[Step]) -> Plan:
     """Plan for an explicit pipeline order: warm-up and capture both follow the order."""
     split = any(step.kind is StepKind.WEIGHT for step in steps)
     expanded = tuple(g for step in steps for g in _expand(layout, step, split))
-    return Plan(layout=layout, warmup=expanded, capture=expanded, ordered=True,
-                split_backward=split)
+    return Plan(
+        layout=layout, warmup=expanded, capture=expanded, ordered=True, split_backward=split
+    )
 
 
 def build_unordered_plan(num_callables: int) -> Plan:

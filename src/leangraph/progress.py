@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .plan import GraphStep
 
-__all__ = ["ProgressEvent", "ProgressCallback", "notify"]
+__all__ = ["ProgressCallback", "ProgressEvent", "notify"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,14 +13,21 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
 from .progress import ProgressEvent
 
-__all__ = ["TimelinePoint", "CaptureRecord", "CallableMemory", "MemoryReport",
-           "MemoryRecorder", "memory_report", "plot_memory"]
+__all__ = [
+    "CallableMemory",
+    "CaptureRecord",
+    "MemoryRecorder",
+    "MemoryReport",
+    "TimelinePoint",
+    "memory_report",
+    "plot_memory",
+]
 
 MIB = 1024 * 1024
 
@@ -46,9 +53,9 @@ class CaptureRecord:
 
     device: str
     pool: Any
-    baseline_bytes: Optional[int]
-    warmup_peak_bytes: Optional[int]
-    capture_peak_bytes: Optional[int]
+    baseline_bytes: int | None
+    warmup_peak_bytes: int | None
+    capture_peak_bytes: int | None
     warmup_seconds: float
     capture_seconds: float
     timeline: tuple[TimelinePoint, ...]
@@ -63,19 +70,22 @@ class MemoryRecorder:
         self._cuda = device.type == "cuda"
         self._points: list[TimelinePoint] = []
         self._baseline = self._allocated()
-        self._warmup_peak: Optional[int] = None
+        self._warmup_peak: int | None = None
         self._started = time.perf_counter()
         self._warmup_seconds = 0.0
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(device)
 
-    def _allocated(self) -> Optional[int]:
+    def _allocated(self) -> int | None:
         return torch.cuda.memory_allocated(self._device) if self._cuda else None
 
     def __call__(self, event: ProgressEvent) -> None:
         allocated = self._allocated()
-        self._points.append(TimelinePoint(event.phase, str(event.step), event.label,
-                                          allocated if allocated is not None else 0))
+        self._points.append(
+            TimelinePoint(
+                event.phase, str(event.step), event.label, allocated if allocated is not None else 0
+            )
+        )
 
     def end_warmup(self) -> None:
         """Close the warm-up phase (read its peak, restart the counter for capture)."""
@@ -93,11 +103,15 @@ class MemoryRecorder:
             torch.cuda.synchronize(self._device)
             capture_peak = torch.cuda.max_memory_allocated(self._device)
         return CaptureRecord(
-            device=str(self._device), pool=self._pool, baseline_bytes=self._baseline,
-            warmup_peak_bytes=self._warmup_peak, capture_peak_bytes=capture_peak,
+            device=str(self._device),
+            pool=self._pool,
+            baseline_bytes=self._baseline,
+            warmup_peak_bytes=self._warmup_peak,
+            capture_peak_bytes=capture_peak,
             warmup_seconds=self._warmup_seconds,
             capture_seconds=time.perf_counter() - self._started,
-            timeline=tuple(self._points))
+            timeline=tuple(self._points),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +135,8 @@ class MemoryReport:
     record: CaptureRecord
     callables: tuple[CallableMemory, ...]
     static_bytes: int
-    pool_reserved_bytes: Optional[int]
-    pool_allocated_bytes: Optional[int]
+    pool_reserved_bytes: int | None
+    pool_allocated_bytes: int | None
     timeline: tuple[TimelinePoint, ...] = field(default=())
 
     def with_points(self, points: Iterable[TimelinePoint]) -> MemoryReport:
@@ -133,7 +147,7 @@ class MemoryReport:
         """A short human-readable summary."""
         r = self.record
 
-        def mib(value: Optional[int]) -> str:
+        def mib(value: int | None) -> str:
             return "n/a" if value is None else f"{value / MIB:.1f} MiB"
 
         lines = [
@@ -147,7 +161,7 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def _pool_bytes(record: CaptureRecord) -> tuple[Optional[int], Optional[int]]:
+def _pool_bytes(record: CaptureRecord) -> tuple[int | None, int | None]:
     if not record.device.startswith("cuda") or record.pool is None:
         return None, None
     reserved = allocated = 0
@@ -178,8 +192,10 @@ def memory_report(graphed: Any) -> MemoryReport:
     for index, item in enumerate(items):
         forward = item.__dict__.get("forward") if isinstance(item, torch.nn.Module) else item
         if not isinstance(forward, GraphedCallable) or forward._record is None:
-            raise TypeError(f"memory_report: entry {index} ({type(item).__name__}) is not a "
-                            "result of leangraph.make_graphed_callables")
+            raise TypeError(
+                f"memory_report: entry {index} ({type(item).__name__}) is not a "
+                "result of leangraph.make_graphed_callables"
+            )
         callables.append(forward)
     record = callables[0]._record
     assert record is not None
@@ -190,8 +206,9 @@ def memory_report(graphed: Any) -> MemoryReport:
         every.update(held)
         rows.append(CallableMemory(c.label, sum(held.values()), c.is_reset))
     reserved, allocated = _pool_bytes(record)
-    return MemoryReport(record, tuple(rows), sum(every.values()), reserved, allocated,
-                        record.timeline)
+    return MemoryReport(
+        record, tuple(rows), sum(every.values()), reserved, allocated, record.timeline
+    )
 
 
 _PHASE_COLOURS = {"warm-up": "#f2c14e", "capture": "#5fad56", "replay": "#4d9de0"}
@@ -207,7 +224,7 @@ def _phase_spans(points: Sequence[TimelinePoint]) -> list[tuple[str, int, int]]:
     return spans
 
 
-def plot_memory(report: MemoryReport, path: Union[str, Path], *, title: str = "") -> Path:
+def plot_memory(report: MemoryReport, path: str | Path, *, title: str = "") -> Path:
     """Write the allocated-memory timeline as a PNG, phases shaded (needs matplotlib).
 
     Returns:
@@ -227,10 +244,16 @@ def plot_memory(report: MemoryReport, path: Union[str, Path], *, title: str = ""
         raise ValueError("the report has no timeline to plot")
     fig, ax = plt.subplots(figsize=(10, 4))
     for phase, start, end in _phase_spans(points):
-        ax.axvspan(start - 0.5, end + 0.5, color=_PHASE_COLOURS.get(phase, "#cccccc"),
-                   alpha=0.25, label=phase)
-    ax.plot(range(len(points)), [p.allocated_bytes / MIB for p in points], color="black",
-            linewidth=1)
+        ax.axvspan(
+            start - 0.5,
+            end + 0.5,
+            color=_PHASE_COLOURS.get(phase, "#cccccc"),
+            alpha=0.25,
+            label=phase,
+        )
+    ax.plot(
+        range(len(points)), [p.allocated_bytes / MIB for p in points], color="black", linewidth=1
+    )
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     ax.legend(unique.values(), unique.keys(), loc="upper left")

@@ -26,11 +26,11 @@ from leangraph.order import Step, StepKind, parse_order
 
 __all__ = [
     "InFlight",
-    "interleaved_1f1b",
-    "one_f_one_b",
-    "gpipe",
     "from_pipelining",
+    "gpipe",
+    "interleaved_1f1b",
     "max_in_flight",
+    "one_f_one_b",
     "validate_order",
 ]
 
@@ -344,8 +344,10 @@ def _action_entries(action: Any, local_chunks: dict[int, int], split: bool) -> l
         return [-chunk]
     if kind in ("BACKWARD_WEIGHT", "WEIGHT"):
         return [-(chunk + 0.5)]
-    raise ValueError(f"action {action} ({kind}) has no leangraph order entry: orders express "
-                     "forwards (F), backwards (B) and split backwards (I, W) only")
+    raise ValueError(
+        f"action {action} ({kind}) has no leangraph order entry: orders express "
+        "forwards (F), backwards (B) and split backwards (I, W) only"
+    )
 
 
 def _leaf_actions(action: Any) -> list[Any]:
@@ -362,8 +364,7 @@ def _leaf_actions(action: Any) -> list[Any]:
     return [leaf for sub_action in sub_actions for leaf in _leaf_actions(sub_action)]
 
 
-def _actions_to_order(actions: Sequence[Any], schedule_name: str,
-                      rank: int) -> list[float]:
+def _actions_to_order(actions: Sequence[Any], schedule_name: str, rank: int) -> list[float]:
     """Map a rank's torch action list to an order, chunk ids by ascending stage index."""
     leaves = [(pos, leaf) for pos, action in enumerate(actions) for leaf in _leaf_actions(action)]
     stage_ids = sorted({leaf.stage_index for _, leaf in leaves})
@@ -386,9 +387,10 @@ def _actions_to_order(actions: Sequence[Any], schedule_name: str,
 
 def _ranks(actions: Sequence[Any]) -> list[int]:
     """Each action's position among the microbatch indices of ``actions``, sorted."""
-    indices = [getattr(a, "microbatch_index", None) for a in actions]
-    if None in indices:
-        return list(range(len(indices)))
+    found = [getattr(a, "microbatch_index", None) for a in actions]
+    indices = [i for i in found if i is not None]
+    if len(indices) < len(found):
+        return list(range(len(found)))
     ordered = sorted(indices)
     return [ordered.index(i) for i in indices]
 

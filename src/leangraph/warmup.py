@@ -22,8 +22,13 @@ __all__ = ["run_warmup"]
 
 
 def run_warmup(
-    plan: Plan, graphs: Sequence[GraphedCallable], *, num_iters: int, backend: GraphBackend,
-    observers: Sequence[ProgressCallback] = (), total_steps: int = 0,
+    plan: Plan,
+    graphs: Sequence[GraphedCallable],
+    *,
+    num_iters: int,
+    backend: GraphBackend,
+    observers: Sequence[ProgressCallback] = (),
+    total_steps: int = 0,
 ) -> None:
     """Run ``num_iters`` warm-up passes of ``plan`` over ``graphs`` (indexed by graph).
 
@@ -34,8 +39,13 @@ def run_warmup(
             _warmup_pass(plan, graphs, iteration, observers, total_steps)
 
 
-def _warmup_pass(plan: Plan, graphs: Sequence[GraphedCallable], iteration: int,
-                 observers: Sequence[ProgressCallback], total_steps: int) -> None:
+def _warmup_pass(
+    plan: Plan,
+    graphs: Sequence[GraphedCallable],
+    iteration: int,
+    observers: Sequence[ProgressCallback],
+    total_steps: int,
+) -> None:
     awaiting_backward: dict[int, tuple[torch.Tensor, ...]] = {}
     for index, step in enumerate(plan.warmup):
         graph = graphs[step.graph]

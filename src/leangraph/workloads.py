@@ -41,21 +41,25 @@ class TransformerBlock(nn.Module):
         batch, seq, hidden = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(batch, seq, 3, self.heads, -1).unbind(2)
         attn = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, hidden))
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
 
-def make_blocks(count: int, shape: BlockShape, device: torch.device | str,
-                seed: int = 0) -> list[TransformerBlock]:
+def make_blocks(
+    count: int, shape: BlockShape, device: torch.device | str, seed: int = 0
+) -> list[TransformerBlock]:
     """``count`` blocks with deterministic initial weights."""
     torch.manual_seed(seed)
     return [TransformerBlock(shape).to(device=device, dtype=shape.dtype) for _ in range(count)]
 
 
-def sample_hidden(shape: BlockShape, device: torch.device | str,
-                  requires_grad: bool = True) -> torch.Tensor:
+def sample_hidden(
+    shape: BlockShape, device: torch.device | str, requires_grad: bool = True
+) -> torch.Tensor:
     """A random activation of the block's input shape."""
-    x = torch.randn(shape.micro_batch, shape.sequence, shape.hidden, device=device,
-                    dtype=shape.dtype)
+    x = torch.randn(
+        shape.micro_batch, shape.sequence, shape.hidden, device=device, dtype=shape.dtype
+    )
     return x.requires_grad_(requires_grad)

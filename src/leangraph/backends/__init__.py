@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from .base import GraphBackend, GraphPair
 from .cpu import CpuBackend
 
-__all__ = ["GraphBackend", "GraphPair", "CpuBackend", "make_backend"]
+__all__ = ["CpuBackend", "GraphBackend", "GraphPair", "make_backend"]
 
 
-def make_backend(name: Optional[str], device: torch.device, pool: Optional[Any]) -> GraphBackend:
+def make_backend(name: str | None, device: torch.device, pool: Any | None) -> GraphBackend:
     """The backend called ``name``, or the one that fits ``device`` when ``name`` is None.
 
     Raises:

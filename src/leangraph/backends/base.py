@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch
 
 ForwardBody = Callable[[], Sequence[torch.Tensor]]
 """Runs the user callable on the static inputs and returns its flattened outputs."""
 
-BackwardBody = Callable[[Sequence[torch.Tensor]], Sequence[Optional[torch.Tensor]]]
+BackwardBody = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor | None]]
 """Given the forward's outputs (with their autograd graph) returns the gradients."""
 
 
@@ -39,7 +39,7 @@ class GraphPair(Protocol):
 
     def capture_backward(
         self, body: BackwardBody, *, retain_graph: bool
-    ) -> tuple[Optional[torch.Tensor], ...]:
+    ) -> tuple[torch.Tensor | None, ...]:
         """Record ``body`` on the captured forward's outputs; return the static gradients.
 
         With ``retain_graph`` the forward's saved tensors stay allocated until :meth:`reset`
@@ -48,7 +48,7 @@ class GraphPair(Protocol):
 
     def capture_weight(
         self, body: BackwardBody, *, retain_graph: bool
-    ) -> tuple[Optional[torch.Tensor], ...]:
+    ) -> tuple[torch.Tensor | None, ...]:
         """Record a second, deferred backward graph (zero-bubble weight gradients).
 
         Needs :meth:`capture_backward` to have run with ``retain_graph=True``.

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Optional
 
 import torch
 
@@ -29,8 +28,7 @@ __all__ = ["CpuBackend", "CpuGraphPair"]
 _PoolKey = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
 
 
-def _copy_into(static: Sequence[Optional[torch.Tensor]],
-               fresh: Sequence[Optional[torch.Tensor]]) -> None:
+def _copy_into(static: Sequence[torch.Tensor | None], fresh: Sequence[torch.Tensor | None]) -> None:
     with torch.no_grad():
         for buffer, value in zip(static, fresh):
             if buffer is not None and value is not None:
@@ -46,11 +44,11 @@ class CpuGraphPair:
 
     def __init__(self, backend: CpuBackend) -> None:
         self._backend = backend
-        self._forward_body: Optional[ForwardBody] = None
-        self._live_outputs: Optional[Sequence[torch.Tensor]] = None
+        self._forward_body: ForwardBody | None = None
+        self._live_outputs: Sequence[torch.Tensor] | None = None
         self._static_outputs: tuple[torch.Tensor, ...] = ()
         self._grad_bodies: dict[str, BackwardBody] = {}
-        self._static_grads: dict[str, tuple[Optional[torch.Tensor], ...]] = {}
+        self._static_grads: dict[str, tuple[torch.Tensor | None, ...]] = {}
         self._retain: dict[str, bool] = {}
         self._grad_enabled = True
 
@@ -64,8 +62,9 @@ class CpuGraphPair:
         self._static_outputs = tuple(self._backend.poisoned_like(o) for o in outputs)
         return CapturedOutputs(self._static_outputs, tuple(o.requires_grad for o in outputs))
 
-    def _capture_grads(self, part: str, body: BackwardBody,
-                       retain_graph: bool) -> tuple[Optional[torch.Tensor], ...]:
+    def _capture_grads(
+        self, part: str, body: BackwardBody, retain_graph: bool
+    ) -> tuple[torch.Tensor | None, ...]:
         if self._live_outputs is None:
             raise RuntimeError(f"{part} captured before its forward")
         grads = tuple(body(self._live_outputs))
@@ -79,12 +78,12 @@ class CpuGraphPair:
 
     def capture_backward(
         self, body: BackwardBody, *, retain_graph: bool
-    ) -> tuple[Optional[torch.Tensor], ...]:
+    ) -> tuple[torch.Tensor | None, ...]:
         return self._capture_grads("backward", body, retain_graph)
 
     def capture_weight(
         self, body: BackwardBody, *, retain_graph: bool
-    ) -> tuple[Optional[torch.Tensor], ...]:
+    ) -> tuple[torch.Tensor | None, ...]:
         return self._capture_grads("weight", body, retain_graph)
 
     def replay_forward(self) -> None:
@@ -147,8 +146,11 @@ class CpuBackend:
         """A static buffer shaped like ``tensor``: a disowned one if any, else a new one."""
         key = (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
         free = self._free.get(key)
-        buffer = free.pop() if free else torch.empty_strided(
-            tensor.shape, tensor.stride(), dtype=tensor.dtype)
+        buffer = (
+            free.pop()
+            if free
+            else torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+        )
         if buffer.is_floating_point() or buffer.is_complex():
             buffer.fill_(float("nan"))
         return buffer

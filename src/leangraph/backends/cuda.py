@@ -8,10 +8,12 @@ by graphs whose work the schedule runs after it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -45,11 +47,11 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, device: torch.device, pool: Optional[Any] = None) -> None:
+    def __init__(self, device: torch.device, pool: Any | None = None) -> None:
         self.device = device
         with torch.cuda.device(device):
             self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-            self._stream: Optional[torch.cuda.Stream] = _capture_stream(device)
+            self._stream: torch.cuda.Stream | None = _capture_stream(device)
 
     @property
     def stream(self) -> torch.cuda.Stream:
@@ -93,7 +95,7 @@ class CudaBackend:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return result
 
-    def new_pair(self) -> "CudaGraphPair":
+    def new_pair(self) -> CudaGraphPair:
         return CudaGraphPair(self)
 
     def disown(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -102,8 +104,9 @@ class CudaBackend:
 
     def alias(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        alias = torch._C._construct_storage_from_data_pointer(  # type: ignore[attr-defined]
-            storage.data_ptr(), tensor.device, storage.nbytes())
+        alias = torch._C._construct_storage_from_data_pointer(
+            storage.data_ptr(), tensor.device, storage.nbytes()
+        )
         view = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
         return view.set_(alias, tensor.storage_offset(), tensor.shape, tensor.stride())
 
@@ -113,10 +116,10 @@ class CudaBackend:
 
 def _abandon_capture(graph: torch.cuda.CUDAGraph) -> None:
     """End a capture whose body failed, so the stream leaves capture mode."""
-    try:
+    # The capture is invalid by now and the body's exception is the one to report;
+    # torch.AcceleratorError is not always a RuntimeError, hence Exception.
+    with contextlib.suppress(Exception):
         graph.capture_end()
-    except Exception:  # noqa: BLE001 - torch.AcceleratorError is not always a RuntimeError
-        pass  # the capture is invalid by now; the body's exception is the one to report
     graph.reset()
 
 
@@ -124,11 +127,11 @@ class CudaGraphPair:
     """A forward ``CUDAGraph`` and the backward ``CUDAGraph`` that differentiates it."""
 
     def __init__(self, backend: CudaBackend) -> None:
-        self._backend: Optional[CudaBackend] = backend
-        self._forward: Optional[torch.cuda.CUDAGraph] = None
-        self._backward: Optional[torch.cuda.CUDAGraph] = None
-        self._weight: Optional[torch.cuda.CUDAGraph] = None
-        self._captured_outputs: Optional[tuple[torch.Tensor, ...]] = None
+        self._backend: CudaBackend | None = backend
+        self._forward: torch.cuda.CUDAGraph | None = None
+        self._backward: torch.cuda.CUDAGraph | None = None
+        self._weight: torch.cuda.CUDAGraph | None = None
+        self._captured_outputs: tuple[torch.Tensor, ...] | None = None
 
     def _owner(self) -> CudaBackend:
         if self._backend is None:
@@ -147,26 +150,26 @@ class CudaGraphPair:
 
     def capture_backward(
         self, body: BackwardBody, *, retain_graph: bool
-    ) -> tuple[Optional[torch.Tensor], ...]:
+    ) -> tuple[torch.Tensor | None, ...]:
         self._backward = torch.cuda.CUDAGraph()
         return self._capture_grads(self._backward, body, retain_graph)
 
     def capture_weight(
         self, body: BackwardBody, *, retain_graph: bool
-    ) -> tuple[Optional[torch.Tensor], ...]:
+    ) -> tuple[torch.Tensor | None, ...]:
         self._weight = torch.cuda.CUDAGraph()
         return self._capture_grads(self._weight, body, retain_graph)
 
-    def _capture_grads(self, graph: torch.cuda.CUDAGraph, body: BackwardBody,
-                       retain_graph: bool) -> tuple[Optional[torch.Tensor], ...]:
+    def _capture_grads(
+        self, graph: torch.cuda.CUDAGraph, body: BackwardBody, retain_graph: bool
+    ) -> tuple[torch.Tensor | None, ...]:
         outputs = self._captured_outputs
         if outputs is None:
             raise RuntimeError("backward captured before its forward")
-        grads = tuple(self._owner().capture(graph, lambda: body(outputs)))
+        grads = tuple(self._owner().capture(graph, functools.partial(body, outputs)))
         if not retain_graph:
             # The saved activations go back to the pool; later captures may reuse them.
             self._captured_outputs = None
-        del outputs
         return tuple(None if g is None else g.detach() for g in grads)
 
     def replay_forward(self) -> None:
