@@ -11,14 +11,14 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from .arguments import as_tuples, make_plan, normalize_samples
 from .backends import GraphBackend, make_backend
 from .buffers import BufferKey, StaticBuffers, plan_buffers
 from .capture import run_capture
 from .errors import CaptureMemoryError
 from .graphed import GraphedCallable, _ModuleBinding
 from .hooks import CaptureHooks, normalize_hooks
-from .order import parse_order
-from .plan import Plan, build_plan, build_unordered_plan
+from .plan import Plan
 from .progress import ProgressCallback
 from .report import CaptureRecord, MemoryRecorder
 from .warmup import run_warmup
@@ -123,12 +123,7 @@ def make_graphed_callables(
         TypeError: for sample arguments that are not tuples of tensor pytrees.
         RuntimeError: for autocast with its cache enabled, or a missing CUDA device.
     """
-    single = not isinstance(callables, tuple)
-    if single:
-        callables = (callables,)  # type: ignore[assignment]
-        sample_args = (sample_args,)
-        sample_kwargs = None if sample_kwargs is None else (sample_kwargs,)  # type: ignore[assignment]
-    assert isinstance(callables, tuple)
+    fns, samples_given, kwargs_given, single = as_tuples(callables, sample_args, sample_kwargs)
     if (
         isinstance(num_warmup_iters, bool)
         or not isinstance(num_warmup_iters, int)
@@ -136,15 +131,15 @@ def make_graphed_callables(
     ):
         raise ValueError(f"num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}")
     _check_autocast()
-    for index, fn in enumerate(callables):
+    for index, fn in enumerate(fns):
         _check_callable(index, fn)
     if order is None:
-        _check_distinct_modules(callables)
-    plan = _make_plan(callables, sample_args, order, num_layers_per_chunk)
-    samples = _normalize_samples(sample_args, sample_kwargs, plan.layout.num_graphs)
-    device = _common_device(samples, callables)
+        _check_distinct_modules(fns)
+    plan = make_plan(len(fns), samples_given, order, num_layers_per_chunk)
+    samples = normalize_samples(samples_given, kwargs_given, plan.layout.num_graphs)
+    device = _common_device(samples, fns)
     graph_backend = make_backend(backend, device, pool)
-    saved = _SavedState(callables)
+    saved = _SavedState(fns)
     if check_memory and graph_backend.name == "cuda":
         # The check runs the callables' code once: what it draws must not move the RNGs, on
         # success or failure, and a failure there restores module state as later ones do.
@@ -152,11 +147,11 @@ def make_graphed_callables(
             torch.random.fork_rng(devices=[device], device_type="cuda"),
             saved.restoring("the memory check (check_memory=True), before warm-up"),
         ):
-            _check_fits(callables, sample_args, sample_kwargs, order, num_layers_per_chunk, device)
-    hooks = normalize_hooks(capture_time_hooks, callables)
+            _check_fits(fns, samples_given, kwargs_given, order, num_layers_per_chunk, device)
+    hooks = normalize_hooks(capture_time_hooks, fns)
     graphs = _build_graphs(
         plan,
-        callables,
+        fns,
         samples,
         graph_backend,
         hooks,
@@ -202,7 +197,7 @@ def make_graphed_callables(
     finally:
         graph_backend.teardown()
     return _hand_back(
-        plan, callables, graphs, single, debug_outputs=debug_outputs, record=recorder.finish()
+        plan, fns, graphs, single, debug_outputs=debug_outputs, record=recorder.finish()
     )
 
 
@@ -363,58 +358,6 @@ def _check_distinct_modules(callables: tuple[Any, ...]) -> None:
                     "without an order each module is graphed once (its forward is replaced)"
                 )
             first[id(fn)] = index
-
-
-def _make_plan(
-    callables: tuple[Any, ...],
-    sample_args: Any,
-    order: Sequence[int] | None,
-    num_layers_per_chunk: int | Sequence[int] | None,
-) -> Plan:
-    if not isinstance(sample_args, (tuple, list)):
-        raise TypeError(f"sample_args must be a tuple, got {type(sample_args).__name__}")
-    if order is None:
-        if num_layers_per_chunk is not None:
-            raise ValueError("num_layers_per_chunk needs an order")
-        if len(sample_args) != len(callables):
-            raise ValueError(
-                f"sample_args has {len(sample_args)} entries for {len(callables)} callables; "
-                "without an order each callable needs exactly one"
-            )
-        return build_unordered_plan(len(callables))
-    layout, steps = parse_order(
-        order,
-        num_callables=len(callables),
-        num_samples=len(sample_args),
-        num_layers_per_chunk=num_layers_per_chunk,
-    )
-    return build_plan(layout, steps)
-
-
-def _normalize_samples(sample_args: Any, sample_kwargs: Any, count: int) -> list[tuple[Any, Any]]:
-    """One ``(args, kwargs)`` pair per graph, every leaf a tensor."""
-    if sample_kwargs is None:
-        sample_kwargs = ({},) * count
-    if not isinstance(sample_kwargs, (tuple, list)) or len(sample_kwargs) != count:
-        got = len(sample_kwargs) if isinstance(sample_kwargs, (tuple, list)) else sample_kwargs
-        raise ValueError(f"sample_kwargs must have one dict per graph ({count}), got {got!r}")
-    samples = []
-    for index, (args, kwargs) in enumerate(zip(sample_args, sample_kwargs)):
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(
-                f"sample_args[{index}] must be a tuple of arguments, got "
-                f"{type(args).__name__} (wrap a single tensor as (tensor,))"
-            )
-        if not isinstance(kwargs, dict):
-            raise TypeError(f"sample_kwargs[{index}] must be a dict, got {type(kwargs).__name__}")
-        for leaf in pytree.tree_leaves((tuple(args), kwargs)):
-            if not isinstance(leaf, torch.Tensor):
-                raise TypeError(
-                    f"sample_args[{index}]: every argument leaf must be a tensor, got "
-                    f"{type(leaf).__name__}"
-                )
-        samples.append((tuple(args), dict(kwargs)))
-    return samples
 
 
 def _common_device(samples: list[tuple[Any, Any]], callables: tuple[Any, ...]) -> torch.device:

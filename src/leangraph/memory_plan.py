@@ -50,9 +50,10 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from .arguments import Samples, as_tuples, make_plan, normalize_samples
 from .buffers import BufferKey, plan_buffers
-from .order import Layout, StepKind, parse_order
-from .plan import GraphStep, Plan, build_plan, build_unordered_plan
+from .order import Layout, StepKind
+from .plan import GraphStep, Plan
 
 __all__ = [
     "LayerMemory",
@@ -247,7 +248,7 @@ def plan_memory(
     if meta_attention not in _META_ATTENTION:
         raise ValueError(f"meta_attention must be one of {_META_ATTENTION}, got {meta_attention!r}")
     fns, samples = _normalize(callables, sample_args, sample_kwargs)
-    plan = _make_plan(len(fns), len(samples), order, num_layers_per_chunk)
+    plan = make_plan(len(fns), samples, order, num_layers_per_chunk)
     _check_one_device(fns, samples)
     graphs = _measure_graphs(plan, fns, samples, meta_attention)
     return _walk_plan(plan, graphs, *_static_bytes(plan, graphs, samples))
@@ -268,65 +269,15 @@ def format_bytes(count: float) -> str:
 
 def _normalize(
     callables: Any, sample_args: Any, sample_kwargs: Any
-) -> tuple[tuple[Any, ...], list[tuple[tuple[Any, ...], dict[str, Any]]]]:
+) -> tuple[tuple[Any, ...], Samples]:
     """The callables as a tuple and one ``(args, kwargs)`` pair per graph, leaves checked."""
-    if not isinstance(callables, tuple):
-        callables = (callables,)
-        sample_args = (sample_args,)
-        sample_kwargs = None if sample_kwargs is None else (sample_kwargs,)
+    callables, sample_args, sample_kwargs, _ = as_tuples(callables, sample_args, sample_kwargs)
     for index, fn in enumerate(callables):
         if not callable(fn):
             raise TypeError(f"callables[{index}] is a {type(fn).__name__}, which is not callable")
     if not isinstance(sample_args, (tuple, list)):
         raise TypeError(f"sample_args must be a tuple, got {type(sample_args).__name__}")
-    count = len(sample_args)
-    if sample_kwargs is None:
-        sample_kwargs = ({},) * count
-    if not isinstance(sample_kwargs, (tuple, list)) or len(sample_kwargs) != count:
-        got = len(sample_kwargs) if isinstance(sample_kwargs, (tuple, list)) else sample_kwargs
-        raise ValueError(f"sample_kwargs must have one dict per graph ({count}), got {got!r}")
-    samples = []
-    for index, (args, kwargs) in enumerate(zip(sample_args, sample_kwargs)):
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(
-                f"sample_args[{index}] must be a tuple of arguments, got {type(args).__name__} "
-                "(wrap a single tensor as (tensor,))"
-            )
-        if not isinstance(kwargs, dict):
-            raise TypeError(f"sample_kwargs[{index}] must be a dict, got {type(kwargs).__name__}")
-        for leaf in pytree.tree_leaves((tuple(args), kwargs)):
-            if not isinstance(leaf, torch.Tensor):
-                raise TypeError(
-                    f"sample_args[{index}]: every argument leaf must be a tensor, got "
-                    f"{type(leaf).__name__}"
-                )
-        samples.append((tuple(args), dict(kwargs)))
-    return callables, samples
-
-
-def _make_plan(
-    num_callables: int,
-    num_samples: int,
-    order: Sequence[int] | None,
-    num_layers_per_chunk: int | Sequence[int] | None,
-) -> Plan:
-    """The plan ``make_graphed_callables`` would walk for these arguments."""
-    if order is None:
-        if num_layers_per_chunk is not None:
-            raise ValueError("num_layers_per_chunk needs an order")
-        if num_samples != num_callables:
-            raise ValueError(
-                f"sample_args has {num_samples} entries for {num_callables} callables; "
-                "without an order each callable needs exactly one"
-            )
-        return build_unordered_plan(num_callables)
-    layout, steps = parse_order(
-        order,
-        num_callables=num_callables,
-        num_samples=num_samples,
-        num_layers_per_chunk=num_layers_per_chunk,
-    )
-    return build_plan(layout, steps)
+    return callables, normalize_samples(sample_args, sample_kwargs, len(sample_args))
 
 
 def _check_one_device(fns: tuple[Any, ...], samples: list[tuple[Any, Any]]) -> None:
