@@ -684,9 +684,19 @@ def test_l4_outputs_that_do_not_require_grad_are_exempt():
     del first, second
 
 
-def test_l5_backward_after_a_newer_replay():
+def test_l4_forward_while_only_a_derived_tensor_awaits_backward():
     graphed = graphed_blocks(1)[0]
     loss1 = graphed(sample()).sum()  # the output is gone; its autograd graph is not
+    with raises(RuntimeError, "callable 0 (Block): forward replayed while the outputs of its "
+                "previous replay (1) still await their backward"):
+        graphed(sample())
+    loss1.backward()
+
+
+def test_l5_backward_after_a_newer_replay():
+    # Only reachable when retain_graph_in_backward lets replays overlap a pending backward.
+    graphed = graphed_blocks(1, retain_graph_in_backward=True)[0]
+    loss1 = graphed(sample()).sum()
     loss2 = graphed(sample()).sum()
     with raises(RuntimeError, "callable 0 (Block): backward of forward replay 1 requested",
                 "replayed again since (replay 2)"):

@@ -116,10 +116,25 @@ def test_replay_while_outputs_await_backward_raises():
     graphed[0](x).sum().backward()  # fine once the backward ran
 
 
-def test_backward_after_a_newer_replay_raises():
+def test_replay_while_only_a_derived_tensor_awaits_backward_raises():
     _, graphed = _three_graphs()
     x = torch.randn(2, 4, requires_grad=True)
     loss = graphed[0](x).sum()  # the output tensor itself is gone, its autograd node is not
+    with pytest.raises(RuntimeError, match="still await their backward"):
+        graphed[0](x)
+    loss.backward()
+    graphed[0](x).sum().backward()
+
+
+def test_backward_after_a_newer_replay_raises():
+    # retain_graph_in_backward allows replays with a backward outstanding; the backward of
+    # an older replay still cannot run against the newer replay's activations.
+    torch.manual_seed(0)
+    graphed = leangraph.make_graphed_callables(
+        (Block(4),), ((torch.randn(2, 4, requires_grad=True),),), retain_graph_in_backward=True
+    )
+    x = torch.randn(2, 4, requires_grad=True)
+    loss = graphed[0](x).sum()
     graphed[0](x).sum().backward()
     with pytest.raises(RuntimeError, match="replayed again since"):
         loss.backward()

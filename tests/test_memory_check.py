@@ -43,3 +43,24 @@ def test_meta_twin_matches_the_module_it_stands_for():
     out = twin(*api._to_meta(samples[0]))
     assert out.device.type == "meta" and out.shape == (4, 8)
     assert sum(p.numel() for p in twin.parameters()) == sum(p.numel() for p in layers[0].parameters())
+
+
+class DataDependent(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = float(x.abs().max())  # needs real data: impossible on the meta device
+        return x * self.weight * scale
+
+
+def test_check_is_skipped_with_a_warning_when_the_callable_cannot_run_on_meta(
+    monkeypatch, caplog
+):
+    monkeypatch.setattr(api, "_available_bytes", lambda device: 0)
+    layer = DataDependent()
+    samples = ((torch.randn(4, 8, requires_grad=True),),)
+    with caplog.at_level("WARNING", logger="leangraph"):
+        api._check_fits((layer,), samples, None, None, None, torch.device("cpu"))
+    assert "check_memory skipped: the callables cannot run on the meta device" in caplog.text

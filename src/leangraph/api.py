@@ -292,8 +292,7 @@ def _check_fits(
         return
     twins: dict[int, _MetaTwin] = {}
     meta_callables = tuple(twins.setdefault(id(fn), _MetaTwin(fn)) for fn in callables)
-    rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    try:  # meta kernels of random ops may still advance the device generator's offset
+    try:
         plan = plan_memory(
             meta_callables,
             _to_meta(tuple(sample_args)),
@@ -301,9 +300,15 @@ def _check_fits(
             order=order,
             num_layers_per_chunk=num_layers_per_chunk,
         )
-    finally:
-        if rng is not None:
-            torch.cuda.set_rng_state(rng, device)
+    except (RuntimeError, NotImplementedError) as exc:
+        # Data-dependent code (.item(), shapes from values) or a kernel without a meta
+        # implementation cannot run on meta tensors; capture itself may still work.
+        log.warning(
+            "check_memory skipped: the callables cannot run on the meta device (%s: %s)",
+            type(exc).__name__,
+            exc,
+        )
+        return
     needed = max(plan.warmup_peak_bytes, plan.capture_peak_bytes)
     available = _available_bytes(device)
     if needed > available:

@@ -167,7 +167,7 @@ class GraphedCallable:
         self._has_backward = False
         self._forward_generation = 0
         self._backward_generation = -1
-        self._awaiting_backward: tuple[weakref.ref[torch.Tensor], ...] = ()
+        self._awaiting_backward: weakref.ref[_BackwardToken] | None = None
         self._guard: _OutputGuard | None = None
         self._debug_outputs = False
         self._module_binding: _ModuleBinding | None = None
@@ -210,9 +210,9 @@ class GraphedCallable:
         self._require_ready("call")
         leaves = self._flatten_call(args, kwargs)
         clone_grads = tuple(t.requires_grad and t.grad_fn is None for t in leaves)
-        outputs = _Replay.apply(self, clone_grads, *leaves, *self._params)
-        if torch.is_grad_enabled():
-            self._note_outputs(outputs)
+        token = _BackwardToken()
+        outputs = _Replay.apply(self, clone_grads, token, *leaves, *self._params)
+        del token  # from here on only the replay's autograd node (if any) keeps it alive
         assert self._output_tree is not None
         return pytree.tree_unflatten(list(outputs), self._output_tree)
 
@@ -247,7 +247,7 @@ class GraphedCallable:
         self._samples = ()
         self._static_inputs = ()
         self._params = ()
-        self._awaiting_backward = ()
+        self._awaiting_backward = None
         if self._guard is not None:
             self._guard.invalidate("its callable was reset")
         self._static_outputs = ()
@@ -552,12 +552,12 @@ class GraphedCallable:
             )
         if self._retain_graph or self._backward_generation == self._forward_generation:
             return
-        if any(ref() is not None for ref in self._awaiting_backward):
+        if self._awaiting_backward is not None and self._awaiting_backward() is not None:
             raise RuntimeError(
                 f"{self._label}: forward replayed while the outputs of its previous replay "
                 f"({self._forward_generation}) still await their backward; the new replay "
                 "would overwrite the activations that backward needs. Run the backward first "
-                "or drop those outputs"
+                "or drop those outputs and everything computed from them"
             )
 
     def _replay_forward(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -586,11 +586,9 @@ class GraphedCallable:
                 outputs = tuple(self._guard.wrap(o) for o in outputs)
             return outputs
 
-    def _note_outputs(self, outputs: Sequence[torch.Tensor]) -> None:
-        """Remember (weakly) the outputs of the latest replay that await a backward."""
-        self._awaiting_backward = tuple(
-            weakref.ref(o) for o, rg in zip(outputs, self._output_requires_grad) if rg
-        )
+    def _note_pending(self, token: _BackwardToken) -> None:
+        """Remember (weakly) the autograd node of the latest replay, which awaits a backward."""
+        self._awaiting_backward = weakref.ref(token)
 
     def _replay_backward(
         self, grads: Sequence[torch.Tensor], generation: int, clone_inputs: Sequence[bool]
@@ -616,7 +614,7 @@ class GraphedCallable:
             if self._static_grads:
                 self._pair.replay_backward()
             self._backward_generation = generation
-            self._awaiting_backward = ()
+            self._awaiting_backward = None
             if self._split_backward:
                 self._weight_pending = generation
                 return self._scatter_grads(clone_inputs)
@@ -727,17 +725,34 @@ class _GuardedOutput(torch.Tensor):
             return func(*args, **(kwargs or {}))
 
 
+class _BackwardToken:
+    """Lives exactly as long as one forward replay's autograd node (its ctx holds it).
+
+    The graphed callable keeps only a weak reference: while it is alive, a backward through
+    that replay may still come, so the next forward replay must not overwrite activations.
+    """
+
+    __slots__ = ("__weakref__",)
+
+
 class _Replay(torch.autograd.Function):
     """Autograd node of one forward replay; its backward replays the backward graph."""
 
     @staticmethod
     def forward(
-        ctx: Any, owner: GraphedCallable, clone_inputs: tuple[bool, ...], *tensors: torch.Tensor
+        ctx: Any,
+        owner: GraphedCallable,
+        clone_inputs: tuple[bool, ...],
+        token: _BackwardToken,
+        *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         outputs = owner._replay_forward(tensors[: len(clone_inputs)])
         ctx.owner = owner
         ctx.generation = owner._forward_generation
         ctx.clone_inputs = clone_inputs
+        ctx.token = token
+        if any(owner._output_requires_grad):
+            owner._note_pending(token)
         frozen = [o for o, rg in zip(outputs, owner._output_requires_grad) if not rg]
         ctx.mark_non_differentiable(*frozen)
         return outputs
@@ -747,4 +762,4 @@ class _Replay(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         owner: GraphedCallable = ctx.owner
         grad_inputs = owner._replay_backward(grads, ctx.generation, ctx.clone_inputs)
-        return (None, None, *grad_inputs)
+        return (None, None, None, *grad_inputs)

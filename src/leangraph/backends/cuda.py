@@ -65,9 +65,11 @@ class CudaBackend:
         # workspaces, for one) exists before capture begins.
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            yield
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                yield
+        finally:  # also after a failure, so later work never races what warm-up queued
+            torch.cuda.current_stream(self.device).wait_stream(stream)
 
     @contextmanager
     def capture_session(self) -> Iterator[None]:
@@ -76,23 +78,27 @@ class CudaBackend:
         # warm-up left cached so the graph pool can take that memory instead of adding to it.
         gc.collect()
         torch.cuda.empty_cache()
-        with torch.cuda.device(self.device):
-            yield
-        torch.cuda.synchronize(self.device)
+        try:
+            with torch.cuda.device(self.device):
+                yield
+        finally:
+            torch.cuda.synchronize(self.device)
 
     def capture(self, graph: torch.cuda.CUDAGraph, body: Callable[[], _T]) -> _T:
         """Record ``body`` into ``graph`` on the capture stream, in this backend's pool."""
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            graph.capture_begin(pool=self.pool)
-            try:
-                result = body()
-            except BaseException:
-                _abandon_capture(graph)
-                raise
-            graph.capture_end()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=self.pool)
+                try:
+                    result = body()
+                except BaseException:
+                    _abandon_capture(graph)
+                    raise
+                graph.capture_end()
+        finally:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
         return result
 
     def new_pair(self) -> CudaGraphPair:
