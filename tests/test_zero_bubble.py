@@ -118,3 +118,18 @@ def test_seeds_are_not_shared_between_overlapping_backward_and_weight_spans():
                 (a0, a1), (b0, b1) = spans[a], spans[b]
                 assert a1 < b0 or b1 < a0, (a, b)
     assert 1 < len(buffers.seed_keys) < 6
+
+
+def test_memory_plan_keeps_activations_alive_until_the_weight_step():
+    torch.manual_seed(0)
+    layers = tuple(Block(8) for _ in range(2))
+    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(6))
+    # The same schedule with each weight step right after its backward, and deferred.
+    eager_w = [1, 2, 1, 2, -2, -2.5, -1, -1.5, 1, -2, -2.5, 2, -1, -1.5, -2, -2.5, -1, -1.5]
+    deferred = [1, 2, 1, 2, -2, -1, 1, -2, 2, -1, -2, -1, -2.5, -2.5, -2.5, -1.5, -1.5, -1.5]
+    early = leangraph.plan_memory(layers, samples, order=eager_w)
+    late = leangraph.plan_memory(layers, samples, order=deferred)
+    assert late.max_in_flight > early.max_in_flight
+    assert late.capture_peak_bytes > early.capture_peak_bytes
+    weight_steps = [s for s in late.steps if s.step.startswith("W")]
+    assert len(weight_steps) == 2 * 6  # warm-up pass and capture pass, 6 graphs each

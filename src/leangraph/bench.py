@@ -30,6 +30,7 @@ import torch
 
 from .local_pipeline import LayerLookup, run_order
 from .order import Layout, StepKind, parse_order
+from .progress import ProgressCallback
 from .report import MemoryReport, TimelinePoint, memory_report
 from .schedules import interleaved_1f1b
 from .workloads import BlockShape, TransformerBlock, make_blocks
@@ -298,7 +299,9 @@ def _torch_capture(work: _Workload) -> Callable[[list[TransformerBlock]], LayerL
     return capture
 
 
-def _leangraph_capture(work: _Workload) -> Callable[[list[TransformerBlock]], LayerLookup]:
+def _leangraph_capture(
+    work: _Workload, progress: ProgressCallback | None
+) -> Callable[[list[TransformerBlock]], LayerLookup]:
     from . import make_graphed_callables
 
     def capture(blocks: list[TransformerBlock]) -> LayerLookup:
@@ -309,6 +312,7 @@ def _leangraph_capture(work: _Workload) -> Callable[[list[TransformerBlock]], La
             order=work.order,
             num_layers_per_chunk=work.chunks,
             num_warmup_iters=work.config.warmup_iters,
+            progress=progress,
         )
         work.report = memory_report(graphed)
         replay: list[TimelinePoint] = []
@@ -340,7 +344,7 @@ def _agree(reference: list[float], losses: list[float], dtype: torch.dtype) -> b
     )
 
 
-def run_bench(config: BenchConfig) -> BenchResult:
+def run_bench(config: BenchConfig, progress: ProgressCallback | None = None) -> BenchResult:
     """Run the configured methods one after the other; see the module docstring."""
     if "torch" in config.methods and not config.device.startswith("cuda"):
         raise ValueError("the torch method needs a CUDA device (torch.cuda.make_graphed_callables)")
@@ -348,7 +352,7 @@ def run_bench(config: BenchConfig) -> BenchResult:
     runners = {
         "eager": lambda: _bench_eager(work),
         "torch": lambda: _bench_graphed(work, "torch", _torch_capture(work)),
-        "leangraph": lambda: _bench_graphed(work, "leangraph", _leangraph_capture(work)),
+        "leangraph": lambda: _bench_graphed(work, "leangraph", _leangraph_capture(work, progress)),
     }
     methods: dict[str, MethodResult] = {}
     for name in config.methods:

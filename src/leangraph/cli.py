@@ -23,7 +23,8 @@ def _demo(args: argparse.Namespace) -> int:
         shape=BlockShape(hidden=args.hidden, sequence=args.sequence),
         device=args.device,
     )
-    result = run_demo(config)
+    with progress_bar(not args.no_progress) as progress:
+        result = run_demo(config, progress=progress)
     if result.device == "cpu":
         print(
             "No GPU found: running on leangraph's CPU reference backend (graph semantics "
@@ -179,7 +180,8 @@ def _bench(args: argparse.Namespace) -> int:
         device=device,
         shape=_shape(args),
     )
-    result = run_bench(config)
+    with progress_bar(not args.no_progress) as progress:
+        result = run_bench(config, progress=progress)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as handle:
@@ -200,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--hidden", type=int, default=64)
     demo.add_argument("--sequence", type=int, default=32)
     demo.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(handler=_demo)
     bench = sub.add_parser(
         "bench", help="eager vs torch.cuda.make_graphed_callables vs leangraph on one pipeline rank"
@@ -208,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=5, help="timed steps per method")
     bench.add_argument("--methods", default="eager,torch,leangraph")
     bench.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--json", help="write the figures as JSON here")
     bench.add_argument("--plot", help="write leangraph's memory timeline PNG here")
     bench.add_argument("--bars", help="write a bar chart of the methods' memory here")

@@ -15,6 +15,8 @@ import torch
 from . import make_graphed_callables, reset_all
 from .local_pipeline import LayerLookup, run_order
 from .order import Layout
+from .progress import ProgressCallback
+from .report import memory_report
 from .schedules import interleaved_1f1b
 from .workloads import BlockShape, make_blocks, sample_hidden
 
@@ -73,8 +75,13 @@ def _train(
     return losses
 
 
-def run_demo(config: DemoConfig = DemoConfig()) -> DemoResult:
-    """Train eager and graphed copies of the same blocks; see the module docstring."""
+def run_demo(
+    config: DemoConfig = DemoConfig(), progress: ProgressCallback | None = None
+) -> DemoResult:
+    """Train eager and graphed copies of the same blocks; see the module docstring.
+
+    ``progress`` is handed to ``make_graphed_callables`` (a progress bar, say).
+    """
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     order = interleaved_1f1b(config.pp_size, config.vp_size, config.rank, config.num_microbatches)
     chunks = [config.layers_per_chunk] * config.vp_size
@@ -115,10 +122,12 @@ def run_demo(config: DemoConfig = DemoConfig()) -> DemoResult:
         result.memory["before_capture"] = torch.cuda.memory_allocated()
     log.info("capturing %d graphs on %s", layout.num_graphs, device)
     graphed = make_graphed_callables(
-        tuple(graphed_blocks), samples, order=order, num_layers_per_chunk=chunks
+        tuple(graphed_blocks), samples, order=order, num_layers_per_chunk=chunks, progress=progress
     )
+    record = memory_report(graphed).record
+    if record.warmup_peak_bytes is not None and record.capture_peak_bytes is not None:
+        result.memory["peak_capture"] = max(record.warmup_peak_bytes, record.capture_peak_bytes)
     if device == "cuda":
-        result.memory["peak_capture"] = torch.cuda.max_memory_allocated()
         result.memory["after_capture"] = torch.cuda.memory_allocated()
         result.memory["reserved"] = torch.cuda.memory_reserved()
     result.graphed_losses = _train(

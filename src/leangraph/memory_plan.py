@@ -452,8 +452,8 @@ def _walk_plan(
 ) -> MemoryPlan:
     """Walk warm-up (lean and keep-all) and capture over the per-graph measurements."""
     held = [m.in_flight_bytes for m in graphs]
-    transient = [m.transient_bytes for m in graphs]
-    seeded = [m.transient_bytes + m.output_bytes for m in graphs]  # + warm-up's zero seeds
+    transient = _Transients.of(graphs, plan.split_backward, seeds=False)
+    seeded = _Transients.of(graphs, plan.split_backward, seeds=True)  # warm-up's zero seeds
     warmup = _walk("warm-up", plan.warmup, 0, held, seeded)
     naive = _walk("warm-up", plan.warmup, 0, held, seeded, keep_all=True)
     capture = _walk("capture", plan.capture, static_in + grad_out, held, transient)
@@ -468,7 +468,7 @@ def _walk_plan(
         naive_warmup_peak_bytes=naive.peak.live_bytes,
         capture_peak_bytes=capture.peak.live_bytes,
         pool_bytes=capture.high_water,
-        peak_transient_bytes=max(transient, default=0),
+        peak_transient_bytes=max((*transient.backward, *transient.weight), default=0),
         max_in_flight=max((s.in_flight for s in capture.steps), default=0),
         warmup_peak_step=warmup.peak.where(),
         naive_peak_step=naive.peak.where(),
@@ -492,6 +492,37 @@ def _static_bytes(
 
 
 @dataclass(frozen=True, slots=True)
+class _Transients:
+    """What each graph's backward and weight steps allocate on top of what is held.
+
+    A full backward allocates input and parameter gradients; a split one allocates the input
+    gradients at ``-c`` and the parameter gradients at the deferred ``-(c + 0.5)``.
+    """
+
+    backward: tuple[int, ...]
+    weight: tuple[int, ...]
+
+    @classmethod
+    def of(cls, graphs: Sequence[LayerMemory], split: bool, *, seeds: bool) -> _Transients:
+        seed = [m.output_bytes if seeds else 0 for m in graphs]
+        if not split:
+            return cls(
+                tuple(m.transient_bytes + s for m, s in zip(graphs, seed)), (0,) * len(graphs)
+            )
+        return cls(
+            tuple(m.grad_input_bytes + s for m, s in zip(graphs, seed)),
+            tuple(m.param_grad_bytes + s for m, s in zip(graphs, seed)),
+        )
+
+    def at(self, step: GraphStep) -> int:
+        if step.kind is StepKind.BACKWARD:
+            return self.backward[step.graph]
+        if step.kind is StepKind.WEIGHT:
+            return self.weight[step.graph]
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
 class _Walk:
     steps: tuple[StepMemory, ...]
     peak: StepMemory
@@ -503,7 +534,7 @@ def _walk(
     steps: Sequence[GraphStep],
     static: int,
     held: Sequence[int],
-    transient: Sequence[int],
+    transient: _Transients,
     *,
     keep_all: bool = False,
 ) -> _Walk:
@@ -520,7 +551,7 @@ def _walk(
             in_flight.add(graph)
             total += held[graph]
         high_water = max(high_water, total)
-        extra = transient[step.graph] if step.kind is StepKind.BACKWARD else 0
+        extra = transient.at(step)
         records.append(StepMemory(phase, index, str(step), len(in_flight), static + total + extra))
         for graph in () if keep_all else step.dies:
             in_flight.discard(graph)
