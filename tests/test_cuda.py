@@ -261,3 +261,19 @@ def test_capture_time_hooks_never_run_while_the_stream_captures():
                                                capture_time_hooks=[hooks, hooks])
     assert len(log) == 3 * 8 * 2 and not any(log)
     leangraph.reset_all(graphed)
+
+
+def test_memory_report_on_cuda_reads_the_pool_and_the_phase_peaks():
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    blocks = tuple(Block(256).cuda() for _ in range(2))
+    samples = tuple((torch.randn(64, 256, device="cuda", requires_grad=True),) for _ in range(4))
+    graphed = leangraph.make_graphed_callables(blocks, samples, order=[1, 1, -1, -1])
+    report = leangraph.memory_report(graphed)
+    assert report.pool_reserved_bytes is not None and report.pool_reserved_bytes > 0
+    assert report.pool_allocated_bytes is not None
+    assert report.pool_allocated_bytes <= report.pool_reserved_bytes
+    assert report.record.warmup_peak_bytes > base and report.record.capture_peak_bytes > base
+    assert len(report.timeline) == 3 * 4 + 4 and max(p.allocated_bytes for p in report.timeline) > base
+    assert report.static_bytes > 0 and "graph pool: reserved" in report.describe()
+    leangraph.reset_all(graphed)
