@@ -6,12 +6,13 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from .arguments import as_tuples, make_plan, normalize_samples
+from .arguments import Samples, as_tuples, make_plan, normalize_samples
 from .backends import GraphBackend, make_backend
 from .buffers import BufferKey, StaticBuffers, plan_buffers
 from .capture import run_capture
@@ -124,17 +125,7 @@ def make_graphed_callables(
         RuntimeError: for autocast with its cache enabled, or a missing CUDA device.
     """
     fns, samples_given, kwargs_given, single = as_tuples(callables, sample_args, sample_kwargs)
-    if (
-        isinstance(num_warmup_iters, bool)
-        or not isinstance(num_warmup_iters, int)
-        or num_warmup_iters < 0
-    ):
-        raise ValueError(f"num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}")
-    _check_autocast()
-    for index, fn in enumerate(fns):
-        _check_callable(index, fn)
-    if order is None:
-        _check_distinct_modules(fns)
+    _check_arguments(fns, order, num_warmup_iters)
     plan = make_plan(len(fns), samples_given, order, num_layers_per_chunk)
     samples = normalize_samples(samples_given, kwargs_given, plan.layout.num_graphs)
     device = _common_device(samples, fns)
@@ -148,46 +139,25 @@ def make_graphed_callables(
             saved.restoring("the memory check (check_memory=True), before warm-up"),
         ):
             _check_fits(fns, samples_given, kwargs_given, order, num_layers_per_chunk, device)
-    hooks = normalize_hooks(capture_time_hooks, fns)
     graphs = _build_graphs(
         plan,
         fns,
         samples,
         graph_backend,
-        hooks,
+        normalize_hooks(capture_time_hooks, fns),
         allow_unused_input=allow_unused_input,
         retain_graph_in_backward=retain_graph_in_backward,
         share_buffers=share_buffers,
     )
-    recorder = MemoryRecorder(device, getattr(graph_backend, "pool", None))
-    observers = [recorder] + ([progress] if progress is not None else [])
-    warmup_steps = num_warmup_iters * len(plan.warmup)
+    stages = _Stages(
+        num_warmup_iters=num_warmup_iters,
+        share_buffers=share_buffers,
+        progress=progress,
+        pre_warmup_hook=pre_warmup_hook,
+        post_warmup_hook=post_warmup_hook,
+    )
     try:
-        if pre_warmup_hook is not None:
-            pre_warmup_hook()
-        run_warmup(
-            plan,
-            graphs,
-            num_iters=num_warmup_iters,
-            backend=graph_backend,
-            observers=observers,
-            total_steps=warmup_steps + len(plan.capture),
-        )
-        if post_warmup_hook is not None:
-            post_warmup_hook()
-        recorder.end_warmup()
-        buffers = _plan_static_buffers(
-            plan, graphs, samples, known_outputs=num_warmup_iters > 0, share=share_buffers
-        )
-        run_capture(
-            plan,
-            graphs,
-            backend=graph_backend,
-            buffers=buffers,
-            observers=observers,
-            steps_before=warmup_steps,
-        )
-        del buffers
+        record = _warm_up_and_capture(plan, graphs, samples, graph_backend, device, stages)
     except BaseException as exc:
         _note_out_of_memory(exc, device)  # figures as at the failure, before the resets
         for graph in graphs:
@@ -196,9 +166,61 @@ def make_graphed_callables(
         raise
     finally:
         graph_backend.teardown()
-    return _hand_back(
-        plan, fns, graphs, single, debug_outputs=debug_outputs, record=recorder.finish()
+    return _hand_back(plan, fns, graphs, single, debug_outputs=debug_outputs, record=record)
+
+
+@dataclass(frozen=True)
+class _Stages:
+    """The options warm-up and capture need, travelling together."""
+
+    num_warmup_iters: int
+    share_buffers: bool
+    progress: ProgressCallback | None
+    pre_warmup_hook: Callable[[], None] | None
+    post_warmup_hook: Callable[[], None] | None
+
+
+def _warm_up_and_capture(
+    plan: Plan,
+    graphs: list[GraphedCallable],
+    samples: Samples,
+    backend: GraphBackend,
+    device: torch.device,
+    stages: _Stages,
+) -> CaptureRecord:
+    """Warm up, plan the static buffers from what warm-up saw, capture; return the record."""
+    recorder = MemoryRecorder(device, getattr(backend, "pool", None))
+    observers = [recorder] + ([stages.progress] if stages.progress is not None else [])
+    warmup_steps = stages.num_warmup_iters * len(plan.warmup)
+    if stages.pre_warmup_hook is not None:
+        stages.pre_warmup_hook()
+    run_warmup(
+        plan,
+        graphs,
+        num_iters=stages.num_warmup_iters,
+        backend=backend,
+        observers=observers,
+        total_steps=warmup_steps + len(plan.capture),
     )
+    if stages.post_warmup_hook is not None:
+        stages.post_warmup_hook()
+    recorder.end_warmup()
+    buffers = _plan_static_buffers(
+        plan,
+        graphs,
+        samples,
+        known_outputs=stages.num_warmup_iters > 0,
+        share=stages.share_buffers,
+    )
+    run_capture(
+        plan,
+        graphs,
+        backend=backend,
+        buffers=buffers,
+        observers=observers,
+        steps_before=warmup_steps,
+    )
+    return recorder.finish()
 
 
 def reset_all(graphed: Graphed | Sequence[Graphed]) -> None:
@@ -313,6 +335,20 @@ def _check_fits(
     available = _available_bytes(device)
     if needed > available:
         raise CaptureMemoryError(needed, available, plan.peak_step)
+
+
+def _check_arguments(fns: tuple[Any, ...], order: Any, num_warmup_iters: Any) -> None:
+    if (
+        isinstance(num_warmup_iters, bool)
+        or not isinstance(num_warmup_iters, int)
+        or num_warmup_iters < 0
+    ):
+        raise ValueError(f"num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}")
+    _check_autocast()
+    for index, fn in enumerate(fns):
+        _check_callable(index, fn)
+    if order is None:
+        _check_distinct_modules(fns)
 
 
 def _check_autocast() -> None:

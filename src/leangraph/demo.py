@@ -75,6 +75,21 @@ def _train(
     return losses
 
 
+def _demo_data(
+    config: DemoConfig, device: str
+) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+    """Per step, one input per microbatch; and one target per microbatch (fixed seed)."""
+    gen = torch.Generator().manual_seed(1)
+    shape = config.shape
+
+    def draw() -> torch.Tensor:
+        x = torch.randn(shape.micro_batch, shape.sequence, shape.hidden, generator=gen)
+        return x.to(device, shape.dtype)
+
+    data = [[draw() for _ in range(config.num_microbatches)] for _ in range(config.steps)]
+    return data, [draw() for _ in range(config.num_microbatches)]
+
+
 def run_demo(
     config: DemoConfig = DemoConfig(), progress: ProgressCallback | None = None
 ) -> DemoResult:
@@ -88,23 +103,8 @@ def run_demo(
     layout = Layout(tuple(chunks), config.num_microbatches)
     eager = make_blocks(layout.num_callables, config.shape, device)
     graphed_blocks = copy.deepcopy(eager)
-    gen = torch.Generator().manual_seed(1)
+    data, target = _demo_data(config, device)
     shape = config.shape
-    data = [
-        [
-            torch.randn(shape.micro_batch, shape.sequence, shape.hidden, generator=gen).to(
-                device, shape.dtype
-            )
-            for _ in range(config.num_microbatches)
-        ]
-        for _ in range(config.steps)
-    ]
-    target = [
-        torch.randn(shape.micro_batch, shape.sequence, shape.hidden, generator=gen).to(
-            device, shape.dtype
-        )
-        for _ in range(config.num_microbatches)
-    ]
     result = DemoResult(device=device, order=list(order))
     result.eager_losses = _train(
         order,
