@@ -133,3 +133,34 @@ def test_memory_plan_keeps_activations_alive_until_the_weight_step():
     assert late.capture_peak_bytes > early.capture_peak_bytes
     weight_steps = [s for s in late.steps if s.step.startswith("W")]
     assert len(weight_steps) == 2 * 6  # warm-up pass and capture pass, 6 graphs each
+
+
+class Scale(torch.nn.Module):
+    """No parameters: a split backward with nothing for the weight step to do."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_split_backward_without_parameters_or_input_grads():
+    torch.manual_seed(0)
+    layers = (Scale(), Block(8))
+    samples = ((torch.randn(4, 8, requires_grad=True),), (torch.randn(4, 8),))
+    # Chunk 1 has no parameters (nothing for its weight step); chunk 2's input does not
+    # require grad (nothing for its input-gradient step).
+    graphed = leangraph.make_graphed_callables(layers, samples, order=[1, 2, -2, -1, -2.5, -1.5])
+    assert graphed[0]._static_weight_grads == () and graphed[0]._pair._live_outputs is None
+    assert graphed[1]._static_grads == ()
+    x = torch.randn(4, 8, requires_grad=True)
+    graphed[0](x).sum().backward()
+    graphed[0].backward_dw()
+    assert torch.equal(x.grad, torch.full((4, 8), 2.0))
+    y = torch.randn(4, 8)
+    graphed[1](y).square().sum().backward()
+    assert all(p.grad is None for p in layers[1].parameters())
+    graphed[1].backward_dw()
+    reference = Block(8)
+    reference.load_state_dict(layers[1].state_dict())
+    reference(y).square().sum().backward()
+    for p, q in zip(layers[1].parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)

@@ -468,9 +468,10 @@ class GraphedCallable:
             )
         self._hooks.run("backward_pre")
         if self._split_backward:  # the weight step still needs the saved activations
-            self._static_grads = pair.capture_backward(
-                self._grad_body(self._input_targets, True), retain_graph=True
-            )
+            if self._input_targets():  # no input needs a gradient: no graph to record
+                self._static_grads = pair.capture_backward(
+                    self._grad_body(self._input_targets, True), retain_graph=True
+                )
             self._hooks.run("backward")
             return
         body = self._grad_body(
@@ -492,7 +493,10 @@ class GraphedCallable:
             return
         body = self._grad_body(self._param_targets, self._retain_graph)
         self._hooks.run("backward_pre")
-        self._static_weight_grads = pair.capture_weight(body, retain_graph=self._retain_graph)
+        if self._param_targets():
+            self._static_weight_grads = pair.capture_weight(body, retain_graph=self._retain_graph)
+        elif not self._retain_graph:  # nothing to record: just let the activations go
+            pair.release_saved()
         self._hooks.run("backward")
         self._check_unused(self._static_grads + self._static_weight_grads)
         if release:

@@ -54,6 +54,9 @@ class GraphPair(Protocol):
         Needs :meth:`capture_backward` to have run with ``retain_graph=True``.
         """
 
+    def release_saved(self) -> None:
+        """Drop the captured forward's autograd graph without recording a backward."""
+
     def replay_forward(self) -> None:
         """Rerun the forward, overwriting the static outputs in place."""
 

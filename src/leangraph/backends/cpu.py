@@ -86,6 +86,9 @@ class CpuGraphPair:
     ) -> tuple[torch.Tensor | None, ...]:
         return self._capture_grads("weight", body, retain_graph)
 
+    def release_saved(self) -> None:
+        self._live_outputs = None
+
     def replay_forward(self) -> None:
         if self._forward_body is None:
             raise RuntimeError("forward graph was reset or never captured")

@@ -178,6 +178,9 @@ class CudaGraphPair:
             self._captured_outputs = None
         return tuple(None if g is None else g.detach() for g in grads)
 
+    def release_saved(self) -> None:
+        self._captured_outputs = None
+
     def replay_forward(self) -> None:
         if self._forward is None:
             raise RuntimeError("forward graph was reset or never captured")
