@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import leangraph
-from leangraph import api
+from leangraph import memory_check as api
 from models import Block
 
 
@@ -21,8 +21,8 @@ def test_check_runs_on_meta_twins_and_passes_when_memory_suffices(monkeypatch):
     layers, samples = _stack()
     monkeypatch.setattr(api, "_available_bytes", lambda device: 1 << 40)
     before = [p.detach().clone() for layer in layers for p in layer.parameters()]
-    api._check_fits(layers, samples, None, [1, 1, -1, -1], None, torch.device("cpu"))
-    api._check_fits(layers, samples, ({},) * 4, [1, 1, -1, -1], None, torch.device("cpu"))
+    api.check_fits(layers, samples, None, [1, 1, -1, -1], None, torch.device("cpu"))
+    api.check_fits(layers, samples, ({},) * 4, [1, 1, -1, -1], None, torch.device("cpu"))
     after = [p.detach() for layer in layers for p in layer.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
@@ -32,7 +32,7 @@ def test_check_raises_capture_memory_error_naming_the_figures(monkeypatch):
     monkeypatch.setattr(api, "_available_bytes", lambda device: 1024)
     plan = leangraph.plan_memory(layers, samples, order=[1, 1, -1, -1])
     with pytest.raises(leangraph.CaptureMemoryError, match=r"but only 0.0 MiB") as caught:
-        api._check_fits(layers, samples, None, [1, 1, -1, -1], None, torch.device("cpu"))
+        api.check_fits(layers, samples, None, [1, 1, -1, -1], None, torch.device("cpu"))
     assert caught.value.needed_bytes == max(plan.warmup_peak_bytes, plan.capture_peak_bytes)
     assert caught.value.step == plan.peak_step and caught.value.available_bytes == 1024
 
@@ -62,5 +62,5 @@ def test_check_is_skipped_with_a_warning_when_the_callable_cannot_run_on_meta(
     layer = DataDependent()
     samples = ((torch.randn(4, 8, requires_grad=True),),)
     with caplog.at_level("WARNING", logger="leangraph"):
-        api._check_fits((layer,), samples, None, None, None, torch.device("cpu"))
+        api.check_fits((layer,), samples, None, None, None, torch.device("cpu"))
     assert "check_memory skipped: the callables cannot run on the meta device" in caplog.text
