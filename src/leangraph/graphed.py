@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from .backends.base import GraphBackend, GraphPair
 from .buffers import BufferKey
 from .errors import GraphResetError
+from .guard import OutputGuard
 from .hooks import CaptureHooks
 from .order import GraphId, StepKind
 from .report import CaptureRecord
@@ -168,7 +169,7 @@ class GraphedCallable:
         self._forward_generation = 0
         self._backward_generation = -1
         self._awaiting_backward: weakref.ref[_BackwardToken] | None = None
-        self._guard: _OutputGuard | None = None
+        self._guard: OutputGuard | None = None
         self._debug_outputs = False
         self._module_binding: _ModuleBinding | None = None
 
@@ -586,7 +587,7 @@ class GraphedCallable:
                 self._guard.invalidate(f"{self._label} was replayed again")
             outputs = tuple(o.detach() for o in self._static_outputs)
             if self._debug_outputs:
-                self._guard = _OutputGuard(self._label, self._forward_generation)
+                self._guard = OutputGuard(self._label, self._forward_generation)
                 outputs = tuple(self._guard.wrap(o) for o in outputs)
             return outputs
 
@@ -687,46 +688,6 @@ class GraphedCallable:
                 grad = grad.clone() if param.grad is None else grad.detach()
             result.append(grad)
         return tuple(result)
-
-
-class _OutputGuard:
-    """Debug mode: marks one replay's outputs invalid once their buffers may be reused."""
-
-    def __init__(self, label: str, generation: int) -> None:
-        self.label = label
-        self.generation = generation
-        self.reason: str | None = None
-
-    def invalidate(self, reason: str) -> None:
-        if self.reason is None:
-            self.reason = reason
-
-    def wrap(self, tensor: torch.Tensor) -> torch.Tensor:
-        guarded = tensor.as_subclass(_GuardedOutput)
-        guarded._leangraph_guard = self  # type: ignore[attr-defined]
-        return guarded
-
-    def check(self) -> None:
-        if self.reason is not None:
-            raise RuntimeError(
-                f"an output of {self.label} (replay {self.generation}) was read after "
-                f"{self.reason}; its graph-owned buffer may have been reused. Outputs stay "
-                "valid until their graph's backward or next forward replay; clone them to "
-                "keep them longer"
-            )
-
-
-class _GuardedOutput(torch.Tensor):
-    """A graph output that refuses to be used once its guard is invalid (debug mode)."""
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        for leaf in pytree.tree_leaves((args, kwargs or {})):
-            guard = getattr(leaf, "_leangraph_guard", None)
-            if guard is not None:
-                guard.check()
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
 
 
 class _BackwardToken:
