@@ -113,12 +113,15 @@ def test_v4_a_graphed_module_cannot_be_graphed_again():
         leangraph.reset_all(layer)
 
 
-@pytest.mark.parametrize(("register", "kind"), [
-    (lambda m: m.register_forward_hook(lambda *a: None), "_forward_hooks"),
-    (lambda m: m.register_forward_pre_hook(lambda *a: None), "_forward_pre_hooks"),
-    (lambda m: m.register_full_backward_hook(lambda *a: None), "_backward_hooks"),
-    (lambda m: m.register_full_backward_pre_hook(lambda *a: None), "_backward_pre_hooks"),
-])
+@pytest.mark.parametrize(
+    ("register", "kind"),
+    [
+        (lambda m: m.register_forward_hook(lambda *a: None), "_forward_hooks"),
+        (lambda m: m.register_forward_pre_hook(lambda *a: None), "_forward_pre_hooks"),
+        (lambda m: m.register_full_backward_hook(lambda *a: None), "_backward_hooks"),
+        (lambda m: m.register_full_backward_pre_hook(lambda *a: None), "_backward_pre_hooks"),
+    ],
+)
 @pytest.mark.parametrize("where", ["module", "submodule"])
 def test_v5_modules_with_hooks_are_refused(register, kind, where):
     layers = blocks(3)
@@ -164,50 +167,67 @@ def test_v9_sample_args_count_without_an_order():
 
 
 def test_v10_sample_args_count_with_an_order():
-    with raises(ValueError, "sample_args has 3 entries but the order needs 4",
-                "(2 layers x 2 microbatches)"):
+    with raises(
+        ValueError, "sample_args has 3 entries but the order needs 4", "(2 layers x 2 microbatches)"
+    ):
         mgc(blocks(2), tuple((sample(),) for _ in range(3)), order=ORDER)
 
 
-@pytest.mark.parametrize(("order", "layers", "parts"), [
-    ([1, 2, -2, 0], None, ["order[3] = 0", "1-based"]),
-    ([-1, 1, 2, -2], None, ["order[0] = -1: backward of chunk 1 with no outstanding forward"]),
-    ([1, 3, -3, -1], [1, 1], ["order[1] = 3: unknown chunk 3, the model has 2 chunks"]),
-    ([1.0, -1, 2, -2], None, ["order[0] = 1.0", "non-zero integers", "got float"]),
-    ([True, -1, 2, -2], None, ["order[0] = True", "got bool"]),
-    ([1, 2, -2], None, ["order runs 1 forwards but 0 backwards of chunk 1"]),
-    ([1, 2, -2, -1, 2, -2], None, ["order runs 2 forwards of chunk 2 but 1 of chunk 1"]),
-    ([1, 2, -2, -1], [1, 2], ["num_layers_per_chunk [1, 2] sums to 3 layers but 2 callables"]),
-    ([1, 2, -2, -1], [2], ["order[1] = 2: unknown chunk 2, the model has 1 chunks"]),
-    ([1, -1], [1, 1], ["order runs 0 forwards of chunk 2 but 1 of chunk 1"]),
-    ([1, 2, -2, -1], [0, 2], ["num_layers_per_chunk for chunk 1 must be >= 1, got 0"]),
-    ([], None, ["order is empty"]),
-    ("1,2,-2,-1", None, ["order must be a list of chunk ids, got str"]),
-])
+@pytest.mark.parametrize(
+    ("order", "layers", "parts"),
+    [
+        ([1, 2, -2, 0], None, ["order[3] = 0", "1-based"]),
+        ([-1, 1, 2, -2], None, ["order[0] = -1: backward of chunk 1 with no outstanding forward"]),
+        ([1, 3, -3, -1], [1, 1], ["order[1] = 3: unknown chunk 3, the model has 2 chunks"]),
+        ([1.0, -1, 2, -2], None, ["order[0] = 1.0", "non-zero integers", "got float"]),
+        ([True, -1, 2, -2], None, ["order[0] = True", "got bool"]),
+        ([1, 2, -2], None, ["order runs 1 forwards but 0 backwards of chunk 1"]),
+        ([1, 2, -2, -1, 2, -2], None, ["order runs 2 forwards of chunk 2 but 1 of chunk 1"]),
+        ([1, 2, -2, -1], [1, 2], ["num_layers_per_chunk [1, 2] sums to 3 layers but 2 callables"]),
+        ([1, 2, -2, -1], [2], ["order[1] = 2: unknown chunk 2, the model has 1 chunks"]),
+        ([1, -1], [1, 1], ["order runs 0 forwards of chunk 2 but 1 of chunk 1"]),
+        ([1, 2, -2, -1], [0, 2], ["num_layers_per_chunk for chunk 1 must be >= 1, got 0"]),
+        ([], None, ["order is empty"]),
+        ("1,2,-2,-1", None, ["order must be a list of chunk ids, got str"]),
+    ],
+)
 def test_v11_malformed_orders(order, layers, parts):
     with raises(ValueError, *parts):
-        mgc(blocks(2), tuple((sample(),) for _ in range(2)), order=order,
-            num_layers_per_chunk=layers)
+        mgc(
+            blocks(2),
+            tuple((sample(),) for _ in range(2)),
+            order=order,
+            num_layers_per_chunk=layers,
+        )
 
 
 def test_v11_uneven_split_and_num_layers_without_an_order():
-    with raises(ValueError, "3 callables cannot be split equally over 2 chunks",
-                "pass num_layers_per_chunk"):
+    with raises(
+        ValueError, "3 callables cannot be split equally over 2 chunks", "pass num_layers_per_chunk"
+    ):
         mgc(blocks(3), tuple((sample(),) for _ in range(3)), order=[1, 2, -2, -1])
     with raises(ValueError, "num_layers_per_chunk needs an order"):
         mgc(blocks(2), ((sample(),), (sample(),)), num_layers_per_chunk=1)
 
 
 def test_v12_each_sample_args_entry_must_be_a_tuple():
-    with raises(TypeError, "sample_args[1] must be a tuple of arguments, got Tensor",
-                "wrap a single tensor as (tensor,)"):
+    with raises(
+        TypeError,
+        "sample_args[1] must be a tuple of arguments, got Tensor",
+        "wrap a single tensor as (tensor,)",
+    ):
         mgc(blocks(2), ((sample(),), sample()))
 
 
-@pytest.mark.parametrize(("args", "got"), [
-    ((sample(), 3), "int"), ((sample(), 0.5), "float"), (([sample(), None],), "NoneType"),
-    (({"x": sample(), "flag": True},), "bool"),
-])
+@pytest.mark.parametrize(
+    ("args", "got"),
+    [
+        ((sample(), 3), "int"),
+        ((sample(), 0.5), "float"),
+        (([sample(), None],), "NoneType"),
+        (({"x": sample(), "flag": True},), "bool"),
+    ],
+)
 def test_v13_sample_leaves_must_be_tensors(args, got):
     with raises(TypeError, "sample_args[1]: every argument leaf must be a tensor", f"got {got}"):
         mgc((lambda x: x * 2, lambda *a: a), ((sample(),), args), allow_unused_input=True)
@@ -221,14 +241,17 @@ def test_v14_sample_kwargs_count_and_type():
 
 
 def test_v15_one_device_for_samples_and_parameters():
-    with raises(ValueError, "must share one device", "sample_args[0] is on cpu",
-                "sample_args[1] is on meta"):
+    with raises(
+        ValueError, "must share one device", "sample_args[0] is on cpu", "sample_args[1] is on meta"
+    ):
         mgc(blocks(2), ((sample(),), (torch.randn(2, 4, device="meta"),)))
     with raises(ValueError, "must share one device", "sample_kwargs[0] is on meta"):
-        mgc((scale,), ((sample(),),),
-            sample_kwargs=({"factor": torch.tensor(2.0, device="meta")},))
-    with raises(ValueError, "sample_args[0] is on meta",
-                "callables[0] (Block) parameter 'norm.weight' is on cpu"):
+        mgc((scale,), ((sample(),),), sample_kwargs=({"factor": torch.tensor(2.0, device="meta")},))
+    with raises(
+        ValueError,
+        "sample_args[0] is on meta",
+        "callables[0] (Block) parameter 'norm.weight' is on cpu",
+    ):
         mgc(Block(4), (torch.randn(2, 4, device="meta"),))
 
 
@@ -266,8 +289,11 @@ class TwoHeads(torch.nn.Module):
 @pytest.mark.parametrize("warmup", [3, 0])
 def test_w1_outputs_must_depend_on_inputs_that_require_grad(warmup):
     phase = "warm-up" if warmup else "capture"
-    with raises(ValueError, "callable 0 (unused_input): outputs do not depend on input 1",
-                "allow_unused_input=True") as info:
+    with raises(
+        ValueError,
+        "callable 0 (unused_input): outputs do not depend on input 1",
+        "allow_unused_input=True",
+    ) as info:
         mgc((unused_input,), ((sample(), sample()),), num_warmup_iters=warmup)
     assert f"raised during {phase} of callable 0 (unused_input)" in notes(info.value)
     graphed = mgc((unused_input,), ((sample(), sample()),), allow_unused_input=True)[0]
@@ -277,8 +303,11 @@ def test_w1_outputs_must_depend_on_inputs_that_require_grad(warmup):
 
 
 def test_w2_outputs_must_depend_on_parameters_that_require_grad():
-    with raises(ValueError, "callable 1 (TwoHeads): outputs do not depend on parameter 2, "
-                "parameter 3, which require grad"):
+    with raises(
+        ValueError,
+        "callable 1 (TwoHeads): outputs do not depend on parameter 2, "
+        "parameter 3, which require grad",
+    ):
         mgc((Block(4), TwoHeads()), ((sample(),), (sample(),)))
     module = mgc(TwoHeads(), (sample(),), allow_unused_input=True)
     module(sample()).sum().backward()
@@ -286,8 +315,11 @@ def test_w2_outputs_must_depend_on_parameters_that_require_grad():
 
 
 def test_w3_outputs_must_be_tensors():
-    with raises(TypeError, "callable 0 (test_w3_outputs_must_be_tensors.<locals>.<lambda>): "
-                "output 1 must be a tensor, got int"):
+    with raises(
+        TypeError,
+        "callable 0 (test_w3_outputs_must_be_tensors.<locals>.<lambda>): "
+        "output 1 must be a tensor, got int",
+    ):
         mgc((lambda x: (x * 2, 3),), ((sample(),),))
 
 
@@ -298,17 +330,25 @@ def test_w4_outputs_must_keep_their_structure():
         calls.append(None)
         return (x * 2,) if len(calls) % 2 else [x * 2]
 
-    with raises(RuntimeError, "callable 0 (test_w4_outputs_must_keep_their_structure.<locals>"
-                ".flip): outputs changed structure between runs", "TreeSpec(tuple",
-                "then TreeSpec(list"):
+    with raises(
+        RuntimeError,
+        "callable 0 (test_w4_outputs_must_keep_their_structure.<locals>"
+        ".flip): outputs changed structure between runs",
+        "TreeSpec(tuple",
+        "then TreeSpec(list",
+    ):
         mgc((flip,), ((sample(),),))
 
 
 def test_w5_grad_only_through_closure_tensors():
     weight = torch.randn(4, requires_grad=True)
-    with raises(ValueError, "callable 0 (test_w5_grad_only_through_closure_tensors.<locals>."
-                "<lambda>): outputs require grad only through tensors that are neither inputs "
-                "nor module parameters", "graph an nn.Module"):
+    with raises(
+        ValueError,
+        "callable 0 (test_w5_grad_only_through_closure_tensors.<locals>."
+        "<lambda>): outputs require grad only through tensors that are neither inputs "
+        "nor module parameters",
+        "graph an nn.Module",
+    ):
         mgc((lambda x: x * weight,), ((sample(requires_grad=False),),))
 
 
@@ -333,8 +373,14 @@ class Faulty(torch.nn.Module):
     submodule's training flag: the state a failed ``make_graphed_callables`` must put back.
     """
 
-    def __init__(self, width: int = 4, *, fail_at: int = 0, in_backward: bool = False,
-                 error: type[BaseException] = ValueError) -> None:
+    def __init__(
+        self,
+        width: int = 4,
+        *,
+        fail_at: int = 0,
+        in_backward: bool = False,
+        error: type[BaseException] = ValueError,
+    ) -> None:
         super().__init__()
         self.inner = Block(width)
         self.fail_at, self.in_backward, self.error = fail_at, in_backward, error
@@ -444,8 +490,11 @@ def test_w6_a_failing_callable_leaves_nothing_broken(where, error, made):
     assert len(made) == 3 and all(g.is_reset for g in made), "graphs made so far not reset"
     if NOTES:
         kind = "B" if in_backward else "F"
-        assert re.search(rf"leangraph: raised during {phase} of callable 1 \(Faulty\), at "
-                         rf".*\({kind} c1 m0 l1\)", notes(raised)), notes(raised)
+        assert re.search(
+            rf"leangraph: raised during {phase} of callable 1 \(Faulty\), at "
+            rf".*\({kind} c1 m0 l1\)",
+            notes(raised),
+        ), notes(raised)
     _works_again(layers)
 
 
@@ -455,8 +504,10 @@ def test_w6_ordered_note_names_the_graph(made):
     layers = [Faulty(), Faulty(fail_at=2)]  # chunk 2's second forward: microbatch 1
     raised = _failing_call(layers, order=ORDER, samples=tuple((sample(),) for _ in range(4)))
     assert raised is layers[1].raised
-    assert ("leangraph: raised during warm-up of graph (chunk 2, microbatch 1, layer 0), at "
-            "warm-up pass 0") in notes(raised)
+    assert (
+        "leangraph: raised during warm-up of graph (chunk 2, microbatch 1, layer 0), at "
+        "warm-up pass 0"
+    ) in notes(raised)
     assert len(made) == 4 and all(g.is_reset for g in made)
     _works_again(layers, order=ORDER, graphs=4)
 
@@ -502,11 +553,13 @@ def test_r1_positional_argument_count():
 def test_r2_missing_or_extra_keyword_arguments():
     graphed = mgc((scale,), ((sample(),),), sample_kwargs=({"factor": torch.tensor(2.0)},))[0]
     x, factor = sample(), torch.tensor(3.0)
-    with raises(TypeError, "callable 0 (scale) takes keyword arguments ['factor'] as at capture, "
-                "got []"):
+    with raises(
+        TypeError, "callable 0 (scale) takes keyword arguments ['factor'] as at capture, got []"
+    ):
         graphed(x)
-    with raises(TypeError, "takes keyword arguments ['factor'] as at capture, "
-                "got ['factor', 'offset']"):
+    with raises(
+        TypeError, "takes keyword arguments ['factor'] as at capture, got ['factor', 'offset']"
+    ):
         graphed(x, factor=factor, offset=factor)
     with raises(TypeError, "takes keyword arguments ['factor'] as at capture, got ['scale']"):
         graphed(x, scale=factor)
@@ -518,24 +571,33 @@ def test_r2_missing_or_extra_keyword_arguments():
 @pytest.mark.parametrize(("value", "got"), [(None, "NoneType"), (1.0, "float"), (3, "int")])
 def test_r3_non_tensor_where_a_tensor_was_captured(value, got):
     graphed = graphed_blocks()
-    with raises(TypeError, "callable 1 (Block) input 0 must be a tensor as at capture",
-                f"got {got}"):
+    with raises(
+        TypeError, "callable 1 (Block) input 0 must be a tensor as at capture", f"got {got}"
+    ):
         graphed[1](value)
 
 
 def test_r4_argument_structure():
     graphed = graphed_blocks()
-    for value in ([sample()], (sample(),), {"x": sample()}):
-        with raises(TypeError, "callable 0 (Block): arguments must keep the structure they had "
-                    "at capture", "TreeSpec(", "), got TreeSpec("):
+    for value, got in (
+        ([sample()], "a list of 1 leaf"),
+        ((sample(), sample()), "a tuple of 2 leaves"),
+        ({"x": sample()}, "a dict of 1 leaf"),
+    ):
+        with raises(
+            TypeError,
+            "callable 0 (Block) input 0 must keep its structure from capture (a tensor)",
+            f"got {got}",
+        ):
             graphed[0](value)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
 def test_r5_dtype_is_never_cast(dtype):
     graphed = graphed_blocks()
-    with raises(TypeError, "callable 0 (Block) input 0 must keep dtype torch.float32",
-                f"got {dtype}"):
+    with raises(
+        TypeError, "callable 0 (Block) input 0 must keep dtype torch.float32", f"got {dtype}"
+    ):
         graphed[0](torch.randn(2, 4, dtype=dtype, requires_grad=True))
     with raises(TypeError, "must keep dtype torch.float32, got torch.int64"):
         graphed[0](torch.ones(2, 4, dtype=torch.long))
@@ -544,8 +606,7 @@ def test_r5_dtype_is_never_cast(dtype):
 @pytest.mark.parametrize("shape", [(1, 4), (4,), (2, 1), (3, 4), (2, 4, 1), (1, 2, 4)])
 def test_r6_shape_is_never_broadcast(shape):
     graphed = graphed_blocks()
-    with raises(ValueError, "callable 0 (Block) input 0 must keep shape (2, 4)",
-                f"got {shape}"):
+    with raises(ValueError, "callable 0 (Block) input 0 must keep shape (2, 4)", f"got {shape}"):
         graphed[0](torch.randn(*shape, requires_grad=True))
 
 
@@ -565,12 +626,18 @@ def test_r7_device_is_never_moved():
 
 def test_r8_requires_grad_must_match():
     graphed = graphed_blocks()
-    with raises(ValueError, "callable 0 (Block) input 0 must have requires_grad=True as at "
-                "capture, got requires_grad=False"):
+    with raises(
+        ValueError,
+        "callable 0 (Block) input 0 must have requires_grad=True as at "
+        "capture, got requires_grad=False",
+    ):
         graphed[0](sample(requires_grad=False))
     frozen = mgc(Block(4), (sample(requires_grad=False),))
-    with raises(ValueError, "callable 0 (Block) input 0 must have requires_grad=False as at "
-                "capture, got requires_grad=True"):
+    with raises(
+        ValueError,
+        "callable 0 (Block) input 0 must have requires_grad=False as at "
+        "capture, got requires_grad=True",
+    ):
         frozen(sample())
 
 
@@ -578,23 +645,36 @@ def test_r9_chained_input_must_be_the_previous_layers_output():
     layers = blocks(2)
     graphed = mgc(layers, ((sample(),), (sample(),)), order=[1, -1], num_layers_per_chunk=2)
     hidden = graphed[0](sample())
-    with raises(ValueError, "graph (chunk 1, microbatch 0, layer 1) input 0 is the output buffer "
-                "of graph (chunk 1, microbatch 0, layer 0)", "pass that graph's output itself, "
-                "got another tensor", "share_buffers=False"):
+    with raises(
+        ValueError,
+        "graph (chunk 1, microbatch 0, layer 1) input 0 is the output buffer "
+        "of graph (chunk 1, microbatch 0, layer 0)",
+        "pass that graph's output itself, got another tensor",
+        "share_buffers=False",
+    ):
         graphed[1](hidden.detach().clone().requires_grad_())
     graphed[1](hidden).sum().backward()  # the output itself is fine
-    free = mgc(blocks(2), ((sample(),), (sample(),)), order=[1, -1], num_layers_per_chunk=2,
-               share_buffers=False)
+    free = mgc(
+        blocks(2),
+        ((sample(),), (sample(),)),
+        order=[1, -1],
+        num_layers_per_chunk=2,
+        share_buffers=False,
+    )
     free[1](sample()).sum().backward()  # without sharing, anything matching goes
 
 
 def test_r_ordered_labels_name_the_graph():
     graphed = ordered_graphs()
-    with raises(ValueError, "graph (chunk 2, microbatch 1, layer 0) input 0 must keep shape "
-                "(2, 4), got (3, 4)"):
+    with raises(
+        ValueError,
+        "graph (chunk 2, microbatch 1, layer 0) input 0 must keep shape (2, 4), got (3, 4)",
+    ):
         graphed[3](torch.randn(3, 4, requires_grad=True))
-    with raises(TypeError, "graph (chunk 1, microbatch 1, layer 0) takes 1 positional "
-                "arguments as at capture, got 2"):
+    with raises(
+        TypeError,
+        "graph (chunk 1, microbatch 1, layer 0) takes 1 positional arguments as at capture, got 2",
+    ):
         graphed[1](sample(), sample())
     leangraph.reset_all(graphed)
     with raises(GraphResetError, "graph (chunk 1, microbatch 0, layer 0): cannot call"):
@@ -605,10 +685,14 @@ def test_r_nested_and_keyword_leaves_are_named():
     def pair(xs, *, mask):
         return xs[0] * xs[1] * mask
 
-    graphed = mgc((pair,), (([sample(), sample()],),),
-                  sample_kwargs=({"mask": torch.ones(2, 4)},))[0]
-    with raises(ValueError, "callable 0 (test_r_nested_and_keyword_leaves_are_named.<locals>"
-                ".pair) input 0[1] must keep shape (2, 4), got (2, 5)"):
+    graphed = mgc((pair,), (([sample(), sample()],),), sample_kwargs=({"mask": torch.ones(2, 4)},))[
+        0
+    ]
+    with raises(
+        ValueError,
+        "callable 0 (test_r_nested_and_keyword_leaves_are_named.<locals>"
+        ".pair) input 0[1] must keep shape (2, 4), got (2, 5)",
+    ):
         graphed([sample(), torch.randn(2, 5, requires_grad=True)], mask=torch.ones(2, 4))
     with raises(TypeError, "kwarg 'mask' must keep dtype torch.float32, got torch.bool"):
         graphed([sample(), sample()], mask=torch.ones(2, 4, dtype=torch.bool))
@@ -643,8 +727,11 @@ def test_l3_second_backward_through_one_forward_replay():
     graphed = graphed_blocks(1)[0]
     loss = graphed(sample()).sum()
     loss.backward(retain_graph=True)
-    with raises(RuntimeError, "callable 0 (Block): second backward through forward replay",
-                "retain_graph_in_backward=True"):
+    with raises(
+        RuntimeError,
+        "callable 0 (Block): second backward through forward replay",
+        "retain_graph_in_backward=True",
+    ):
         loss.backward()
 
 
@@ -687,8 +774,11 @@ def test_l4_outputs_that_do_not_require_grad_are_exempt():
 def test_l4_forward_while_only_a_derived_tensor_awaits_backward():
     graphed = graphed_blocks(1)[0]
     loss1 = graphed(sample()).sum()  # the output is gone; its autograd graph is not
-    with raises(RuntimeError, "callable 0 (Block): forward replayed while the outputs of its "
-                "previous replay (1) still await their backward"):
+    with raises(
+        RuntimeError,
+        "callable 0 (Block): forward replayed while the outputs of its "
+        "previous replay (1) still await their backward",
+    ):
         graphed(sample())
     loss1.backward()
 
@@ -698,8 +788,11 @@ def test_l5_backward_after_a_newer_replay():
     graphed = graphed_blocks(1, retain_graph_in_backward=True)[0]
     loss1 = graphed(sample()).sum()
     loss2 = graphed(sample()).sum()
-    with raises(RuntimeError, "callable 0 (Block): backward of forward replay 1 requested",
-                "replayed again since (replay 2)"):
+    with raises(
+        RuntimeError,
+        "callable 0 (Block): backward of forward replay 1 requested",
+        "replayed again since (replay 2)",
+    ):
         loss1.backward()
     loss2.backward()
 

@@ -86,6 +86,14 @@ def _leaf_names(tree: Any) -> list[str]:
     return names
 
 
+def _describe(value: Any) -> str:
+    """A short description of an argument's pytree structure for error messages."""
+    if isinstance(value, torch.Tensor):
+        return "a tensor"
+    count = len(pytree.tree_leaves(value))
+    return f"a {type(value).__name__} of {count} {'leaf' if count == 1 else 'leaves'}"
+
+
 def _same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a is b or (
         a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
@@ -283,10 +291,16 @@ class GraphedCallable:
                     f"{self._label} takes keyword arguments {sorted(want_kwargs)} as at "
                     f"capture, got {sorted(kwargs)}"
                 )
-            raise TypeError(
-                f"{self._label}: arguments must keep the structure they had at capture "
-                f"({self._input_tree}), got {tree}"
-            )
+            pairs = [
+                (f"input {i}", got, want) for i, (got, want) in enumerate(zip(args, want_args))
+            ]
+            pairs += [(f"kwarg {key!r}", kwargs[key], want_kwargs[key]) for key in want_kwargs]
+            for name, got, want in pairs:
+                if pytree.tree_structure(got) != pytree.tree_structure(want):
+                    raise TypeError(
+                        f"{self._label} {name} must keep its structure from capture "
+                        f"({_describe(want)}), got {_describe(got)}"
+                    )
         return [spec.check(self._label, leaf) for spec, leaf in zip(self._input_specs, leaves)]
 
     def _run_on_static(self) -> tuple[torch.Tensor, ...]:
