@@ -305,8 +305,8 @@ def test_w1_outputs_must_depend_on_inputs_that_require_grad(warmup):
 def test_w2_outputs_must_depend_on_parameters_that_require_grad():
     with raises(
         ValueError,
-        "callable 1 (TwoHeads): outputs do not depend on parameter 2, "
-        "parameter 3, which require grad",
+        "callable 1 (TwoHeads): outputs do not depend on parameter 'unused.weight', "
+        "parameter 'unused.bias', which require grad",
     ):
         mgc((Block(4), TwoHeads()), ((sample(),), (sample(),)))
     module = mgc(TwoHeads(), (sample(),), allow_unused_input=True)

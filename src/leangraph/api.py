@@ -481,7 +481,7 @@ def _build_graphs(
         callable_index = layout.callable_index(graph_id.chunk, graph_id.layer)
         fn = callables[callable_index]
         leaves, tree = pytree.tree_flatten(samples[graph])
-        params = tuple(fn.parameters()) if isinstance(fn, torch.nn.Module) else ()
+        named = tuple(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else ()
         graphs.append(
             GraphedCallable(
                 fn=fn.forward if isinstance(fn, torch.nn.Module) else fn,
@@ -489,7 +489,8 @@ def _build_graphs(
                 graph_id=graph_id if plan.ordered else None,
                 samples=_static_leaves(leaves, seen, copy_repeats=not share_buffers),
                 input_tree=tree,
-                params=params,
+                params=tuple(p for _, p in named),
+                param_names=tuple(n for n, _ in named),
                 pair=backend.new_pair(),
                 allow_unused_input=allow_unused_input,
                 retain_graph_in_backward=retain_graph_in_backward,

@@ -134,6 +134,7 @@ class GraphedCallable:
         samples: Sequence[torch.Tensor],
         input_tree: pytree.TreeSpec,
         params: Sequence[torch.nn.Parameter],
+        param_names: Sequence[str] = (),
         pair: GraphPair,
         allow_unused_input: bool,
         retain_graph_in_backward: bool,
@@ -158,6 +159,7 @@ class GraphedCallable:
             )
         )
         self._params = tuple(params)
+        self._param_names = tuple(param_names) or tuple(str(i) for i in range(len(params)))
         self._allow_unused_input = allow_unused_input
         self._retain_graph = retain_graph_in_backward
         self._output_tree: pytree.TreeSpec | None = None
@@ -331,7 +333,11 @@ class GraphedCallable:
 
     def _target_names(self) -> list[str]:
         names = [s.name for s in self._input_specs if s.requires_grad]
-        return names + [f"parameter {i}" for i, p in enumerate(self._params) if p.requires_grad]
+        return names + [
+            f"parameter {name!r}"
+            for name, p in zip(self._param_names, self._params)
+            if p.requires_grad
+        ]
 
     def _check_unused(self, grads: Sequence[torch.Tensor | None]) -> None:
         if self._allow_unused_input:
