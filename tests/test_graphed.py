@@ -164,3 +164,16 @@ def test_returned_parameter_grads_do_not_alias_static_buffers():
     module = graphed[0]
     static = {g.data_ptr() for g in module.forward._static_grads if g is not None}
     assert all(p.grad.data_ptr() not in static for p in module.parameters())
+
+
+def test_keyword_arguments_may_come_in_any_order():
+    def affine(x, *, scale, shift):
+        return x * scale + shift
+
+    sample = {"scale": torch.tensor(2.0), "shift": torch.tensor(1.0)}
+    (graphed,) = leangraph.make_graphed_callables(
+        (affine,), ((torch.randn(3, requires_grad=True),),), sample_kwargs=(sample,))
+    x = torch.randn(3, requires_grad=True)
+    out = graphed(x, shift=torch.tensor(10.0), scale=torch.tensor(3.0))
+    assert torch.equal(out, x.detach() * 3 + 10)
+    out.sum().backward()

@@ -152,6 +152,7 @@ class GraphedCallable:
         self._samples: tuple[torch.Tensor, ...] = tuple(samples)
         self._static_inputs: tuple[torch.Tensor, ...] = ()
         self._input_tree = input_tree
+        self._kwarg_names = tuple(pytree.tree_unflatten(list(samples), input_tree)[1])
         self._input_specs = tuple(
             TensorSpec.of(name, t)
             for name, t in zip(
@@ -278,6 +279,8 @@ class GraphedCallable:
             raise RuntimeError(f"{self._label}: cannot {what} before capture has finished")
 
     def _flatten_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        if set(kwargs) == set(self._kwarg_names):  # keyword order is the caller's business
+            kwargs = {name: kwargs[name] for name in self._kwarg_names}
         leaves, tree = pytree.tree_flatten((args, kwargs))
         if tree != self._input_tree:
             want_args, want_kwargs = pytree.tree_unflatten(
@@ -303,6 +306,10 @@ class GraphedCallable:
                         f"{self._label} {name} must keep its structure from capture "
                         f"({_describe(want)}), got {_describe(got)}"
                     )
+            raise TypeError(
+                f"{self._label}: arguments must keep their structure from capture "
+                f"({self._input_tree}), got {tree}"
+            )
         return [spec.check(self._label, leaf) for spec, leaf in zip(self._input_specs, leaves)]
 
     def _run_on_static(self) -> tuple[torch.Tensor, ...]:
