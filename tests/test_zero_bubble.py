@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed.pipelining as pl
 
 import leangraph
+import leangraph.schedules
 from leangraph.buffers import BufferKey, plan_buffers
 from leangraph.order import StepKind, parse_order
 from leangraph.plan import build_plan
@@ -164,3 +166,21 @@ def test_split_backward_without_parameters_or_input_grads():
     reference(y).square().sum().backward()
     for p, q in zip(layers[1].parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+_TORCH_ZERO_BUBBLE = [
+    getattr(pl, name)
+    for name in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+    if hasattr(pl, name)
+]
+
+
+@pytest.mark.parametrize("cls", _TORCH_ZERO_BUBBLE, ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_torch_zero_bubble_schedules_train_exactly(cls, rank):
+    # The rank's order from torch's own schedule, one layer per stage; the other rank's
+    # stages are folded away (chunk 2 consumes chunk 1 in this process).
+    order = leangraph.schedules.from_pipelining(cls, 2, 4, rank, stages_per_rank=2)
+    history, graphed = train_both(order, [1, 1], width=8, microbatches=4, steps=2)
+    assert_histories_equal(history, exact=True)
+    leangraph.reset_all(graphed)
