@@ -15,7 +15,7 @@ allocates what it says and nothing else.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +100,26 @@ def _chain_source(
     return None
 
 
+class _Slots:
+    """Numbered buffers handed out by key; a given-back one goes to the next taker of its key."""
+
+    def __init__(self, share: bool) -> None:
+        self.keys: list[BufferKey] = []
+        self._share = share
+        self._free: dict[BufferKey, list[int]] = {}
+
+    def take(self, key: BufferKey) -> int:
+        free = self._free.get(key)
+        if self._share and free:
+            return free.pop()
+        self.keys.append(key)
+        return len(self.keys) - 1
+
+    def give_back(self, slots: Iterable[int]) -> None:
+        for slot in slots:
+            self._free.setdefault(self.keys[slot], []).append(slot)
+
+
 def plan_buffers(
     plan: Plan,
     input_keys: Sequence[Sequence[BufferKey]],
@@ -128,16 +148,8 @@ def plan_buffers(
     else:
         has_backward = [any(k.requires_grad for k in keys) for keys in output_keys]
     lifetimes = _lifetimes(plan, has_backward)
-    slot_keys: list[BufferKey] = []
-    free: dict[BufferKey, list[int]] = {}
+    slots = _Slots(share)
     inputs: dict[int, tuple[InputSource, ...]] = {}
-
-    def take(key: BufferKey) -> int:
-        if share and free.get(key):
-            return free[key].pop()
-        slot_keys.append(key)
-        return len(slot_keys) - 1
-
     for index, step in enumerate(plan.capture):
         g = step.graph
         if step.kind is StepKind.FORWARD:
@@ -147,16 +159,14 @@ def plan_buffers(
                 else None
             )
             inputs[g] = tuple(
-                Chained(chain) if (chain is not None and i == 0) else take(key)
+                Chained(chain) if (chain is not None and i == 0) else slots.take(key)
                 for i, key in enumerate(input_keys[g])
             )
         if lifetimes[g][1] == index:  # the graph's last step: its input slots come free
-            for source in inputs[g]:
-                if isinstance(source, int):
-                    free.setdefault(slot_keys[source], []).append(source)
+            slots.give_back(s for s in inputs[g] if isinstance(s, int))
     seed_keys, seeds = _plan_seeds(plan, output_keys, share, lifetimes)
     return BufferPlan(
-        tuple(slot_keys),
+        tuple(slots.keys),
         tuple(inputs[g] for g in range(len(input_keys))),
         tuple(seed_keys),
         tuple(seeds),
@@ -173,29 +183,16 @@ def _plan_seeds(
     """Gradient seeds. A seed is read only during its backward, so one per key serves every
     graph; when a weight step reads it again later, seeds are shared only among graphs whose
     [backward, weight step] spans do not overlap."""
-    seed_keys: list[BufferKey] = []
-    free: dict[BufferKey, list[int]] = {}
+    slots = _Slots(share)
     seeds: dict[int, tuple[int | None, ...]] = {}
-
-    def take(key: BufferKey) -> int:
-        if share and free.get(key):
-            return free[key].pop()
-        seed_keys.append(key)
-        return len(seed_keys) - 1
-
-    def give_back(row: tuple[int | None, ...]) -> None:
-        for slot in row:
-            if slot is not None:
-                free.setdefault(seed_keys[slot], []).append(slot)
-
     for index, step in enumerate(plan.capture):
         g = step.graph
         if step.kind is StepKind.BACKWARD:
-            seeds[g] = tuple(take(k) if k.requires_grad else None for k in output_keys[g])
+            seeds[g] = tuple(slots.take(k) if k.requires_grad else None for k in output_keys[g])
         if step.is_backward and lifetimes[g][1] == index:
-            give_back(seeds.get(g, ()))
+            slots.give_back(s for s in seeds.get(g, ()) if s is not None)
     rows = [seeds.get(g, tuple(None for _ in output_keys[g])) for g in range(len(output_keys))]
-    return seed_keys, rows
+    return slots.keys, rows
 
 
 def allocate(keys: Sequence[BufferKey], *, requires_grad: bool = True) -> list[torch.Tensor]:
