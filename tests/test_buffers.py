@@ -65,9 +65,8 @@ def test_shared_buffers_keep_training_exact_for_a_long_interleaved_order():
     order = interleaved_1f1b(2, 2, 0, 8)
     history, graphed = train_both(order, [2, 2], width=8, microbatches=8, steps=2)
     assert_histories_equal(history, exact=True)
-    distinct = {id(t.untyped_storage()) for g in graphed for t in g._static_inputs}
-    assert len({t.data_ptr() for g in graphed for t in g._static_inputs}) < len(graphed)
-    del distinct
+    # The 32 graphs really did share: far fewer distinct input buffers than graphs.
+    assert len({t.data_ptr() for g in graphed for t in g._static_inputs}) < len(graphed) // 2
 
 
 def test_debug_mode_catches_a_read_of_a_reused_output():
