@@ -65,8 +65,11 @@ def test_shared_buffers_keep_training_exact_for_a_long_interleaved_order():
     order = interleaved_1f1b(2, 2, 0, 8)
     history, graphed = train_both(order, [2, 2], width=8, microbatches=8, steps=2)
     assert_histories_equal(history, exact=True)
-    # The 32 graphs really did share: far fewer distinct input buffers than graphs.
-    assert len({t.data_ptr() for g in graphed for t in g._static_inputs}) < len(graphed) // 2
+    # Layer 0 of each chunk and microbatch takes an input slot (layer 1 is chained to its
+    # output): the 16 such graphs share far fewer slots than there are graphs.
+    first_layers = [g for g in graphed if g.graph_id.layer == 0]
+    slots = {g._static_inputs[0].data_ptr() for g in first_layers}
+    assert len(first_layers) == 16 and len(slots) <= 8, len(slots)
 
 
 def test_debug_mode_catches_a_read_of_a_reused_output():
