@@ -811,3 +811,15 @@ def test_l7_reset_all_on_something_else():
         leangraph.reset_all([graphed[0], torch.nn.Linear(2, 2)])
     with raises(TypeError, "reset_all: entry 0 is a int"):
         leangraph.reset_all(3)
+
+
+def test_v18_global_module_hooks_are_refused():
+    from torch.nn.modules.module import register_module_forward_hook
+
+    handle = register_module_forward_hook(lambda module, args, output: None)
+    try:
+        with pytest.raises(ValueError, match=r"callables\[0\] \(Block\): global module hooks are "
+                                             r"registered \(_global_forward_hooks\)"):
+            mgc(Block(4), (sample(),))
+    finally:
+        handle.remove()

@@ -177,3 +177,4 @@ def test_keyword_arguments_may_come_in_any_order():
     out = graphed(x, shift=torch.tensor(10.0), scale=torch.tensor(3.0))
     assert torch.equal(out, x.detach() * 3 + 10)
     out.sum().backward()
+

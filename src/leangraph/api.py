@@ -289,6 +289,15 @@ def _check_callable(index: int, fn: object) -> None:
             f"callables[{index}] ({type(fn).__name__}) was already graphed; reset it and "
             "capture a fresh module"
         )
+    global_hooks = [
+        kind for kind in _MODULE_HOOKS if getattr(torch.nn.modules.module, f"_global{kind}", None)
+    ]
+    if global_hooks:
+        raise ValueError(
+            f"callables[{index}] ({type(fn).__name__}): global module hooks are registered "
+            f"({', '.join(f'_global{kind}' for kind in global_hooks)}); graphs cannot replay "
+            "them; remove them (torch.nn.modules.module.register_module_*_hook) before capture"
+        )
     for name, module in fn.named_modules():
         hooks = [kind for kind in _MODULE_HOOKS if getattr(module, kind, None)]
         if hooks:
