@@ -178,3 +178,16 @@ def test_keyword_arguments_may_come_in_any_order():
     assert torch.equal(out, x.detach() * 3 + 10)
     out.sum().backward()
 
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_looped_bfs_trains_exactly_through_an_explicit_order(rank):
+    import torch.distributed.pipelining as pl
+
+    from leangraph.schedules import from_pipelining
+
+    # LoopedBFS runs backwards newest first: only an order that names microbatches says so.
+    order = from_pipelining(pl.ScheduleLoopedBFS, 2, 4, rank, stages_per_rank=2, explicit=True)
+    history, graphed = train_both(order, [2, 2], width=8, microbatches=4, steps=2)
+    assert_histories_equal(history, exact=True)
+    leangraph.reset_all(graphed)

@@ -1,6 +1,6 @@
 import pytest
 
-from leangraph.order import GraphId, Layout, StepKind, parse_order
+from leangraph.order import GraphId, Layout, Step, StepKind, parse_order
 
 ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
 
@@ -59,3 +59,31 @@ def test_layers_per_chunk_checks():
     layout, _ = parse_order([1, 2, -2, -1], num_callables=3, num_samples=3,
                             num_layers_per_chunk=[1, 2])
     assert layout.layers_per_chunk == (1, 2)
+
+
+def _step(text):
+    kind, chunk, microbatch = text.split()
+    return Step(StepKind(kind), int(chunk[1:]), int(microbatch[1:]))
+
+
+def test_explicit_steps_name_their_microbatches():
+    order = [_step(t) for t in ("F c1 m0", "F c1 m1", "B c1 m1", "B c1 m0")]
+    layout, steps = parse_order(order, num_callables=1, num_samples=2)
+    assert layout == Layout((1,), 2)
+    assert [(s.microbatch, s.position) for s in steps] == [(0, 0), (1, 1), (1, 2), (0, 3)]
+
+
+@pytest.mark.parametrize(("texts", "message"), [
+    (["F c1 m0", "B c1 m1"], r"order\[1\] = B c1 m1: its forward step has not run yet"),
+    (["F c1 m0", "F c1 m0"], r"order\[1\] = F c1 m0: runs a second time"),
+    (["F c1 m1", "B c1 m1"], r"chunk 1 runs microbatches \[1\]; they must be 0 .. M - 1"),
+    (["F c1 m0", "B c1 m0", "W c1 m0", "W c1 m0"], r"order\[3\] = W c1 m0: runs a second time"),
+])
+def test_malformed_explicit_steps(texts, message):
+    with pytest.raises(ValueError, match=message):
+        parse_order([_step(t) for t in texts], num_callables=1, num_samples=1)
+
+
+def test_orders_cannot_mix_chunk_ids_and_steps():
+    with pytest.raises(ValueError, match=r"order\[1\]: an order is either all chunk ids or all"):
+        parse_order([1, _step("B c1 m0")], num_callables=1, num_samples=1)

@@ -378,6 +378,22 @@ def test_looped_bfs_is_refused_because_its_backwards_are_newest_first() -> None:
         from_pipelining(pl.ScheduleLoopedBFS, 2, 4, 0, 2)
 
 
+@pytest.mark.parametrize("cls", [pl.ScheduleLoopedBFS, pl.ScheduleInterleaved1F1B, pl.Schedule1F1B])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_explicit_orders_name_torchs_own_microbatches(cls: type, rank: int) -> None:
+    spr = 1 if cls is pl.Schedule1F1B else 2
+    steps = from_pipelining(cls, 2, 4, rank, stages_per_rank=spr, explicit=True)
+    torch_steps = _torch_microbatches(_torch_actions(cls, 2, 4, rank, spr))
+    ours = [(s.kind.value, s.chunk, s.microbatch) for s in steps]
+    if cls is pl.Schedule1F1B:  # torch numbers the last rank's forwards from 1 (see above)
+        torch_steps = [(k, c, m - 1 if k == "F" and rank == 1 else m) for k, c, m in torch_steps]
+    assert ours == torch_steps
+    validate_order(steps)
+    if cls is not pl.ScheduleLoopedBFS:  # FIFO schedules: the same as the chunk-id order
+        assert [s.chunk if s.kind.value == "F" else -s.chunk for s in steps] == from_pipelining(
+            cls, 2, 4, rank, stages_per_rank=spr)
+
+
 # Torch's interleaved schedule against Megatron-LM's:
 # torch's ScheduleInterleaved1F1B groups microbatches in rounds of
 # microbatches_per_round = M // max(1, M // pp) (Megatron's microbatch_group_size), uses the same
@@ -599,3 +615,11 @@ def test_actions_with_comms_and_overlap_are_mapped() -> None:
     with pytest.raises(ValueError, match=r"custom, rank 1, step 1: action 1\?0 \(MYSTERY\) has "
                                          r"no leangraph order entry"):
         _actions_to_order([ts._Action(1, ts.F, 0), Mystery()], "custom", 1)
+
+
+def test_max_in_flight_counts_a_split_backward_until_its_weight_step() -> None:
+    # The weight steps come last: every forward stays in flight until then.
+    order = [1, 1, -1, -1, -1.5, -1.5]
+    assert max_in_flight(order) == InFlight(per_chunk=(2,), total=2)
+    assert max_in_flight([1, -1, -1.5, 1, -1, -1.5]) == InFlight(per_chunk=(1,), total=1)
+    assert max_in_flight([1, -1, 1, -1, -1.5, -1.5]) == InFlight(per_chunk=(2,), total=2)

@@ -199,6 +199,39 @@ def _count_steps(
     return steps
 
 
+def _explicit_steps(order: Sequence[Step]) -> list[Step]:
+    """Check an order given as :class:`Step` records (microbatches named, in any sequence).
+
+    Each (chunk, microbatch) must run its forward, then its backward, then (if any) its
+    weight step, each once; the microbatches of a chunk must be ``0 .. M - 1``.
+    """
+    before = {StepKind.BACKWARD: StepKind.FORWARD, StepKind.WEIGHT: StepKind.BACKWARD}
+    done: set[tuple[StepKind, int, int]] = set()
+    steps = []
+    for position, step in enumerate(order):
+        if step.chunk < 1 or step.microbatch < 0:
+            raise ValueError(
+                f"order[{position}] = {step}: chunks count from 1, microbatches from 0"
+            )
+        key = (step.kind, step.chunk, step.microbatch)
+        if key in done:
+            raise ValueError(f"order[{position}] = {step}: runs a second time")
+        need = before.get(step.kind)
+        if need is not None and (need, step.chunk, step.microbatch) not in done:
+            raise ValueError(
+                f"order[{position}] = {step}: its {need.name.lower()} step has not run yet"
+            )
+        done.add(key)
+        steps.append(Step(step.kind, step.chunk, step.microbatch, position))
+    for chunk in {s.chunk for s in steps}:
+        seen = sorted(
+            s.microbatch for s in steps if s.chunk == chunk and s.kind is StepKind.FORWARD
+        )
+        if seen != list(range(len(seen))):
+            raise ValueError(f"chunk {chunk} runs microbatches {seen}; they must be 0 .. M - 1")
+    return steps
+
+
 def _check_weight_steps(
     steps: Sequence[Step], backwards: Sequence[int], layers: Sequence[int]
 ) -> None:
@@ -230,7 +263,10 @@ def parse_order(
     """Validate an order and expand it into steps.
 
     Args:
-        order: The pipeline order (``+c`` forward, ``-c`` backward, chunks 1-based).
+        order: The pipeline order (``+c`` forward, ``-c`` backward, ``-(c + 0.5)`` weight
+            step, chunks 1-based), or :class:`Step` records that name each step's microbatch
+            (for schedules whose backwards are not first in, first out, such as
+            ``ScheduleLoopedBFS``; see ``leangraph.schedules.from_pipelining(explicit=True)``).
         num_callables: ``len(callables)``: the layers of all chunks, chunk by chunk.
         num_samples: ``len(sample_args)``; must be ``num_callables * num_microbatches``.
         num_layers_per_chunk: Layers of each chunk (an int for all, or one per chunk);
@@ -247,12 +283,28 @@ def parse_order(
         raise ValueError(f"order must be a list of chunk ids, got {type(order).__name__}")
     if not order:
         raise ValueError("order is empty")
-    entries = [_entry(position, entry) for position, entry in enumerate(order)]
+    explicit = [isinstance(entry, Step) for entry in order]
+    if any(explicit) and not all(explicit):
+        raise ValueError(
+            f"order[{explicit.index(not explicit[0])}]: an order is either all chunk ids or all "
+            "leangraph.order.Step records, not a mix"
+        )
+    if all(explicit):
+        steps = _explicit_steps(order)  # type: ignore[arg-type]
+        num_chunks = max(step.chunk for step in steps)
+    else:
+        entries = [_entry(position, entry) for position, entry in enumerate(order)]
+        num_chunks = max(chunk for _, chunk in entries)
     if isinstance(num_layers_per_chunk, Sequence):
         num_chunks = len(num_layers_per_chunk)
-    else:
-        num_chunks = max(chunk for _, chunk in entries)
-    steps = _count_steps(order, entries, num_chunks)
+    if not all(explicit):
+        steps = _count_steps(order, entries, num_chunks)
+    elif max(step.chunk for step in steps) > num_chunks:
+        bad = next(step for step in steps if step.chunk > num_chunks)
+        raise ValueError(
+            f"order[{bad.position}] = {bad}: unknown chunk {bad.chunk}, the model "
+            f"has {num_chunks} chunks"
+        )
     forwards = [
         sum(1 for s in steps if s.kind is StepKind.FORWARD and s.chunk == c)
         for c in range(1, num_chunks + 1)

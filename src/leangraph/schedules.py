@@ -364,13 +364,21 @@ def _leaf_actions(action: Any) -> list[Any]:
     return [leaf for sub_action in sub_actions for leaf in _leaf_actions(sub_action)]
 
 
-def _actions_to_order(actions: Sequence[Any], schedule_name: str, rank: int) -> list[float]:
-    """Map a rank's torch action list to an order, chunk ids by ascending stage index."""
+def _actions_to_order(
+    actions: Sequence[Any], schedule_name: str, rank: int, explicit: bool = False
+) -> list[Any]:
+    """Map a rank's torch action list to an order, chunk ids by ascending stage index.
+
+    With ``explicit`` the order is :class:`~leangraph.order.Step` records naming each
+    microbatch (by its rank among the stage's microbatch indices), so backwards need not be
+    first in, first out; without, backwards must be, and the order is chunk ids.
+    """
     leaves = [(pos, leaf) for pos, action in enumerate(actions) for leaf in _leaf_actions(action)]
     stage_ids = sorted({leaf.stage_index for _, leaf in leaves})
     local_chunks = {stage: chunk for chunk, stage in enumerate(stage_ids, start=1)}
     split = any(_action_kind(leaf) in _SPLIT_BACKWARD_KINDS for _, leaf in leaves)
     order: list[float] = []
+    keys: list[tuple[int, str]] = []
     runs: dict[tuple[int, str], list[Any]] = {}
     for position, leaf in leaves:
         try:
@@ -380,9 +388,27 @@ def _actions_to_order(actions: Sequence[Any], schedule_name: str, rank: int) -> 
         for entry in entries:
             order.append(entry)
             kind = "F" if entry > 0 else ("B" if float(entry).is_integer() else "W")
-            runs.setdefault((int(abs(entry)), kind), []).append(leaf)
+            keys.append((int(abs(entry)), kind))
+            runs.setdefault(keys[-1], []).append(leaf)
+    if explicit:
+        return _explicit_order(keys, runs)
     _check_fifo(runs, schedule_name, rank)
     return order
+
+
+def _explicit_order(
+    keys: Sequence[tuple[int, str]], runs: dict[tuple[int, str], list[Any]]
+) -> list[Step]:
+    """One :class:`Step` per entry, its microbatch the action's rank within its stage and kind."""
+    kinds = {"F": StepKind.FORWARD, "B": StepKind.BACKWARD, "W": StepKind.WEIGHT}
+    ranks = {key: _ranks(actions) for key, actions in runs.items()}
+    seen: dict[tuple[int, str], int] = {}
+    steps = []
+    for key in keys:
+        index = seen.get(key, 0)
+        seen[key] = index + 1
+        steps.append(Step(kinds[key[1]], key[0], ranks[key][index]))
+    return steps
 
 
 def _ranks(actions: Sequence[Any]) -> list[int]:
@@ -425,7 +451,9 @@ def from_pipelining(
     num_microbatches: int,
     rank: int,
     stages_per_rank: int = 1,
-) -> list[float]:
+    *,
+    explicit: bool = False,
+) -> list[Any]:
     """The order a ``torch.distributed.pipelining`` schedule class runs on one rank.
 
     The schedule is constructed on stand-in stage objects (no process group, no
@@ -437,10 +465,11 @@ def from_pipelining(
     a custom overlap function is registered).
 
     Note:
-        An order does not name microbatches: ``-c`` is always the backward of chunk ``c``'s
-        oldest outstanding forward. ``ScheduleLoopedBFS`` runs each stage's backwards
-        newest first, which no order expresses, so it is refused with ``ValueError`` rather
-        than mapped to an order whose replays would not follow the capture order.
+        An order of chunk ids does not name microbatches: ``-c`` is always the backward of
+        chunk ``c``'s oldest outstanding forward. ``ScheduleLoopedBFS`` runs each stage's
+        backwards newest first, which such an order cannot say, so it is refused with
+        ``ValueError`` unless ``explicit=True`` asks for :class:`~leangraph.order.Step`
+        records, which name each step's microbatch; ``make_graphed_callables`` accepts both.
 
     Args:
         schedule_class: A schedule class, e.g. ``Schedule1F1B``, ``ScheduleGPipe``,
@@ -450,14 +479,16 @@ def from_pipelining(
         rank: The rank whose order to return, ``0 <= rank < pp_size``.
         stages_per_rank: Stages per rank (1 for single-stage schedules); rank ``r`` holds
             stages ``r, r + pp_size, ...`` unless the schedule places them itself.
+        explicit: Return :class:`~leangraph.order.Step` records (kind, chunk, microbatch)
+            instead of chunk ids, for schedules whose backwards are not first in, first out.
 
     Returns:
-        The order with chunk ids ``1..stages_per_rank``.
+        The order with chunk ids ``1..stages_per_rank`` (or the steps, with ``explicit``).
 
     Raises:
         ValueError: if an argument is invalid, torch rejects the sizes, or the schedule
-            contains an action an order cannot express (split ``I``/``W`` backwards of
-            zero-bubble schedules, backwards that are not first in first out per stage);
+            contains an action an order cannot express (backwards that are not first in,
+            first out per stage, unless ``explicit``);
             the message names the action and its step.
     """
     pp_size = _check_int("pp_size", pp_size, 1)
@@ -465,7 +496,7 @@ def from_pipelining(
     num_microbatches = _check_int("num_microbatches", num_microbatches, 1)
     spr = _check_int("stages_per_rank", stages_per_rank, 1)
     actions = _torch_rank_actions(schedule_class, pp_size, num_microbatches, rank, spr)
-    return _actions_to_order(actions, schedule_class.__name__, rank)
+    return _actions_to_order(actions, schedule_class.__name__, rank, explicit)
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,9 +520,18 @@ def _parse(order: Sequence[object]) -> tuple[Step, ...]:
     """Validate ``order`` with :func:`leangraph.order.parse_order`, one layer per chunk."""
     chunks, microbatches = 1, 1
     if isinstance(order, Sequence) and not isinstance(order, (str, bytes)):
-        ids = [int(e) for e in order if isinstance(e, numbers.Integral) and not isinstance(e, bool)]
-        chunks = max((abs(e) for e in ids), default=1) or 1
-        microbatches = sum(1 for e in ids if e == 1)
+        if order and all(isinstance(e, Step) for e in order):
+            explicit: Sequence[Step] = order  # type: ignore[assignment]
+            chunks = max(step.chunk for step in explicit)
+            microbatches = sum(
+                1 for step in explicit if step.kind is StepKind.FORWARD and step.chunk == 1
+            )
+        else:
+            ids = [
+                int(e) for e in order if isinstance(e, numbers.Integral) and not isinstance(e, bool)
+            ]
+            chunks = max((abs(e) for e in ids), default=1) or 1
+            microbatches = sum(1 for e in ids if e == 1)
     _, steps = parse_order(
         order,
         num_callables=chunks,
@@ -519,6 +559,9 @@ def validate_order(order: Sequence[object]) -> None:
 def max_in_flight(order: Sequence[object]) -> InFlight:
     """The most forwards ``order`` keeps outstanding, per chunk and in total.
 
+    A forward is outstanding until its backward, or its weight step in an order with
+    ``-(c + 0.5)`` entries.
+
     Args:
         order: A valid order (see :func:`validate_order`).
 
@@ -530,11 +573,14 @@ def max_in_flight(order: Sequence[object]) -> InFlight:
     """
     steps = _parse(order)
     num_chunks = max(step.chunk for step in steps)
+    # A forward is outstanding until its last step: the weight step when the order splits
+    # backwards (the activations live until then), else the backward.
+    last = StepKind.WEIGHT if any(s.kind is StepKind.WEIGHT for s in steps) else StepKind.BACKWARD
     outstanding = [0] * num_chunks
     peak = [0] * num_chunks
     total = peak_total = 0
     for step in steps:
-        delta = 1 if step.kind is StepKind.FORWARD else -1
+        delta = 1 if step.kind is StepKind.FORWARD else (-1 if step.kind is last else 0)
         outstanding[step.chunk - 1] += delta
         total += delta
         peak[step.chunk - 1] = max(peak[step.chunk - 1], outstanding[step.chunk - 1])
