@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .arguments import Samples, as_tuples, make_plan, normalize_samples
+from .arguments import Samples, as_tuples, common_device, make_plan, normalize_samples
 from .backends import GraphBackend, make_backend
 from .buffers import BufferKey, StaticBuffers, plan_buffers
 from .capture import run_capture
@@ -128,7 +128,7 @@ def make_graphed_callables(
     _check_arguments(fns, order, num_warmup_iters)
     plan = make_plan(len(fns), samples_given, order, num_layers_per_chunk)
     samples = normalize_samples(samples_given, kwargs_given, plan.layout.num_graphs)
-    device = _common_device(samples, fns)
+    device = common_device(samples, fns)
     graph_backend = make_backend(backend, device, pool)
     saved = _SavedState(fns)
     if check_memory and graph_backend.name == "cuda":
@@ -324,34 +324,6 @@ def _check_distinct_modules(callables: tuple[Any, ...]) -> None:
                     "without an order each module is graphed once (its forward is replaced)"
                 )
             first[id(fn)] = index
-
-
-def _common_device(samples: list[tuple[Any, Any]], callables: tuple[Any, ...]) -> torch.device:
-    """The one device of every sample tensor and parameter; else name the first two that differ."""
-    first: tuple[torch.device, str] | None = None
-    for where, tensor in _device_owners(samples, callables):
-        if first is None:
-            first = (tensor.device, where)
-        elif tensor.device != first[0]:
-            raise ValueError(
-                f"sample tensors and parameters must share one device: {first[1]} is on "
-                f"{first[0]}, but {where} is on {tensor.device}"
-            )
-    return first[0] if first is not None else torch.device("cpu")
-
-
-def _device_owners(
-    samples: list[tuple[Any, Any]], callables: tuple[Any, ...]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    for index, (args, kwargs) in enumerate(samples):
-        for tensor in pytree.tree_leaves(args):
-            yield f"sample_args[{index}]", tensor
-        for tensor in pytree.tree_leaves(kwargs):
-            yield f"sample_kwargs[{index}]", tensor
-    for index, fn in enumerate(callables):
-        if isinstance(fn, torch.nn.Module):
-            for name, param in fn.named_parameters():
-                yield f"callables[{index}] ({type(fn).__name__}) parameter {name!r}", param
 
 
 # ---------------------------------------------------------------------------- failure

@@ -7,7 +7,7 @@ per graph, with the same errors, so the two can never disagree on what a call me
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 from .order import parse_order
 from .plan import Plan, build_plan, build_unordered_plan
 
-__all__ = ["Samples", "as_tuples", "make_plan", "normalize_samples"]
+__all__ = ["Samples", "as_tuples", "common_device", "make_plan", "normalize_samples"]
 
 Samples = list[tuple[tuple[Any, ...], dict[str, Any]]]
 """One ``(args, kwargs)`` pair per graph."""
@@ -98,3 +98,35 @@ def normalize_samples(sample_args: Any, sample_kwargs: Any, count: int) -> Sampl
                 )
         samples.append((tuple(args), dict(kwargs)))
     return samples
+
+
+def common_device(samples: Samples, callables: Sequence[Any]) -> torch.device:
+    """The one device of every sample tensor and parameter.
+
+    Raises:
+        ValueError: naming the first two tensors on different devices.
+    """
+    first: tuple[torch.device, str] | None = None
+    for where, tensor in _device_owners(samples, callables):
+        if first is None:
+            first = (tensor.device, where)
+        elif tensor.device != first[0]:
+            raise ValueError(
+                f"sample tensors and parameters must share one device: {first[1]} is on "
+                f"{first[0]}, but {where} is on {tensor.device}"
+            )
+    return first[0] if first is not None else torch.device("cpu")
+
+
+def _device_owners(
+    samples: Samples, callables: Sequence[Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for index, (args, kwargs) in enumerate(samples):
+        for tensor in pytree.tree_leaves(args):
+            yield f"sample_args[{index}]", tensor
+        for tensor in pytree.tree_leaves(kwargs):
+            yield f"sample_kwargs[{index}]", tensor
+    for index, fn in enumerate(callables):
+        if isinstance(fn, torch.nn.Module):
+            for name, param in fn.named_parameters():
+                yield f"callables[{index}] ({type(fn).__name__}) parameter {name!r}", param

@@ -50,7 +50,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from .arguments import Samples, as_tuples, make_plan, normalize_samples
+from .arguments import Samples, as_tuples, common_device, make_plan, normalize_samples
 from .buffers import BufferKey, plan_buffers
 from .order import Layout, StepKind
 from .plan import GraphStep, Plan
@@ -249,7 +249,7 @@ def plan_memory(
         raise ValueError(f"meta_attention must be one of {_META_ATTENTION}, got {meta_attention!r}")
     fns, samples = _normalize(callables, sample_args, sample_kwargs)
     plan = make_plan(len(fns), samples, order, num_layers_per_chunk)
-    _check_one_device(fns, samples)
+    common_device(samples, fns)
     graphs = _measure_graphs(plan, fns, samples, meta_attention)
     return _walk_plan(plan, graphs, *_static_bytes(plan, graphs, samples))
 
@@ -278,13 +278,6 @@ def _normalize(
     if not isinstance(sample_args, (tuple, list)):
         raise TypeError(f"sample_args must be a tuple, got {type(sample_args).__name__}")
     return callables, normalize_samples(sample_args, sample_kwargs, len(sample_args))
-
-
-def _check_one_device(fns: tuple[Any, ...], samples: list[tuple[Any, Any]]) -> None:
-    devices = {t.device for s in samples for t in pytree.tree_leaves(s)}
-    devices |= {p.device for fn in fns if isinstance(fn, torch.nn.Module) for p in fn.parameters()}
-    if len(devices) > 1:
-        raise ValueError(f"sample tensors and parameters must share one device, got {devices}")
 
 
 # ---------------------------------------------------------------------------- measurement
