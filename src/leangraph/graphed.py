@@ -334,9 +334,14 @@ class GraphedCallable:
             )
         return tuple(leaves)
 
+    def _input_targets(self, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in leaves if t.requires_grad)
+
+    def _param_targets(self) -> tuple[torch.Tensor, ...]:
+        return tuple(p for p in self._params if p.requires_grad)
+
     def _grad_targets(self, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        inputs = tuple(t for t in leaves if t.requires_grad)
-        return inputs + tuple(p for p in self._params if p.requires_grad)
+        return self._input_targets(leaves) + self._param_targets()
 
     def _target_names(self) -> list[str]:
         names = [s.name for s in self._input_specs if s.requires_grad]
@@ -389,7 +394,7 @@ class GraphedCallable:
     def _warmup_backward(self, outputs: tuple[torch.Tensor, ...], kind: StepKind) -> None:
         """One eager backward (full, input-gradient or weight-gradient part) on ``outputs``."""
         if kind is StepKind.BACKWARD and self._split_backward:
-            targets, retain = self._grad_targets(self._samples)[: self._num_input_targets()], True
+            targets, retain = self._input_targets(self._samples), True
         elif kind is StepKind.WEIGHT:
             targets, retain = self._param_targets(), False
         else:
@@ -406,9 +411,6 @@ class GraphedCallable:
             if not self._split_backward:
                 self._check_unused(grads)
         self._hooks.run("backward")
-
-    def _num_input_targets(self) -> int:
-        return sum(1 for spec in self._input_specs if spec.requires_grad)
 
     # Capture.
 
@@ -469,12 +471,6 @@ class GraphedCallable:
 
         return body
 
-    def _input_targets(self) -> tuple[torch.Tensor, ...]:
-        return tuple(t for t in self._static_inputs if t.requires_grad)
-
-    def _param_targets(self) -> tuple[torch.Tensor, ...]:
-        return tuple(p for p in self._params if p.requires_grad)
-
     def _capture_backward(
         self, backend: GraphBackend, *, release: bool, chained: Sequence[bool]
     ) -> None:
@@ -496,15 +492,14 @@ class GraphedCallable:
             )
         self._hooks.run("backward_pre")
         if self._split_backward:  # the weight step still needs the saved activations
-            if self._input_targets():  # no input needs a gradient: no graph to record
+            if self._input_targets(self._static_inputs):  # none: there is no graph to record
                 self._static_grads = pair.capture_backward(
-                    self._grad_body(self._input_targets, True), retain_graph=True
+                    self._grad_body(lambda: self._input_targets(self._static_inputs), True),
+                    retain_graph=True,
                 )
             self._hooks.run("backward")
             return
-        body = self._grad_body(
-            lambda: self._input_targets() + self._param_targets(), self._retain_graph
-        )
+        body = self._grad_body(lambda: self._grad_targets(self._static_inputs), self._retain_graph)
         self._static_grads = pair.capture_backward(body, retain_graph=self._retain_graph)
         self._hooks.run("backward")
         self._check_unused(self._static_grads)
