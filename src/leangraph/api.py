@@ -16,7 +16,7 @@ from .arguments import Samples, as_tuples, common_device, make_plan, normalize_s
 from .backends import GraphBackend, make_backend
 from .buffers import BufferKey, StaticBuffers, plan_buffers
 from .capture import run_capture
-from .graphed import GraphedCallable, _ModuleBinding
+from .graphed import GraphedCallable, _ModuleBinding, graphed_callables_of
 from .hooks import CaptureHooks, normalize_hooks
 from .memory_check import check_fits
 from .plan import Plan
@@ -239,15 +239,8 @@ def reset_all(graphed: Graphed | Sequence[Graphed]) -> None:
     Raises:
         TypeError: for anything that is not such a result.
     """
-    items = graphed if isinstance(graphed, (tuple, list)) else (graphed,)
-    for index, item in enumerate(items):
-        forward = item.__dict__.get("forward") if isinstance(item, torch.nn.Module) else item
-        if not isinstance(forward, GraphedCallable):
-            raise TypeError(
-                f"reset_all: entry {index} is a {type(item).__name__}, expected a "
-                "GraphedCallable or a module whose forward was graphed by leangraph"
-            )
-        forward.reset()
+    for callable_ in graphed_callables_of(graphed, "reset_all"):
+        callable_.reset()
 
 
 # ---------------------------------------------------------------------------- validation

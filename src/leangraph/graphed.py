@@ -712,6 +712,29 @@ class GraphedCallable:
         return tuple(result)
 
 
+def graphed_callables_of(result: Any, caller: str) -> list[GraphedCallable]:
+    """The graphed callables of one ``make_graphed_callables`` result.
+
+    ``result`` is what it returned: a :class:`GraphedCallable`, a module whose ``forward`` is
+    one, or a tuple of those.
+
+    Raises:
+        TypeError: naming ``caller`` and the first entry that is none of these.
+    """
+    items = result if isinstance(result, (tuple, list)) else (result,)
+    callables = []
+    for index, item in enumerate(items):
+        forward = item.__dict__.get("forward") if isinstance(item, torch.nn.Module) else item
+        if not isinstance(forward, GraphedCallable):
+            raise TypeError(
+                f"{caller}: entry {index} is a {type(item).__name__}, expected a "
+                "GraphedCallable or a module whose forward was graphed by leangraph (it is "
+                "not a result of leangraph.make_graphed_callables)"
+            )
+        callables.append(forward)
+    return callables
+
+
 class _BackwardToken:
     """Lives exactly as long as one forward replay's autograd node (its ctx holds it).
 

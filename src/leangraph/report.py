@@ -185,18 +185,9 @@ def memory_report(graphed: Any) -> MemoryReport:
     Raises:
         TypeError: for anything else.
     """
-    from .graphed import GraphedCallable
+    from .graphed import graphed_callables_of
 
-    items = graphed if isinstance(graphed, (tuple, list)) else (graphed,)
-    callables: list[GraphedCallable] = []
-    for index, item in enumerate(items):
-        forward = item.__dict__.get("forward") if isinstance(item, torch.nn.Module) else item
-        if not isinstance(forward, GraphedCallable) or forward._record is None:
-            raise TypeError(
-                f"memory_report: entry {index} ({type(item).__name__}) is not a "
-                "result of leangraph.make_graphed_callables"
-            )
-        callables.append(forward)
+    callables = graphed_callables_of(graphed, "memory_report")
     record = callables[0]._record
     assert record is not None
     every: dict[int, int] = {}
