@@ -33,7 +33,7 @@ from .order import Layout, StepKind, parse_order
 from .progress import ProgressCallback
 from .report import MemoryReport, TimelinePoint, memory_report
 from .schedules import interleaved_1f1b
-from .workloads import BlockShape, TransformerBlock, make_blocks
+from .workloads import BlockShape, TransformerBlock, hidden_batches, make_blocks
 
 __all__ = ["BenchConfig", "BenchResult", "MethodResult", "run_bench"]
 
@@ -161,19 +161,9 @@ class _Workload:
         self.layout = Layout(tuple(self.chunks), config.num_microbatches)
         self.blocks = make_blocks(self.layout.num_callables, config.shape, config.device)
         gen = torch.Generator().manual_seed(1)
-        s = config.shape
-        self.inputs = [
-            torch.randn(s.micro_batch, s.sequence, s.hidden, generator=gen).to(
-                config.device, s.dtype
-            )
-            for _ in range(config.num_microbatches)
-        ]
-        self.targets = [
-            torch.randn(s.micro_batch, s.sequence, s.hidden, generator=gen).to(
-                config.device, s.dtype
-            )
-            for _ in range(config.num_microbatches)
-        ]
+        count = config.num_microbatches
+        self.inputs = hidden_batches(config.shape, count, config.device, gen)
+        self.targets = hidden_batches(config.shape, count, config.device, gen)
         self.report: MemoryReport | None = None
 
     def sample(self) -> tuple[torch.Tensor]:

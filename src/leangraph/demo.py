@@ -18,7 +18,7 @@ from .order import Layout
 from .progress import ProgressCallback
 from .report import memory_report
 from .schedules import interleaved_1f1b
-from .workloads import BlockShape, make_blocks, sample_hidden
+from .workloads import BlockShape, hidden_batches, make_blocks, sample_hidden
 
 __all__ = ["DemoConfig", "DemoResult", "run_demo"]
 
@@ -80,14 +80,9 @@ def _demo_data(
 ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
     """Per step, one input per microbatch; and one target per microbatch (fixed seed)."""
     gen = torch.Generator().manual_seed(1)
-    shape = config.shape
-
-    def draw() -> torch.Tensor:
-        x = torch.randn(shape.micro_batch, shape.sequence, shape.hidden, generator=gen)
-        return x.to(device, shape.dtype)
-
-    data = [[draw() for _ in range(config.num_microbatches)] for _ in range(config.steps)]
-    return data, [draw() for _ in range(config.num_microbatches)]
+    count = config.num_microbatches
+    data = [hidden_batches(config.shape, count, device, gen) for _ in range(config.steps)]
+    return data, hidden_batches(config.shape, count, device, gen)
 
 
 def run_demo(

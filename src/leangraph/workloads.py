@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["BlockShape", "TransformerBlock", "make_blocks", "sample_hidden"]
+__all__ = ["BlockShape", "TransformerBlock", "hidden_batches", "make_blocks", "sample_hidden"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,3 +63,16 @@ def sample_hidden(
         shape.micro_batch, shape.sequence, shape.hidden, device=device, dtype=shape.dtype
     )
     return x.requires_grad_(requires_grad)
+
+
+def hidden_batches(
+    shape: BlockShape, count: int, device: torch.device | str, generator: torch.Generator
+) -> list[torch.Tensor]:
+    """``count`` random activations of the block's input shape, drawn on the CPU from
+    ``generator`` (so they do not depend on the device) and moved to ``device``."""
+    return [
+        torch.randn(shape.micro_batch, shape.sequence, shape.hidden, generator=generator).to(
+            device, shape.dtype
+        )
+        for _ in range(count)
+    ]
