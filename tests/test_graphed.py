@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -103,6 +105,32 @@ def test_reset_releases_graph_state():
     callable_.reset()
     assert callable_._pair is None and callable_._static_inputs == ()
     assert callable_._static_outputs == () and callable_._static_grads == ()
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+@pytest.mark.parametrize("with_hooks", [False, True])
+def test_reset_all_frees_modules_by_reference_counting_alone(ordered, with_hooks):
+    """No reference cycle outlives reset_all: a module's forward is its graphed callable, so
+    anything the callable still held (its function, capture-time hooks, samples) would keep the
+    module, its parameters and gradients alive until the cycle collector happened to run."""
+    layers = tuple(Block(8) for _ in range(3))
+    microbatches = 2 if ordered else 1
+    samples = tuple((torch.randn(2, 8, requires_grad=True),) for _ in range(3 * microbatches))
+    order = dict(order=[1, 1, -1, -1], num_layers_per_chunk=3) if ordered else {}
+    hooks = [{"forward": [lambda *args: None]}] * 3 if with_hooks else None
+    alive = [weakref.ref(layer) for layer in layers] + [weakref.ref(layers[0].up.weight)]
+    gc.disable()
+    try:
+        graphed = leangraph.make_graphed_callables(
+            layers, samples, capture_time_hooks=hooks, **order
+        )
+        alive += [weakref.ref(g) for g in graphed]
+        graphed[2](graphed[1](graphed[0](samples[0][0]))).sum().backward()
+        leangraph.reset_all(graphed)
+        del graphed, layers
+        assert [ref() is None for ref in alive] == [True] * len(alive)
+    finally:
+        gc.enable()
 
 
 def test_replay_while_outputs_await_backward_raises():

@@ -256,6 +256,7 @@ class GraphedCallable:
         if pair is not None:
             pair.reset()
         self._fn = None
+        self._hooks = CaptureHooks()
         self._samples = ()
         self._static_inputs = ()
         self._params = ()
@@ -565,6 +566,8 @@ class GraphedCallable:
         self._module_binding = module_binding
         self._debug_outputs = debug_outputs
         self._samples = ()
+        # Hooks never run at replay; keeping them would keep the user's closures alive.
+        self._hooks = CaptureHooks()
         self._state = _State.READY
 
     # Replay.
