@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib.util
 import sys
 from pathlib import Path
+import weakref
 from types import ModuleType
 
 import pytest
@@ -107,6 +109,32 @@ def test_views_count_their_storage_once_and_dead_branches_not_at_all(device: str
     x = torch.randn(4, 8, device=device, requires_grad=True)
     assert plan_memory(Gated(8).to(device), (x,)).layers[0].activation_bytes == 4 * 16 * F32
     assert plan_memory(DropsBranch().to(device), (x,)).layers[0].activation_bytes == 0
+
+
+class SavesItsOutput(nn.Module):
+    """``exp`` saves its own result: with a pack hook that kept the tensor itself, that output
+    and its ``grad_fn`` would form a reference cycle holding the forward's memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+        self.outputs: list[weakref.ref[torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = (x * self.weight).exp()
+        self.outputs.append(weakref.ref(hidden))
+        return hidden * 2
+
+
+def test_measurement_frees_the_forward_by_reference_counting_alone() -> None:
+    layer = SavesItsOutput()
+    gc.disable()
+    try:
+        plan = plan_memory(layer, (torch.randn(4, 8, requires_grad=True),))
+        assert plan.layers[0].activation_bytes > 0
+        assert [ref() for ref in layer.outputs] == [None]
+    finally:
+        gc.enable()
 
 
 def test_meta_matches_cpu_for_transformer_block() -> None:

@@ -39,9 +39,10 @@ step), tensors a custom ``autograd.Function`` stores on ``ctx`` directly rather 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -337,30 +338,55 @@ def _per_callable(layout: Layout, graphs: Sequence[LayerMemory]) -> tuple[LayerM
     return tuple(first[index] for index in range(layout.num_callables))
 
 
+class _Packed:
+    """What the pack hook hands autograd instead of a saved tensor.
+
+    Packing the tensor itself would tie a saved *output* and its own ``grad_fn`` into a
+    reference cycle (output -> node -> output), which keeps the whole graph of the forward,
+    and its device memory, alive until the cycle collector runs. The holder is emptied once
+    the measurement is done, which breaks every such cycle.
+    """
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+
+
+@contextlib.contextmanager
 def _run_forward(
     fn: Any, inputs: list[torch.Tensor], tree: pytree.TreeSpec, meta_attention: str
-) -> tuple[list[Any], list[torch.Tensor]]:
-    """Run ``fn`` once; returns its output leaves and the tensors autograd still saves.
+) -> Iterator[tuple[list[Any], list[torch.Tensor]]]:
+    """Run ``fn`` once; yields its output leaves and the tensors autograd still saves.
 
     Saved tensors are tracked by weak reference: those of graph branches that died during the
     forward (results the callable dropped) are freed, so they neither count nor alias the
     storage keys of tensors allocated after them.
     """
-    packed: list[weakref.ref[torch.Tensor]] = []
+    packed: list[weakref.ref[_Packed]] = []
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        packed.append(weakref.ref(tensor))
-        return tensor
+    def pack(tensor: torch.Tensor) -> _Packed:
+        holder = _Packed(tensor)
+        packed.append(weakref.ref(holder))
+        return holder
+
+    def unpack(holder: _Packed) -> torch.Tensor:
+        assert holder.tensor is not None, "the measurement's graph is never differentiated"
+        return holder.tensor
 
     args, kwargs = pytree.tree_unflatten(inputs, tree)
     with (
         torch.enable_grad(),
         _MetaAttention(meta_attention),
-        torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+        torch.autograd.graph.saved_tensors_hooks(pack, unpack),
     ):
         outputs = pytree.tree_leaves(fn(*args, **kwargs))
-    saved = [t for t in (ref() for ref in packed) if t is not None]
-    return outputs, saved
+    holders = [h for h in (ref() for ref in packed) if h is not None]
+    try:
+        yield outputs, [h.tensor for h in holders if h.tensor is not None]
+    finally:
+        for holder in holders:
+            holder.tensor = None
 
 
 def _measure(fn: Any, sample: tuple[Any, Any], meta_attention: str, graph: int) -> LayerMemory:
@@ -369,29 +395,29 @@ def _measure(fn: Any, sample: tuple[Any, Any], meta_attention: str, graph: int) 
     inputs = [t.detach().requires_grad_(t.requires_grad) for t in leaves]
     params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
     buffers = list(fn.buffers()) if isinstance(fn, torch.nn.Module) else []
-    outputs, saved_tensors = _run_forward(fn, inputs, tree, meta_attention)
-    for index, out in enumerate(outputs):
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(
-                f"graph {graph}: output {index} must be a tensor, got {type(out).__name__}"
-            )
-    storages = dict(_storage(t) for t in saved_tensors + inputs + params + buffers + outputs)
-    saved = {_storage(t)[0] for t in saved_tensors}
-    fixed = {_storage(t)[0] for t in params + buffers}
-    input_keys = {_storage(t)[0] for t in inputs} - fixed
-    kept_keys = {_storage(t)[0] for t in outputs if t.requires_grad} - fixed - input_keys
-    activations = saved - fixed - input_keys
-    return LayerMemory(
-        activation_bytes=_bytes(storages, activations),
-        saved_input_bytes=_bytes(storages, saved & input_keys),
-        output_bytes=_bytes(storages, kept_keys),
-        # Without a differentiable output there is no backward: nothing outlives the forward.
-        in_flight_bytes=_bytes(storages, activations | kept_keys) if kept_keys else 0,
-        grad_input_bytes=sum(_nbytes(t) for t in inputs if t.requires_grad),
-        param_grad_bytes=sum(_nbytes(p) for p in params if p.requires_grad),
-        inputs=tuple(BufferKey.of(t) for t in inputs),
-        outputs=tuple(BufferKey.of(t) for t in outputs),
-    )
+    with _run_forward(fn, inputs, tree, meta_attention) as (outputs, saved_tensors):
+        for index, out in enumerate(outputs):
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(
+                    f"graph {graph}: output {index} must be a tensor, got {type(out).__name__}"
+                )
+        storages = dict(_storage(t) for t in saved_tensors + inputs + params + buffers + outputs)
+        saved = {_storage(t)[0] for t in saved_tensors}
+        fixed = {_storage(t)[0] for t in params + buffers}
+        input_keys = {_storage(t)[0] for t in inputs} - fixed
+        kept_keys = {_storage(t)[0] for t in outputs if t.requires_grad} - fixed - input_keys
+        activations = saved - fixed - input_keys
+        return LayerMemory(
+            activation_bytes=_bytes(storages, activations),
+            saved_input_bytes=_bytes(storages, saved & input_keys),
+            output_bytes=_bytes(storages, kept_keys),
+            # Without a differentiable output there is no backward: nothing outlives the forward.
+            in_flight_bytes=_bytes(storages, activations | kept_keys) if kept_keys else 0,
+            grad_input_bytes=sum(_nbytes(t) for t in inputs if t.requires_grad),
+            param_grad_bytes=sum(_nbytes(p) for p in params if p.requires_grad),
+            inputs=tuple(BufferKey.of(t) for t in inputs),
+            outputs=tuple(BufferKey.of(t) for t in outputs),
+        )
 
 
 class _MetaAttention(TorchFunctionMode):
