@@ -112,8 +112,9 @@ def make_graphed_callables(
             outside stream capture around every warm-up and capture step of that callable,
             in schedule order, and never at replay (see :mod:`leangraph.hooks`).
         check_memory: On CUDA, first compute :func:`leangraph.plan_memory` for these
-            arguments and raise :class:`leangraph.CaptureMemoryError` if its peak does not
-            fit in the memory available, before any warm-up or capture work.
+            arguments (one forward of each distinct callable, on the warm-up stream) and
+            raise :class:`leangraph.CaptureMemoryError` if its peak does not fit in the
+            memory available, before any warm-up or capture work.
 
     Returns:
         The graphed callables, in the form described above.
@@ -138,7 +139,15 @@ def make_graphed_callables(
             torch.random.fork_rng(devices=[device], device_type="cuda"),
             saved.restoring("the memory check (check_memory=True), before warm-up"),
         ):
-            check_fits(fns, samples_given, kwargs_given, order, num_layers_per_chunk, device)
+            check_fits(
+                fns,
+                samples_given,
+                kwargs_given,
+                order,
+                num_layers_per_chunk,
+                device,
+                where=graph_backend.warmup(),
+            )
     graphs = _build_graphs(
         plan,
         fns,

@@ -7,19 +7,17 @@ midway.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from .errors import CaptureMemoryError
 from .memory_plan import plan_memory
 
 __all__ = ["check_fits"]
-
-log = logging.getLogger("leangraph")
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -36,40 +34,21 @@ def _available_bytes(device: torch.device) -> int:
     return max(growth, 0) + reserved - torch.cuda.memory_allocated(device)
 
 
-class _MetaTwin(torch.nn.Module):
-    """A module's stand-in on the meta device: same forward, meta parameters and buffers.
-
-    The memory check measures these, so it allocates nothing and launches no kernel on the
-    GPU (running the real module there before warm-up can disturb lazily created CUDA state).
-    """
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__()
-        self._twin_of = (module,)  # a tuple: not registered as a submodule
-        for name, tensor in (*module.named_parameters(), *module.named_buffers()):
-            meta = torch.empty_like(tensor, device="meta")
-            if isinstance(tensor, torch.nn.Parameter):
-                self.register_parameter(
-                    name.replace(".", "__"), torch.nn.Parameter(meta, tensor.requires_grad)
-                )
-            else:
-                self.register_buffer(name.replace(".", "__"), meta)
-        self._names = [n for n, _ in (*module.named_parameters(), *module.named_buffers())]
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        state = {name: getattr(self, name.replace(".", "__")) for name in self._names}
-        return torch.func.functional_call(self._twin_of[0], state, args, kwargs)
-
-
-def _to_meta(tree: Any) -> Any:
-    return pytree.tree_map(
-        lambda t: (
-            torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
-            if isinstance(t, torch.Tensor)
-            else t
-        ),
-        tree,
-    )
+@contextlib.contextmanager
+def _buffers_kept(callables: tuple[Any, ...]) -> Iterator[None]:
+    """Put module buffers back as they were: a forward may update some (BatchNorm's running
+    statistics), and the check's forward is not one the user asked for."""
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for fn in callables:
+        if isinstance(fn, torch.nn.Module):
+            for buffer in fn.buffers():
+                kept.setdefault(id(buffer), (buffer, buffer.detach().clone()))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept.values():
+                buffer.copy_(value)
 
 
 def check_fits(
@@ -79,38 +58,25 @@ def check_fits(
     order: Sequence[int] | None,
     num_layers_per_chunk: Any,
     device: torch.device,
+    *,
+    where: AbstractContextManager[Any] | None = None,
 ) -> None:
     """Raise :class:`CaptureMemoryError` if the plan for these arguments does not fit.
 
-    The plan is computed on meta twins of the modules (nothing allocated, no kernel run).
-    Plain functions, and modules that cannot run on meta tensors, are not checked (a
-    warning on the ``leangraph`` logger says so).
+    The plan measures one forward of each distinct callable on the device, inside ``where``
+    (the backend's warm-up context: the same stream warm-up uses next, so lazily created
+    per-stream state is where capture expects it). That is the callables' own code, plain
+    functions included; its allocations are freed before the free memory is read, and module
+    buffers it updates are put back. The caller keeps the RNG states.
     """
-    if not all(isinstance(fn, torch.nn.Module) for fn in callables):
-        log.warning(
-            "check_memory skipped: plain functions cannot be measured on the meta "
-            "device (their captured tensors are real); graph nn.Modules to check"
-        )
-        return
-    twins: dict[int, _MetaTwin] = {}
-    meta_callables = tuple(twins.setdefault(id(fn), _MetaTwin(fn)) for fn in callables)
-    try:
+    with _buffers_kept(callables), where if where is not None else contextlib.nullcontext():
         plan = plan_memory(
-            meta_callables,
-            _to_meta(tuple(sample_args)),
-            sample_kwargs=_to_meta(sample_kwargs),
+            callables,
+            tuple(sample_args),
+            sample_kwargs=sample_kwargs,
             order=order,
             num_layers_per_chunk=num_layers_per_chunk,
         )
-    except (RuntimeError, NotImplementedError) as exc:
-        # Data-dependent code (.item(), shapes from values) or a kernel without a meta
-        # implementation cannot run on meta tensors; capture itself may still work.
-        log.warning(
-            "check_memory skipped: the callables cannot run on the meta device (%s: %s)",
-            type(exc).__name__,
-            exc,
-        )
-        return
     needed = max(plan.warmup_peak_bytes, plan.capture_peak_bytes)
     available = _available_bytes(device)
     if needed > available:
