@@ -77,7 +77,12 @@ class MemoryRecorder:
             torch.cuda.reset_peak_memory_stats(device)
 
     def _allocated(self) -> int | None:
-        return torch.cuda.memory_allocated(self._device) if self._cuda else None
+        if not self._cuda:
+            return None
+        # memory_allocated() flattens the allocator's whole statistics dict in Python, about
+        # a third of a millisecond; once per step that was a visible share of capture time.
+        stats = torch.cuda.memory_stats_as_nested_dict(self._device)
+        return int(stats["allocated_bytes"]["all"]["current"])
 
     def __call__(self, event: ProgressEvent) -> None:
         allocated = self._allocated()
