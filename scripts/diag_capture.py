@@ -2,13 +2,15 @@
 
 Used to find which option made backward capture fail with "operation would make the legacy
 stream depend on a capturing blocking stream": it was a memory check that ran the real modules
-on the default stream before warm-up (now it runs meta copies). Prints one line per case.
+on the default stream before warm-up (it now runs them on the warm-up stream). Prints one line
+per case; ``--first-call BACKEND`` runs only the first capture of a fresh process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -51,5 +53,16 @@ def main() -> None:
               f"attention={attention}: {result}", flush=True)
 
 
+def first_call(attention: str) -> None:
+    """The first capture of a fresh process, with the memory check on (it runs the modules
+    once before warm-up): ``python3 scripts/diag_capture.py --first-call FLASH_ATTENTION``."""
+    backend = None if attention == "default" else getattr(SDPBackend, attention)
+    print(f"first call, check=True, attention={backend}: "
+          f"{attempt(torch.bfloat16, True, True, False, backend)}", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--first-call":
+        first_call(sys.argv[2])
+    else:
+        main()
