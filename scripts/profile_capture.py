@@ -54,6 +54,7 @@ def profile(name: str, run) -> None:
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("tottime").print_stats(12)
     stats.sort_stats("cumulative").print_stats("leangraph|graphs.py", 20)
+    stats.print_callees("capture_end")
     print(f"== {name}: {time.perf_counter() - start:.3f} s (second call, under cProfile)")
     print("\n".join(line for line in text.getvalue().splitlines() if line.strip()))
 

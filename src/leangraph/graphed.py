@@ -377,6 +377,8 @@ class GraphedCallable:
         self, leaves: Sequence[torch.Tensor], run: Callable[[], tuple[torch.Tensor, ...]]
     ) -> tuple[torch.Tensor, ...]:
         """``run()`` between the callable's forward_pre and forward capture-time hooks."""
+        if not (self._hooks.forward_pre or self._hooks.forward):
+            return run()  # once per step of every pass: skip rebuilding the arguments
         args, kwargs = pytree.tree_unflatten(list(leaves), self._input_tree)
         self._hooks.run("forward_pre", args, kwargs)
         outputs = run()
