@@ -33,3 +33,16 @@ def test_bench_cli_writes_json(tmp_path, capsys):
     assert set(data["methods"]) == {"eager", "leangraph"}
     assert len(data["leangraph_timeline"]) > 0
     assert "CPU reference backend" in capsys.readouterr().out
+
+
+def test_rounds_time_each_graphed_method_afresh():
+    config = BenchConfig(pp_size=2, vp_size=2, num_microbatches=4, layers_per_chunk=1,
+                         shape=TINY, steps=1, methods=("eager", "leangraph"), device="cpu",
+                         rounds=3)
+    result = run_bench(config)
+    assert set(result.rounds) == {"leangraph"}
+    times = result.rounds["leangraph"]
+    assert len(times.capture_seconds) == len(times.step_seconds) == 3
+    assert all(t > 0 for t in times.capture_seconds + times.step_seconds)
+    assert "3 rounds, median [min-max]" in format_table(result)
+    assert len(result.to_json()["rounds"]["leangraph"]["capture_seconds"]) == 3

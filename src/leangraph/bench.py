@@ -9,7 +9,8 @@ memory held when that method starts (weights and data included there, so "above 
   *reserved*, since graphs write pool blocks the allocator counts as free);
 * ``capture_peak``: peak allocated during warm-up plus capture;
 * ``held``: reserved right after capture;
-* times: capture wall time and the median step time.
+* times: capture wall time and the median step time; with ``rounds`` the graphed methods
+  are then captured and timed again, in turn, that many times (median and spread).
 
 torch's callables are listed in the schedule's forward order (its best case: it captures all
 forwards in that order, then all backwards in reverse). Its graphs are then replayed in the
@@ -59,6 +60,7 @@ class BenchConfig:
     warmup_iters: int = 3
     methods: tuple[str, ...] = ("eager", "torch", "leangraph")
     device: str = "cuda"
+    rounds: int = 0  # extra rounds timing the graphed methods in turn (see RoundTimes)
 
 
 @dataclass
@@ -76,6 +78,25 @@ class MethodResult:
 
 
 @dataclass
+class RoundTimes:
+    """Capture and step times of one graphed method over the timing rounds.
+
+    One capture per method says little about a difference of a few percent: on a shared host
+    it drifts by more than that between runs. Each round captures every graphed method afresh
+    from the same initial blocks and times its steps, the methods taking turns to go first.
+    """
+
+    capture_seconds: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+
+    @staticmethod
+    def spread(values: list[float], scale: float = 1.0) -> str:
+        """``median [min-max]`` of ``values`` times ``scale``."""
+        low, mid, high = (scale * v for v in (min(values), statistics.median(values), max(values)))
+        return f"{mid:.3g} [{low:.3g}-{high:.3g}]"
+
+
+@dataclass
 class BenchResult:
     """All methods' figures, with the config and whether losses agree with eager's."""
 
@@ -83,6 +104,7 @@ class BenchResult:
     methods: dict[str, MethodResult]
     losses_agree: dict[str, bool]
     report: MemoryReport | None = None
+    rounds: dict[str, RoundTimes] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """Plain data (the memory report's timeline included) for ``json.dump``."""
@@ -98,6 +120,8 @@ class BenchResult:
                 for name in self.methods
             },
         }
+        if self.rounds:
+            data["rounds"] = {name: asdict(times) for name, times in self.rounds.items()}
         if self.report is not None:
             data["leangraph_timeline"] = [asdict(p) for p in self.report.timeline]
         return data
@@ -360,7 +384,37 @@ def run_bench(config: BenchConfig, progress: ProgressCallback | None = None) -> 
     }
     settings = asdict(config)
     settings["shape"] = {**asdict(config.shape), "dtype": str(config.shape.dtype)}
-    return BenchResult(settings, methods, agree, report=work.report)
+    rounds = _run_rounds(config) if config.rounds else {}
+    return BenchResult(settings, methods, agree, report=work.report, rounds=rounds)
+
+
+def _run_rounds(config: BenchConfig) -> dict[str, RoundTimes]:
+    """``config.rounds`` rounds of capture plus timed steps per graphed method; see
+    :class:`RoundTimes`."""
+    from .api import reset_all
+
+    work = _Workload(config)
+    captures = {
+        name: _torch_capture(work) if name == "torch" else _leangraph_capture(work, None)
+        for name in config.methods
+        if name != "eager"
+    }
+    times = {name: RoundTimes() for name in captures}
+    for round_index in range(config.rounds):
+        names = list(captures)
+        for name in names[round_index % len(names) :] + names[: round_index % len(names)]:
+            blocks = copy.deepcopy(work.blocks)
+            _Meter(config.device)  # collect, synchronise and empty the cache first
+            start = time.perf_counter()
+            lookup = captures[name](blocks)
+            _sync(config.device)
+            times[name].capture_seconds.append(time.perf_counter() - start)
+            times[name].step_seconds.append(work.timed_steps(lookup, blocks)[1])
+            if work.graphed is not None:
+                reset_all(work.graphed)
+                work.graphed = None
+            del lookup, blocks
+    return times
 
 
 def format_table(result: BenchResult) -> str:
@@ -391,6 +445,18 @@ def format_table(result: BenchResult) -> str:
             f"{'-' if m.capture_seconds is None else f'{m.capture_seconds:.2f}':>9} "
             f"{secs(m.step_seconds):>8} {agree:>6}"
         )
+    if result.rounds:
+        count = len(next(iter(result.rounds.values())).capture_seconds)
+        lines += [
+            "",
+            f"{count} rounds, median [min-max]:",
+            f"{'method':<10} {'capture s':>24} {'step ms':>24}",
+        ]
+        for name, t in result.rounds.items():
+            lines.append(
+                f"{name:<10} {RoundTimes.spread(t.capture_seconds):>24} "
+                f"{RoundTimes.spread(t.step_seconds, 1000):>24}"
+            )
     return "\n".join(lines)
 
 

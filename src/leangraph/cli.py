@@ -179,6 +179,7 @@ def _bench(args: argparse.Namespace) -> int:
         methods=methods,
         device=device,
         shape=_shape(args),
+        rounds=args.rounds,
     )
     with progress_bar(not args.no_progress) as progress:
         result = run_bench(config, progress=progress)
@@ -210,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     _workload_args(bench, microbatches=16, hidden=1024, heads=16, sequence=2048)
     bench.add_argument("--steps", type=int, default=5, help="timed steps per method")
     bench.add_argument("--methods", default="eager,torch,leangraph")
+    bench.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="then capture and time the graphed methods again, in turn, this many times",
+    )
     bench.add_argument("--device", choices=["cpu", "cuda"], default=None)
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--json", help="write the figures as JSON here")
