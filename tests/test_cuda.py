@@ -284,3 +284,40 @@ def test_memory_report_on_cuda_reads_the_pool_and_the_phase_peaks():
     assert max(p.allocated_bytes for p in report.timeline) > base
     assert report.static_bytes > 0 and "graph pool: reserved" in report.describe()
     leangraph.reset_all(graphed)
+
+
+FIRST_CAPTURE = """
+import sys, torch, leangraph
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from leangraph.schedules import interleaved_1f1b
+from leangraph.workloads import BlockShape, make_blocks, sample_hidden
+shape = BlockShape(hidden=256, heads=4, sequence=128, dtype=torch.bfloat16)
+blocks = make_blocks(4, shape, "cuda")
+samples = tuple((sample_hidden(shape, "cuda"),) for _ in range(16))
+with sdpa_kernel([getattr(SDPBackend, sys.argv[1])]):
+    graphed = leangraph.make_graphed_callables(
+        tuple(blocks), samples, order=interleaved_1f1b(4, 2, 0, 4))
+    x = sample_hidden(shape, "cuda")
+    graphed[1](graphed[0](x)).float().sum().backward()
+leangraph.reset_all(graphed)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("attention", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"])
+def test_first_capture_of_a_process_runs_the_memory_check_without_breaking_capture(attention):
+    """The memory check runs the real layers before warm-up. On the default stream that once
+    broke the SDPA backward capture of a fresh process ("would make the legacy stream depend
+    on a capturing blocking stream"); it runs on the warm-up stream now. A fresh process each,
+    since only a process's first SDPA calls create the state that matters."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get(
+        "PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", FIRST_CAPTURE, attention], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
