@@ -321,3 +321,34 @@ def test_first_capture_of_a_process_runs_the_memory_check_without_breaking_captu
     done = subprocess.run([sys.executable, "-c", FIRST_CAPTURE, attention], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+
+def test_no_garbage_collection_runs_while_streams_capture():
+    """A collection in the middle of a stream capture can destroy garbage from outside the
+    call (a dropped torch.cuda.make_graphed_callables result sits in reference cycles); its
+    graph and pool teardown then invalidates the capture ("operation failed due to a previous
+    error during capture", seen on an H200). The collector is forced to run at every chance
+    here; it must run during warm-up and never while a stream captures."""
+    capturing: list[bool] = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start":
+            capturing.append(torch.cuda.is_current_stream_capturing())
+
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(record)
+    gc.set_threshold(1, 1, 1)
+    try:
+        layers = tuple(Block(64).cuda() for _ in range(2))
+        graphed = leangraph.make_graphed_callables(
+            layers, tuple((torch.randn(8, 64, device="cuda", requires_grad=True),)
+                          for _ in range(8)), order=[1, 1, -1, 1, -1, 1, -1, -1])
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(record)
+    assert gc.isenabled()
+    assert capturing and not any(capturing), capturing.count(True)
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    graphed[1](graphed[0](x)).sum().backward()
+    leangraph.reset_all(graphed)

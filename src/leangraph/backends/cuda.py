@@ -80,10 +80,18 @@ class CudaBackend:
         # objects (torch.cuda.graph stopped collecting by default for that reason).
         gc.collect(1)
         torch.cuda.empty_cache()
+        # No automatic collection while streams capture: garbage from outside this call (an
+        # old CUDA graph in a reference cycle, say) would be destroyed mid-capture, and the
+        # cudaFree or graph teardown that runs then invalidates the capture. Seen on an H200
+        # after a torch.cuda.make_graphed_callables result was dropped without a collection.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.device(self.device):
                 yield
         finally:
+            if collecting:
+                gc.enable()
             torch.cuda.synchronize(self.device)
 
     def capture(self, graph: torch.cuda.CUDAGraph, body: Callable[[], _T]) -> _T:
