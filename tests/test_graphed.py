@@ -22,6 +22,64 @@ def test_ordered_training_matches_eager_exactly(order, microbatches):
     assert_histories_equal(history, exact=True)
 
 
+def _grads(modules):
+    return [p.grad.clone() for m in modules for p in m.parameters()]
+
+
+def test_several_microbatches_in_one_backward_pass_accumulate_exactly():
+    """GPipe with the microbatches' losses summed: one backward pass reaches a layer's
+    parameters through every microbatch's graph, so autograd waits for all of them before
+    accumulating, and a shared gradient buffer must not be overwritten meanwhile."""
+    torch.manual_seed(0)
+    layers = tuple(Block(8) for _ in range(2))
+    reference = copy.deepcopy(layers)
+    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(6))
+    graphed = leangraph.make_graphed_callables(
+        layers, samples, order=[1, 1, 1, -1, -1, -1], num_layers_per_chunk=2
+    )
+    for _ in range(3):
+        xs = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
+        loss = sum((m + 1) * graphed[2 * m + 1](graphed[2 * m](x)).square().sum()
+                   for m, x in enumerate(xs))
+        loss.backward()
+        sum((m + 1) * reference[1](reference[0](x.detach())).square().sum()
+            for m, x in enumerate(xs)).backward()
+        assert all(torch.equal(a, b) for a, b in zip(_grads(layers), _grads(reference)))
+
+
+def test_weights_tied_between_graphed_modules_accumulate_exactly():
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    second.weight = first.weight
+    ref_first, ref_second = copy.deepcopy((first, second))
+    assert ref_second.weight is ref_first.weight
+    graphed = leangraph.make_graphed_callables(
+        (first, second), tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(2))
+    )
+    for _ in range(3):
+        x = torch.randn(4, 8, requires_grad=True)
+        graphed[1](graphed[0](x)).square().sum().backward()
+        ref_second(ref_first(x.detach())).square().sum().backward()
+        assert torch.equal(first.weight.grad, ref_first.weight.grad)
+        assert torch.equal(second.bias.grad, ref_second.bias.grad)
+
+
+def test_one_microbatch_per_backward_pass_hands_autograd_views(monkeypatch):
+    """The usual pipeline step differentiates one microbatch at a time: no other graph of a
+    layer runs in that backward pass, so its parameter gradients need no copy."""
+    seen: list[bool] = []
+    original = leangraph.GraphedCallable._peer_runs_in_this_backward
+
+    def record(self):
+        seen.append(original(self))
+        return seen[-1]
+
+    monkeypatch.setattr(leangraph.GraphedCallable, "_peer_runs_in_this_backward", record)
+    history, _ = train_both(ORDER, [2, 2], width=8, microbatches=3, steps=2)
+    assert_histories_equal(history, exact=True)
+    assert seen and not any(seen)
+
+
 def test_module_drop_in_matches_eager_and_falls_back_in_eval():
     torch.manual_seed(0)
     block = Block(8)

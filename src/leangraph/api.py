@@ -501,6 +501,23 @@ def _plan_static_buffers(
     return StaticBuffers.allocate(plan_buffers(plan, input_keys, output_keys, chainable=chainable))
 
 
+def _link_parameter_peers(graphs: Sequence[GraphedCallable]) -> None:
+    """Tell every graph which other graphs train one of its parameters."""
+    trained_by: dict[int, list[GraphedCallable]] = {}
+    for graph in graphs:
+        for param in graph._params:
+            if param.requires_grad:
+                trained_by.setdefault(id(param), []).append(graph)
+    for graph in graphs:
+        peers = {
+            id(peer): peer
+            for param in graph._params
+            for peer in trained_by.get(id(param), ())
+            if peer is not graph
+        }
+        graph._share_parameters_with(list(peers.values()))
+
+
 def _hand_back(
     plan: Plan,
     callables: tuple[Any, ...],
@@ -510,6 +527,7 @@ def _hand_back(
     debug_outputs: bool,
     record: CaptureRecord,
 ) -> Any:
+    _link_parameter_peers(graphs)
     results: list[Any] = []
     for graph, fn in zip(graphs, callables if not plan.ordered else [None] * len(graphs)):
         if isinstance(fn, torch.nn.Module):

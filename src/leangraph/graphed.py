@@ -180,6 +180,10 @@ class GraphedCallable:
         self._forward_generation = 0
         self._backward_generation = -1
         self._awaiting_backward: weakref.ref[_BackwardToken] | None = None
+        # Other graphs of the same call that train one of this graph's parameters (the same
+        # layer's other microbatches, tied weights), and those parameters' ids.
+        self._param_peers: tuple[weakref.ref[GraphedCallable], ...] = ()
+        self._shared_param_ids: frozenset[int] = frozenset()
         self._guard: OutputGuard | None = None
         self._debug_outputs = False
         self._module_binding: _ModuleBinding | None = None
@@ -261,6 +265,8 @@ class GraphedCallable:
         self._static_inputs = ()
         self._params = ()
         self._awaiting_backward = None
+        self._param_peers = ()
+        self._shared_param_ids = frozenset()
         if self._guard is not None:
             self._guard.invalidate("its callable was reset")
         self._static_outputs = ()
@@ -701,20 +707,45 @@ class GraphedCallable:
         A gradient autograd may *store* (a leaf input's ``.grad``, or a parameter whose
         ``.grad`` is still None, which autograd would take over) is cloned, so no stored
         gradient aliases a buffer that a later replay overwrites. A parameter that already has
-        a ``.grad`` gets a view: autograd adds it in place right away. A gradient flowing to an
-        earlier autograd node is a view, consumed by that node before any other replay.
+        a ``.grad`` gets a view: autograd adds it in place right away, unless another graph
+        training the same parameter still has to run in this backward pass (several
+        microbatches, or tied weights, differentiated together): autograd then waits for that
+        graph's gradient too, whose replay may overwrite this buffer first, so it gets a copy.
+        A gradient flowing to an earlier autograd node is a view, consumed by that node before
+        any other replay.
         """
         grads = iter(self._static_grads)
         result: list[torch.Tensor | None] = []
         for spec, clone in zip(self._input_specs, clone_inputs):
             grad = next(grads) if spec.requires_grad else None
             result.append(None if grad is None else (grad.clone() if clone else grad.detach()))
+        awaited = bool(self._shared_param_ids) and self._peer_runs_in_this_backward()
         for param in self._params:
             grad = next(grads, None) if param.requires_grad else None
             if grad is not None:
-                grad = grad.clone() if param.grad is None else grad.detach()
+                copy = param.grad is None or (awaited and id(param) in self._shared_param_ids)
+                grad = grad.clone() if copy else grad.detach()
             result.append(grad)
         return tuple(result)
+
+    def _peer_runs_in_this_backward(self) -> bool:
+        """Whether a graph sharing a parameter with this one has a replay awaiting its
+        backward that the running backward pass will reach."""
+        will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+        for ref in self._param_peers:
+            peer = ref()
+            pending = peer._awaiting_backward if peer is not None else None
+            token = pending() if pending is not None else None
+            node = token.node() if token is not None and token.node is not None else None
+            if node is not None and (will_execute is None or will_execute(node)):
+                return True
+        return False
+
+    def _share_parameters_with(self, peers: Sequence[GraphedCallable]) -> None:
+        """Record the other graphs of the call that train one of this graph's parameters."""
+        mine = {id(p) for p in self._params if p.requires_grad}
+        self._param_peers = tuple(weakref.ref(peer) for peer in peers)
+        self._shared_param_ids = frozenset(mine & {id(p) for peer in peers for p in peer._params})
 
 
 def graphed_callables_of(result: Any, caller: str) -> list[GraphedCallable]:
@@ -747,7 +778,10 @@ class _BackwardToken:
     that replay may still come, so the next forward replay must not overwrite activations.
     """
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ("__weakref__", "node")
+
+    def __init__(self) -> None:
+        self.node: weakref.ref[Any] | None = None  # the replay's autograd node, once made
 
 
 class _Replay(torch.autograd.Function):
@@ -766,6 +800,7 @@ class _Replay(torch.autograd.Function):
         ctx.generation = owner._forward_generation
         ctx.clone_inputs = clone_inputs
         ctx.token = token
+        token.node = weakref.ref(ctx)
         if any(owner._output_requires_grad):
             owner._note_pending(token)
         frozen = [o for o, rg in zip(outputs, owner._output_requires_grad) if not rg]
