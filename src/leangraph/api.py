@@ -509,13 +509,9 @@ def _link_parameter_peers(graphs: Sequence[GraphedCallable]) -> None:
             if param.requires_grad:
                 trained_by.setdefault(id(param), []).append(graph)
     for graph in graphs:
-        peers = {
-            id(peer): peer
-            for param in graph._params
-            for peer in trained_by.get(id(param), ())
-            if peer is not graph
-        }
-        graph._share_parameters_with(list(peers.values()))
+        shared = {id(p) for p in graph._params if len(trained_by.get(id(p), ())) > 1}
+        peers = {id(peer): peer for key in shared for peer in trained_by[key] if peer is not graph}
+        graph._share_parameters_with(list(peers.values()), frozenset(shared))
 
 
 def _hand_back(

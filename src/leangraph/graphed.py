@@ -29,6 +29,11 @@ from .report import CaptureRecord
 __all__ = ["GraphedCallable", "TensorSpec"]
 
 
+# Whether the running backward pass reaches an autograd node (torch's own helper; without it
+# every shared parameter's gradient is copied, which is always correct).
+_WILL_ENGINE_EXECUTE_NODE = getattr(torch._C, "_will_engine_execute_node", None)
+
+
 class _State(enum.Enum):
     CAPTURING = "capturing"
     READY = "ready"
@@ -731,7 +736,7 @@ class GraphedCallable:
     def _peer_runs_in_this_backward(self) -> bool:
         """Whether a graph sharing a parameter with this one has a replay awaiting its
         backward that the running backward pass will reach."""
-        will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+        will_execute = _WILL_ENGINE_EXECUTE_NODE
         for ref in self._param_peers:
             peer = ref()
             pending = peer._awaiting_backward if peer is not None else None
@@ -741,11 +746,13 @@ class GraphedCallable:
                 return True
         return False
 
-    def _share_parameters_with(self, peers: Sequence[GraphedCallable]) -> None:
-        """Record the other graphs of the call that train one of this graph's parameters."""
-        mine = {id(p) for p in self._params if p.requires_grad}
+    def _share_parameters_with(
+        self, peers: Sequence[GraphedCallable], shared_param_ids: frozenset[int]
+    ) -> None:
+        """Record the other graphs of the call that train one of this graph's parameters,
+        and which of its parameters (by id) they train."""
         self._param_peers = tuple(weakref.ref(peer) for peer in peers)
-        self._shared_param_ids = frozenset(mine & {id(p) for peer in peers for p in peer._params})
+        self._shared_param_ids = shared_param_ids
 
 
 def graphed_callables_of(result: Any, caller: str) -> list[GraphedCallable]:
