@@ -63,11 +63,32 @@ class Clock:
         torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.capture_end = self._restore
 
 
+def graph_blocks(
+    method: str, blocks: list[torch.nn.Module], shape: BlockShape, microbatches: int,
+    **options: object,
+) -> object:
+    """Graph the 2 chunks x 4 blocks of rank 0 of PP4/VP2 with torch (one wrapper module per
+    graph over the shared blocks: torch graphs each module once) or with leangraph."""
+    graphs = 8 * microbatches
+    if method == "torch":
+        wrappers = tuple(
+            torch.nn.Sequential(blocks[(g // (4 * microbatches)) * 4 + g % 4])
+            for g in range(graphs)
+        )
+        return torch.cuda.make_graphed_callables(
+            wrappers, tuple((sample_hidden(shape, "cuda"),) for _ in wrappers)
+        )
+    sample = sample_hidden(shape, "cuda")
+    return leangraph.make_graphed_callables(
+        tuple(blocks), tuple((sample,) for _ in range(graphs)),
+        order=interleaved_1f1b(4, 2, 0, microbatches), num_layers_per_chunk=4, **options,
+    )
+
+
 def call(
     method: str, shape: BlockShape, microbatches: int
 ) -> tuple[float, float, float, int, int]:
     blocks = make_blocks(8, shape, "cuda")
-    graphs = 8 * microbatches
     torch.cuda.synchronize()
     if method == "leangraph, cache pre-filled":
         # One segment as large as warm-up's peak, freed into the cache: warm-up then splits
@@ -78,20 +99,8 @@ def call(
     segments = _segments()
     start = time.perf_counter()
     try:
-        if method == "torch":
-            wrappers = tuple(
-                torch.nn.Sequential(blocks[(g // (4 * microbatches)) * 4 + g % 4])
-                for g in range(graphs)
-            )
-            result = torch.cuda.make_graphed_callables(
-                wrappers, tuple((sample_hidden(shape, "cuda"),) for _ in wrappers)
-            )
-        else:
-            sample = sample_hidden(shape, "cuda")
-            result = leangraph.make_graphed_callables(
-                tuple(blocks), tuple((sample,) for _ in range(graphs)),
-                order=interleaved_1f1b(4, 2, 0, microbatches), num_layers_per_chunk=4,
-            )
+        result = graph_blocks("torch" if method == "torch" else "leangraph", blocks, shape,
+                              microbatches)
         torch.cuda.synchronize()
         end = time.perf_counter()
     finally:

@@ -2,6 +2,7 @@
 ``make_graphed_callables`` on the launch-bound benchmark workload, after one untimed call of
 each so per-process set-up (cuBLAS handles, kernel loading) is paid already.
 
+The graphs are built as in ``capture_phases.py``.
 Usage: PYTHONPATH=src python3 scripts/profile_capture.py
 """
 
@@ -13,32 +14,19 @@ import pstats
 import time
 
 import torch
+from capture_phases import WORKLOADS, graph_blocks
 
-import leangraph
-from leangraph.schedules import interleaved_1f1b
-from leangraph.workloads import BlockShape, make_blocks, sample_hidden
+from leangraph.workloads import make_blocks
 
-SHAPE = BlockShape(hidden=256, heads=4, sequence=128, dtype=torch.bfloat16)
-ORDER = interleaved_1f1b(4, 2, 0, 8)
-GRAPHS = 2 * 4 * 8
+SHAPE, MICROBATCHES = WORKLOADS["launch-bound"]
 
 
-def with_torch() -> object:
-    blocks = make_blocks(8, SHAPE, "cuda")
-    # torch graphs each module once: one wrapper per graph over the shared block.
-    wrappers = tuple(torch.nn.Sequential(blocks[(g // 32) * 4 + g % 4]) for g in range(GRAPHS))
-    return torch.cuda.make_graphed_callables(
-        wrappers, tuple((sample_hidden(SHAPE, "cuda"),) for _ in wrappers)
-    )
+def graphed_by(method: str, **options: object):
+    def run() -> object:
+        blocks = make_blocks(8, SHAPE, "cuda")
+        return graph_blocks(method, blocks, SHAPE, MICROBATCHES, **options)
 
-
-def with_leangraph(check: bool) -> object:
-    blocks = make_blocks(8, SHAPE, "cuda")
-    sample = sample_hidden(SHAPE, "cuda")
-    return leangraph.make_graphed_callables(
-        tuple(blocks), tuple((sample,) for _ in range(GRAPHS)), order=ORDER,
-        num_layers_per_chunk=4, check_memory=check,
-    )
+    return run
 
 
 def profile(name: str, run) -> None:
@@ -60,6 +48,6 @@ def profile(name: str, run) -> None:
 
 
 if __name__ == "__main__":
-    profile("torch", with_torch)
-    profile("leangraph, check_memory=False", lambda: with_leangraph(False))
-    profile("leangraph, check_memory=True", lambda: with_leangraph(True))
+    profile("torch", graphed_by("torch"))
+    profile("leangraph, check_memory=False", graphed_by("leangraph", check_memory=False))
+    profile("leangraph, check_memory=True", graphed_by("leangraph", check_memory=True))
