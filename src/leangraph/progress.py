@@ -20,8 +20,9 @@ class ProgressEvent:
     """One finished step: ``phase`` is ``"warm-up"`` or ``"capture"``.
 
     ``done``/``total`` count steps over the whole call (all warm-up passes, then capture), so
-    a progress bar can use them directly; ``step`` is the plan step that just ran and
-    ``label`` the graph it ran (as errors name it).
+    a progress bar can use them directly; ``step`` is the plan step that just ran, ``label``
+    the graph it ran (as errors name it) and ``iteration`` the warm-up pass (0-based; 0 in
+    capture).
     """
 
     phase: str
@@ -29,6 +30,7 @@ class ProgressEvent:
     total: int
     step: GraphStep
     label: str
+    iteration: int = 0
 
 
 ProgressCallback = Callable[[ProgressEvent], None]

@@ -64,6 +64,7 @@ def _warmup_pass(
             del outputs
         if observers:
             done = iteration * len(plan.warmup) + index + 1
-            notify(observers, ProgressEvent("warm-up", done, total_steps, step, graph.label))
+            event = ProgressEvent("warm-up", done, total_steps, step, graph.label, iteration)
+            notify(observers, event)
     if awaiting_backward:
         raise AssertionError(f"plan left warm-up outputs alive: {sorted(awaiting_backward)}")
