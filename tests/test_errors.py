@@ -641,6 +641,48 @@ def test_r8_requires_grad_must_match():
         frozen(sample())
 
 
+class Gates(torch.nn.Module):
+    """Two parameters of one shape: a gradient routed to the wrong one would not be noticed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(4))
+        self.b = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.a + x * x * self.b
+
+
+def test_r10_a_parameter_frozen_at_capture_must_stay_frozen():
+    gates = Gates()
+    gates.a.requires_grad_(False)
+    graphed = mgc(gates, (sample(),))
+    gates.a.requires_grad_(True)
+    with raises(
+        ValueError,
+        "callable 0 (Gates) parameter 'a' must have requires_grad=False as at capture",
+        "got requires_grad=True",
+    ):
+        graphed(sample())
+    gates.a.requires_grad_(False)
+    graphed(sample()).sum().backward()
+    assert gates.a.grad is None and gates.b.grad is not None
+
+
+def test_a_parameter_frozen_after_capture_gets_no_gradient_and_the_others_theirs():
+    torch.manual_seed(0)
+    gates = Gates()
+    eager = copy.deepcopy(gates)
+    graphed = mgc(gates, (sample(),))
+    for module in (gates, eager):
+        module.a.requires_grad_(False)
+    x = sample()
+    graphed(x).sum().backward()
+    eager(x).sum().backward()
+    assert gates.a.grad is None
+    torch.testing.assert_close(gates.b.grad, eager.b.grad, rtol=0, atol=0)
+
+
 def test_r9_chained_input_must_be_the_previous_layers_output():
     layers = blocks(2)
     graphed = mgc(layers, ((sample(),), (sample(),)), order=[1, -1], num_layers_per_chunk=2)

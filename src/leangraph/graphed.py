@@ -157,6 +157,10 @@ class GraphedCallable:
         self._samples: tuple[torch.Tensor, ...] = tuple(samples)
         self._static_inputs: tuple[torch.Tensor, ...] = ()
         self._input_tree = input_tree
+        # Tensors passed positionally, the usual call: replay then skips the pytree walk.
+        self._positional_arity = (
+            len(samples) if input_tree == pytree.tree_structure((tuple(samples), {})) else None
+        )
         self._kwarg_names = tuple(pytree.tree_unflatten(list(samples), input_tree)[1])
         self._input_specs = tuple(
             TensorSpec.of(name, t)
@@ -166,9 +170,16 @@ class GraphedCallable:
         )
         self._params = tuple(params)
         self._param_names = tuple(param_names) or tuple(str(i) for i in range(len(params)))
+        # Which parameters the graphs differentiate, fixed now: the static gradient buffers
+        # follow this layout whatever a parameter's requires_grad is at replay.
+        self._param_trains = tuple(p.requires_grad for p in self._params)
+        self._frozen_params = tuple(
+            (name, p) for name, p in zip(self._param_names, self._params) if not p.requires_grad
+        )
         self._allow_unused_input = allow_unused_input
         self._retain_graph = retain_graph_in_backward
         self._output_tree: pytree.TreeSpec | None = None
+        self._single_output = False  # the callable returns one tensor, not a container
         self._static_outputs: tuple[torch.Tensor, ...] = ()
         self._output_requires_grad: tuple[bool, ...] = ()
         self._static_grad_outputs: tuple[torch.Tensor | None, ...] = ()
@@ -230,10 +241,13 @@ class GraphedCallable:
                     return eager(*args, **kwargs)
         self._require_ready("call")
         leaves = self._flatten_call(args, kwargs)
+        self._check_frozen_params()
         clone_grads = tuple(t.requires_grad and t.grad_fn is None for t in leaves)
         token = _BackwardToken()
         outputs = _Replay.apply(self, clone_grads, token, *leaves, *self._params)
         del token  # from here on only the replay's autograd node (if any) keeps it alive
+        if self._single_output:
+            return outputs[0]
         assert self._output_tree is not None
         return pytree.tree_unflatten(list(outputs), self._output_tree)
 
@@ -269,6 +283,7 @@ class GraphedCallable:
         self._samples = ()
         self._static_inputs = ()
         self._params = ()
+        self._frozen_params = ()
         self._awaiting_backward = None
         self._param_peers = ()
         self._shared_param_ids = frozenset()
@@ -291,6 +306,18 @@ class GraphedCallable:
             raise RuntimeError(f"{self._label}: cannot {what} before capture has finished")
 
     def _flatten_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        if (
+            not kwargs
+            and len(args) == self._positional_arity
+            and all(isinstance(arg, torch.Tensor) for arg in args)
+        ):
+            leaves: list[Any] = list(args)  # what pytree gives here, without its walk
+        else:
+            leaves = self._flatten_structured(args, kwargs)
+        return [spec.check(self._label, leaf) for spec, leaf in zip(self._input_specs, leaves)]
+
+    def _flatten_structured(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """Leaves of a call with containers or keywords, checked against the captured tree."""
         if set(kwargs) == set(self._kwarg_names):  # keyword order is the caller's business
             kwargs = {name: kwargs[name] for name in self._kwarg_names}
         leaves, tree = pytree.tree_flatten((args, kwargs))
@@ -322,7 +349,18 @@ class GraphedCallable:
                 f"{self._label}: arguments must keep their structure from capture "
                 f"({self._input_tree}), got {tree}"
             )
-        return [spec.check(self._label, leaf) for spec, leaf in zip(self._input_specs, leaves)]
+        return leaves
+
+    def _check_frozen_params(self) -> None:
+        """A parameter frozen at capture has no gradient in the backward graph: refuse to
+        replay once it requires grad, rather than leave its ``.grad`` silently unset."""
+        for name, param in self._frozen_params:
+            if param.requires_grad:
+                raise ValueError(
+                    f"{self._label} parameter {name!r} must have requires_grad=False as at "
+                    "capture (the backward graph computes no gradient for it), got "
+                    "requires_grad=True; capture again to train it"
+                )
 
     def _run_on_static(self) -> tuple[torch.Tensor, ...]:
         return self._run_user_fn(self._static_inputs)
@@ -339,6 +377,7 @@ class GraphedCallable:
                 )
         if self._output_tree is None:
             self._output_tree = tree
+            self._single_output = tree.is_leaf()
         elif tree != self._output_tree:
             raise RuntimeError(
                 f"{self._label}: outputs changed structure between runs: {self._output_tree} "
@@ -350,7 +389,7 @@ class GraphedCallable:
         return tuple(t for t in leaves if t.requires_grad)
 
     def _param_targets(self) -> tuple[torch.Tensor, ...]:
-        return tuple(p for p in self._params if p.requires_grad)
+        return tuple(p for p, trains in zip(self._params, self._param_trains) if trains)
 
     def _grad_targets(self, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return self._input_targets(leaves) + self._param_targets()
@@ -359,8 +398,8 @@ class GraphedCallable:
         names = [s.name for s in self._input_specs if s.requires_grad]
         return names + [
             f"parameter {name!r}"
-            for name, p in zip(self._param_names, self._params)
-            if p.requires_grad
+            for name, trains in zip(self._param_names, self._param_trains)
+            if trains
         ]
 
     def _check_unused(self, grads: Sequence[torch.Tensor | None]) -> None:
@@ -467,21 +506,26 @@ class GraphedCallable:
         """A backward body differentiating the outputs w.r.t. ``targets()``.
 
         Targets are looked up at run time: the CPU backend reruns the body against forward
-        replays made on the static inputs as they are then.
+        replays made on the static inputs as they are then, where a parameter frozen since
+        capture gets None (a CUDA graph still computes its gradient; autograd drops it).
         """
         seeds = [g for g in self._static_grad_outputs if g is not None]
 
         def body(outputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor | None]:
             wanted = targets()
-            if not wanted:
-                return ()
-            return torch.autograd.grad(
-                self._differentiable(outputs),
-                wanted,
-                grad_outputs=seeds,
-                allow_unused=True,
-                retain_graph=retain,
+            live = [t for t in wanted if t.requires_grad]
+            if not live:
+                return (None,) * len(wanted)
+            grads = iter(
+                torch.autograd.grad(
+                    self._differentiable(outputs),
+                    live,
+                    grad_outputs=seeds,
+                    allow_unused=True,
+                    retain_graph=retain,
+                )
             )
+            return tuple(next(grads) if t.requires_grad else None for t in wanted)
 
         return body
 
@@ -725,8 +769,8 @@ class GraphedCallable:
             grad = next(grads) if spec.requires_grad else None
             result.append(None if grad is None else (grad.clone() if clone else grad.detach()))
         awaited = bool(self._shared_param_ids) and self._peer_runs_in_this_backward()
-        for param in self._params:
-            grad = next(grads, None) if param.requires_grad else None
+        for param, trains in zip(self._params, self._param_trains):
+            grad = next(grads, None) if trains else None
             if grad is not None:
                 copy = param.grad is None or (awaited and id(param) in self._shared_param_ids)
                 grad = grad.clone() if copy else grad.detach()
