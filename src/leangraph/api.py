@@ -505,13 +505,17 @@ def _link_parameter_peers(graphs: Sequence[GraphedCallable]) -> None:
     """Tell every graph which other graphs train one of its parameters."""
     trained_by: dict[int, list[GraphedCallable]] = {}
     for graph in graphs:
-        for param in graph._params:
-            if param.requires_grad:
+        for param, trains in zip(graph._params, graph._param_trains):
+            if trains:
                 trained_by.setdefault(id(param), []).append(graph)
+    # A layer's graphs (one per microbatch) share the same parameters: find their peers once.
+    sharing: dict[tuple[int, ...], list[GraphedCallable]] = {}
     for graph in graphs:
-        shared = {id(p) for p in graph._params if len(trained_by.get(id(p), ())) > 1}
-        peers = {id(peer): peer for key in shared for peer in trained_by[key] if peer is not graph}
-        graph._share_parameters_with(list(peers.values()), frozenset(shared))
+        shared = tuple(id(p) for p in graph._params if len(trained_by.get(id(p), ())) > 1)
+        if shared not in sharing:
+            sharing[shared] = list({id(g): g for key in shared for g in trained_by[key]}.values())
+        peers = [peer for peer in sharing[shared] if peer is not graph]
+        graph._share_parameters_with(peers, frozenset(shared))
 
 
 def _hand_back(

@@ -161,12 +161,10 @@ class GraphedCallable:
         self._positional_arity = (
             len(samples) if input_tree == pytree.tree_structure((tuple(samples), {})) else None
         )
-        self._kwarg_names = tuple(pytree.tree_unflatten(list(samples), input_tree)[1])
+        sample_call = pytree.tree_unflatten(list(samples), input_tree)
+        self._kwarg_names = tuple(sample_call[1])
         self._input_specs = tuple(
-            TensorSpec.of(name, t)
-            for name, t in zip(
-                _leaf_names(pytree.tree_unflatten(list(samples), input_tree)), samples
-            )
+            TensorSpec.of(name, t) for name, t in zip(_leaf_names(sample_call), samples)
         )
         self._params = tuple(params)
         self._param_names = tuple(param_names) or tuple(str(i) for i in range(len(params)))
@@ -403,7 +401,7 @@ class GraphedCallable:
         ]
 
     def _check_unused(self, grads: Sequence[torch.Tensor | None]) -> None:
-        if self._allow_unused_input:
+        if self._allow_unused_input or all(g is not None for g in grads):
             return
         unused = [name for name, g in zip(self._target_names(), grads) if g is None]
         if unused:

@@ -69,6 +69,10 @@ class MemoryRecorder:
         self._device = device
         self._pool = pool
         self._cuda = device.type == "cuda"
+        # An index, not a device: the allocator's statistics are read after every step.
+        self._index = 0
+        if self._cuda:
+            self._index = device.index if device.index is not None else torch.cuda.current_device()
         self._points: list[TimelinePoint] = []
         self._baseline = self._allocated()
         self._warmup_peak: int | None = None
@@ -82,7 +86,7 @@ class MemoryRecorder:
             return None
         # memory_allocated() flattens the allocator's whole statistics dict in Python, about
         # a third of a millisecond; once per step that was a visible share of capture time.
-        stats = torch.cuda.memory_stats_as_nested_dict(self._device)
+        stats = torch.cuda.memory_stats_as_nested_dict(self._index)
         return int(stats["allocated_bytes"]["all"]["current"])
 
     def __call__(self, event: ProgressEvent) -> None:
