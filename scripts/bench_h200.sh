@@ -13,5 +13,6 @@ for m in 16 32; do
       --bars "$out/bars_m$m.png"
 done
 echo "== launch-bound: hidden 256, seq 128, 8 microbatches"
+# Host-bound steps vary more from capture to capture: more rounds, more steps per round.
 run --pp 4 --vp 2 --rank 0 --microbatches 8 --layers 4 --hidden 256 --heads 4 --sequence 128 \
-    --dtype bf16 --steps 20 --json "$out/bench_launch.json"
+    --dtype bf16 --steps 50 --rounds 9 --json "$out/bench_launch.json"
