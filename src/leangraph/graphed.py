@@ -763,17 +763,25 @@ class GraphedCallable:
         """
         grads = iter(self._static_grads)
         result: list[torch.Tensor | None] = []
+        copy_at: list[int] = []
         for spec, clone in zip(self._input_specs, clone_inputs):
             grad = next(grads) if spec.requires_grad else None
-            result.append(None if grad is None else (grad.clone() if clone else grad.detach()))
+            if grad is not None and clone:
+                copy_at.append(len(result))
+            result.append(grad)
         awaited = bool(self._shared_param_ids) and self._peer_runs_in_this_backward()
         for param, trains in zip(self._params, self._param_trains):
             grad = next(grads, None) if trains else None
-            if grad is not None:
-                copy = param.grad is None or (awaited and id(param) in self._shared_param_ids)
-                grad = grad.clone() if copy else grad.detach()
+            if grad is not None and (
+                param.grad is None or (awaited and id(param) in self._shared_param_ids)
+            ):
+                copy_at.append(len(result))
             result.append(grad)
-        return tuple(result)
+        views = [None if g is None else g.detach() for g in result]
+        if copy_at:
+            for index, copy in zip(copy_at, _copies([result[i] for i in copy_at])):
+                views[index] = copy
+        return tuple(views)
 
     def _peer_runs_in_this_backward(self) -> bool:
         """Whether a graph sharing a parameter with this one has a replay awaiting its
@@ -795,6 +803,15 @@ class GraphedCallable:
         and which of its parameters (by id) they train."""
         self._param_peers = tuple(weakref.ref(peer) for peer in peers)
         self._shared_param_ids = shared_param_ids
+
+
+def _copies(tensors: list[Any]) -> list[torch.Tensor]:
+    """Fresh copies of ``tensors``; on CUDA in a few fused kernels instead of one per tensor
+    (a layer's first backward of a step copies every parameter's gradient). Multiplying by
+    one is exact for every value, signed zeros and infinities included."""
+    if len(tensors) == 1:
+        return [tensors[0].clone()]
+    return list(torch._foreach_mul(tensors, 1.0))
 
 
 def graphed_callables_of(result: Any, caller: str) -> list[GraphedCallable]:
