@@ -92,7 +92,7 @@ class MemoryRecorder:
     def __call__(self, event: ProgressEvent) -> None:
         # Later warm-up passes run the same steps on the same sizes, so they would repeat the
         # first pass's points (their peak is in the record all the same). Each sample costs
-        # tens of microseconds; over every pass that was ~5% of capture time on the benchmark.
+        # tens of microseconds; over every pass they were a visible share of capture time.
         if event.iteration > 0:
             return
         allocated = self._allocated()

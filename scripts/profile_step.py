@@ -1,0 +1,73 @@
+"""Where a graphed training step spends host time (GPU only): torch's and leangraph's graphs of
+the launch-bound benchmark workload (hidden 256, sequence 128, 8 microbatches), stepped in turn.
+
+Per round and method it prints the median and minimum of 30 synchronised steps and the host
+time per step of 30 unsynchronised ones (equal to the synchronised time when the host is the
+bottleneck), then a cProfile of 20 steps of each. Usage: PYTHONPATH=src python3 scripts/profile_step.py
+"""
+
+from __future__ import annotations
+
+import copy
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import torch
+
+from leangraph import bench
+from leangraph.workloads import BlockShape
+
+SHAPE = BlockShape(hidden=256, heads=4, sequence=128, dtype=torch.bfloat16)
+
+
+def main() -> None:
+    work = bench._Workload(bench.BenchConfig(num_microbatches=8, shape=SHAPE))
+    graphed = {}
+    for name, capture in [("torch", bench._torch_capture(work)),
+                          ("leangraph", bench._leangraph_capture(work, None))]:
+        blocks = copy.deepcopy(work.blocks)
+        graphed[name] = (capture(blocks), blocks)
+        work.step(*graphed[name])  # untimed: first replays
+
+    def synchronised(name: str) -> tuple[float, float]:
+        times = []
+        for _ in range(30):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            work.step(*graphed[name])
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3, min(times) * 1e3
+
+    def host(name: str) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(30):
+            work.step(*graphed[name])
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return elapsed / 30 * 1e3
+
+    for round_index in range(3):
+        for name in graphed:
+            median, least = synchronised(name)
+            print(f"round {round_index} {name:<9} step median {median:.2f} ms, min {least:.2f} "
+                  f"ms; host per step {host(name):.2f} ms")
+    for name in graphed:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(20):
+            work.step(*graphed[name])
+        torch.cuda.synchronize()
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
+        print(f"== {name}, 20 steps")
+        print("\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip()))
+
+
+if __name__ == "__main__":
+    main()
