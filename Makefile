@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.leangraph-stamp
 
-.PHONY: setup demo test test-cuda lint clean
+.PHONY: setup demo test test-oldest test-cuda lint clean
 LINT_TOOLS := ruff==0.17.6 mypy==2.4.1
 
 setup: $(STAMP)
@@ -23,7 +23,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -c "import pytest, hypothesis" 2>/dev/null || $(PY) -m pip install -q "pytest>=7" "hypothesis>=6"
 	$(PY) -c "import matplotlib, rich" 2>/dev/null || $(PY) -m pip install -q "matplotlib>=3.5" "rich>=12"
-	$(PY) -c "import setuptools" 2>/dev/null || $(PY) -m pip install -q setuptools
+	# The editable install builds a wheel: setuptools >= 70.1 does that without the `wheel`
+	# package; a new venv's bundled setuptools may be older (torch 2.13 pulls a new one).
+	$(PY) -c "import setuptools.command.bdist_wheel" 2>/dev/null || $(PY) -m pip install -q "setuptools>=70.1"
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -32,6 +34,12 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The oldest torch the package claims (pyproject: torch>=2.4), in a virtualenv of its own.
+# PyPI's 2.4.1 wheel is a CUDA build: several GB, so CI does not run this.
+OLDEST_TORCH ?= torch==2.4.1
+test-oldest:
+	$(MAKE) VENV=.venv-oldest TORCH_SPEC="$(OLDEST_TORCH)" PYTHON="$(PYTHON)" test
 
 # On a GPU machine: the CUDA suite alone, verbose.
 test-cuda: setup
@@ -45,4 +53,4 @@ lint: setup
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) src/*.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-oldest src/*.egg-info .pytest_cache
