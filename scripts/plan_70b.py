@@ -43,6 +43,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn import functional as F
 
 from leangraph.memory_plan import MemoryPlan, format_bytes, plan_memory
@@ -228,6 +229,19 @@ class LlamaBlock(nn.Module):
         return x + (_reduce_scatter(out, self._tp) if self._tp > 1 else out)
 
 
+def flash_rng_state_bytes() -> int:
+    """Bytes of the RNG seed and offset that CUDA's flash attention returns and saves.
+
+    They differ between torch versions (two int64 scalars, 16 bytes, in torch 2.4 to 2.6; a
+    uint64 pair and a uint64 scalar, 24 bytes, in newer ones), so they are read from this
+    torch's own fake kernel.
+    """
+    with FakeTensorMode():
+        query = torch.empty(1, 1, 1, 8, device="cuda")
+        seed, offset = torch.ops.aten._scaled_dot_product_flash_attention(query, query, query)[6:8]
+    return seed.numel() * seed.element_size() + offset.numel() * offset.element_size()
+
+
 def llama_expected_bytes(shape: LlamaShape) -> dict[str, int]:
     """What :class:`LlamaBlock` should save for backward, tensor by tensor (inputs excluded).
 
@@ -245,7 +259,7 @@ def llama_expected_bytes(shape: LlamaShape) -> dict[str, int]:
         "k after RoPE": e * s * b * kv_dim,
         "attention output (= proj input)": e * s * b * q_dim,
         "attention log-sum-exp (fp32)": 4 * b * shape.local_heads * s,
-        "flash RNG seed and offset": 24,
+        "flash RNG seed and offset": flash_rng_state_bytes(),
         "RMSNorm 2 input (residual)": e * shard * shape.hidden,
         "RMSNorm 2 fp32 rstd": 4 * shard,
         "gate/up linear input (norm 2 output)": e * shard * shape.hidden,

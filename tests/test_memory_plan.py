@@ -13,6 +13,8 @@ from types import ModuleType
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from leangraph.memory_plan import LayerMemory, MemoryPlan, format_bytes, plan_memory
 from leangraph.schedules import gpipe, interleaved_1f1b, max_in_flight, one_f_one_b
@@ -146,14 +148,29 @@ def test_meta_matches_cpu_for_transformer_block() -> None:
         measured[device, like] = _numbers(plan.layers[0])
     assert measured["meta", "cpu"] == measured["cpu", "cpu"]
     cuda, cpu = measured["meta", "cuda"], measured["cpu", "cpu"]
-    # CUDA's flash kernel also saves its RNG seed and offset (two uint64 tensors, 24 bytes).
-    assert cuda["activation_bytes"] - cpu["activation_bytes"] == 24
+    # CUDA's flash kernel also saves its RNG seed and offset (16 or 24 bytes by torch version).
+    assert cuda["activation_bytes"] - cpu["activation_bytes"] == script.flash_rng_state_bytes()
     # PyTorch's own meta fallback is the math path, which saves the s x s probabilities
     # (and no log-sum-exp).
     probabilities = shape.micro_batch * shape.heads * shape.sequence**2 * F32
     lse = shape.micro_batch * shape.heads * shape.sequence * F32
     assert measured["meta", "math"]["activation_bytes"] >= \
         cpu["activation_bytes"] + probabilities - lse
+
+
+def test_meta_follows_the_cpus_kernel_choice() -> None:
+    # With CPU's flash kernel turned off, CPU's SDPA runs the math path; so does a meta plan
+    # that models the CPU: it measures what meta_attention="math" measures, as the CPU run does.
+    shape = BlockShape(hidden=64, heads=4, sequence=32, micro_batch=2)
+    measured = {}
+    for device, like in (("cpu", "cpu"), ("meta", "cpu"), ("meta", "math")):
+        block = make_blocks(1, shape, device)[0]
+        with sdpa_kernel(SDPBackend.MATH):
+            plan = plan_memory(block, (sample_hidden(shape, device),), meta_attention=like)
+        measured[device, like] = _numbers(plan.layers[0])
+    assert measured["meta", "cpu"] == measured["cpu", "cpu"] == measured["meta", "math"]
+    flash = plan_memory(block, (sample_hidden(shape, "meta"),), meta_attention="cpu").layers[0]
+    assert measured["meta", "cpu"]["activation_bytes"] > flash.activation_bytes
 
 
 def test_same_callable_and_shapes_are_measured_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -342,6 +359,49 @@ def test_bad_input() -> None:
 SMALL = dict(hidden=64, heads=8, kv_heads=2, ffn=96, tp=2, sequence=32)
 
 
+def _sdpa_takes_enable_gqa() -> bool:
+    """Whether this torch's ``scaled_dot_product_attention`` takes ``enable_gqa`` (torch 2.5+)."""
+    query = torch.zeros(1, 2, 4, 8)
+    try:
+        F.scaled_dot_product_attention(query, query[:, :1], query[:, :1], enable_gqa=True)
+    except TypeError:
+        return False
+    return True
+
+
+needs_gqa = pytest.mark.skipif(
+    not _sdpa_takes_enable_gqa(),
+    reason="this torch's scaled_dot_product_attention has no enable_gqa argument, which "
+           "LlamaBlock's grouped-query attention passes")
+
+
+def _cpu_flash_takes_gqa() -> bool:
+    """Whether CPU's SDPA runs grouped-query attention on its flash kernel (torch 2.5 and 2.6
+    run it on the math path)."""
+    query = torch.zeros(1, 2, 4, 8, requires_grad=True)
+    out = F.scaled_dot_product_attention(query, query[:, :1], query[:, :1], enable_gqa=True)
+    return type(out.grad_fn).__name__ == "ScaledDotProductFlashAttentionForCpuBackward0"
+
+
+def _llama_cpu_expected_bytes(shape: script.LlamaShape) -> int:
+    """What a CPU run of the block saves, from the attention kernel CPU's SDPA runs."""
+    expected = script.llama_expected_bytes(shape)
+    del expected["flash RNG seed and offset"]  # CPU's flash kernel draws no RNG state
+    if _cpu_flash_takes_gqa():
+        return sum(expected.values())
+    # The math path takes q, k and v as fp32 copies, so neither the RoPE outputs nor the QKV
+    # output (v's storage) stay saved, nor a log-sum-exp; it saves, in fp32, the scaled q,
+    # the scaled k^T and v (both expanded to the query heads) and the s x s probabilities.
+    for flash_only in ("QKV output (v is a view of it)", "q after RoPE", "k after RoPE",
+                       "attention log-sum-exp (fp32)"):
+        del expected[flash_only]
+    fp32_rows = 4 * shape.micro_batch * shape.local_heads * shape.sequence
+    expected["math q, k^T, v (fp32)"] = 3 * fp32_rows * shape.head_dim
+    expected["math probabilities (fp32)"] = fp32_rows * shape.sequence
+    return sum(expected.values())
+
+
+@needs_gqa
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_llama_block_saves_what_its_structure_implies(sequence_parallel: bool) -> None:
     shape = script.LlamaShape(sequence_parallel=sequence_parallel, **SMALL)
@@ -355,12 +415,10 @@ def test_llama_block_saves_what_its_structure_implies(sequence_parallel: bool) -
         measured[device, like] = plan_memory(block, (x,), meta_attention=like).layers[0]
     assert _numbers(measured["meta", "cpu"]) == _numbers(measured["cpu", "cpu"])
     assert measured["meta", "cuda"].activation_bytes == expected
-    assert measured["cpu", "cpu"].activation_bytes == expected - 24  # no RNG state on CPU
+    assert measured["cpu", "cpu"].activation_bytes == _llama_cpu_expected_bytes(shape)
 
 
 def test_llama_block_backward_is_correct() -> None:
-    shape = script.LlamaShape(tp=1, dtype=torch.float64, **{k: v for k, v in SMALL.items()
-                                                              if k != "tp"})
     x = torch.randn(8, 2, 4, dtype=torch.float64, requires_grad=True)
     w = torch.randn(4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, b: script._FusedRMSNorm.apply(a, b, 1e-5), (x, w))
@@ -370,11 +428,18 @@ def test_llama_block_backward_is_correct() -> None:
     for tp in (1, 2):  # tp 2: the simulated all-gather's adjoint is the reduce-scatter
         assert torch.autograd.gradcheck(lambda a, b: script._GatherLinear.apply(a, b, tp),
                                         (x, weight))
+
+
+@needs_gqa
+def test_llama_block_keeps_its_input_shape() -> None:
+    shape = script.LlamaShape(tp=1, dtype=torch.float64, **{k: v for k, v in SMALL.items()
+                                                              if k != "tp"})
     block = script.LlamaBlock(shape)
     sample = torch.randn(shape.sequence, 1, shape.hidden, dtype=torch.float64)
     assert block(sample).shape == sample.shape
 
 
+@needs_gqa
 def test_70b_style_plan_is_flat_in_microbatches() -> None:
     shape = script.LlamaShape(**SMALL)
     plans = [script.plan_rank(shape, pp=4, vp=5, layers_per_chunk=1, microbatches=m)[0]

@@ -26,7 +26,11 @@ It works on the ``meta`` device (nothing is allocated: sizes come from tensor me
 70B-parameter model can be planned on a laptop, and on CPU or CUDA (measured the same way,
 never from allocator statistics). On ``meta``, ``scaled_dot_product_attention`` has no kernel
 choice and would run its math fallback (saving the ``s x s`` probabilities); it is measured
-instead as the fused flash kernel of the modelled device (``meta_attention``).
+instead as the fused flash kernel of the modelled device (``meta_attention``), with the
+outputs of torch's own meta kernel (on torch 2.4, which has no meta kernel for CUDA's flash
+attention, with the outputs torch 2.5 gives). Modelling the CPU, it follows CPU's own kernel
+choice: where that is the math path (say grouped-query attention before CPU's flash kernel
+took it), the math path is measured, as a CPU run would.
 
 Parameters and buffers are known only for ``nn.Module`` callables: tensors a plain function
 closes over (a weight, say) count as activations when autograd saves them.
@@ -48,8 +52,10 @@ from typing import Any
 
 import torch
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .arguments import Samples, as_tuples, common_device, make_plan, normalize_samples
 from .buffers import BufferKey, plan_buffers
@@ -232,10 +238,11 @@ def plan_memory(
         num_layers_per_chunk: Layers of each chunk with ``order`` (default: an equal split).
         meta_attention: Which kernel ``scaled_dot_product_attention`` on meta tensors without
             an ``attn_mask`` stands for: ``"cuda"`` (CUDA's flash kernel: saves q, k, v, the
-            output, its fp32 log-sum-exp and the RNG seed and offset), ``"cpu"`` (CPU's flash
-            kernel: the same without the RNG state, which is what a CPU run measures) or
-            ``"math"`` (PyTorch's own meta fallback, the unfused math path that saves the
-            ``s x s`` attention probabilities).
+            output, its fp32 log-sum-exp and the RNG seed and offset), ``"cpu"`` (what CPU's
+            SDPA runs on such tensors, which is what a CPU run measures: its flash kernel,
+            which saves the same without the RNG state, or its math path where CPU's kernel
+            choice picks that) or ``"math"`` (PyTorch's own meta fallback, the unfused math
+            path that saves the ``s x s`` attention probabilities).
 
     Returns:
         The :class:`MemoryPlan`.
@@ -455,12 +462,84 @@ def _flash_attention(
     if key.shape[-3] != query.shape[-3] and not enable_gqa:
         return None  # let PyTorch raise its own error
     if like == "cuda":
-        return torch.ops.aten._scaled_dot_product_flash_attention(
-            query, key, value, dropout_p, is_causal, False, scale=scale
-        )[0]
+        with _cuda_flash_meta_kernel():
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale
+            )[0]
+    if not _cpu_runs_flash(query, key, value, dropout_p, is_causal, scale, enable_gqa):
+        return None  # a CPU run takes the math path, which is PyTorch's meta fallback too
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, scale=scale
     )[0]
+
+
+def _cpu_runs_flash(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> bool:
+    """Whether CPU's SDPA would pick its flash kernel for tensors like these (no mask).
+
+    Asks CPU's own kernel choice, which changes between torch versions (torch 2.5 and 2.6
+    run grouped-query attention on the math path) and with ``torch.nn.attention.sdpa_kernel``.
+    """
+    gqa: dict[str, Any] = {"enable_gqa": True} if enable_gqa else {}  # torch 2.4 has none
+    choice = torch._fused_sdp_choice(
+        _cpu_stand_in(query),
+        _cpu_stand_in(key),
+        _cpu_stand_in(value),
+        None,
+        dropout_p,
+        is_causal,
+        scale=scale,
+        **gqa,
+    )
+    return choice == SDPBackend.FLASH_ATTENTION.value
+
+
+def _cpu_stand_in(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor with ``tensor``'s sizes, dtype and last stride, all that CPU's kernel
+    choice reads, over one row of memory (stride 0 elsewhere), whatever the sizes."""
+    strides = [0] * tensor.dim()
+    if strides:
+        strides[-1] = tensor.stride(-1)
+    return torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype)
+
+
+_CUDA_FLASH = "aten::_scaled_dot_product_flash_attention"
+
+
+def _cuda_flash_meta_kernel() -> contextlib.AbstractContextManager[Any]:
+    """Torch's own meta kernel of CUDA's flash attention, or ours where torch has none."""
+    if torch._C._dispatch_has_kernel_for_dispatch_key(_CUDA_FLASH, "Meta"):
+        return contextlib.nullcontext()
+    return _CudaFlashMetaKernel()
+
+
+class _CudaFlashMetaKernel(TorchDispatchMode):
+    """CUDA's flash attention on meta tensors, for torch 2.4, which has no meta kernel for it.
+
+    Autograd runs above this mode, so it saves what it saves for the real kernel; the outputs
+    are those of torch 2.4's own FakeTensor kernel and torch 2.5's meta kernel: the output laid
+    out as the query, its fp32 log-sum-exp, and the RNG seed and offset as int64 scalars.
+    """
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if func is not torch.ops.aten._scaled_dot_product_flash_attention.default:
+            return func(*args, **(kwargs or {}))
+        query, key = args[0], args[1]
+        batch, heads, query_length = query.shape[:3]
+        output = torch.empty_like(query.transpose(1, 2)).transpose(1, 2)
+        logsumexp = torch.empty(batch, heads, query_length, dtype=torch.float, device="meta")
+        seed, offset = (torch.empty((), dtype=torch.long, device="meta") for _ in range(2))
+        debug_mask = torch.empty(0, dtype=query.dtype, device="meta")  # never asked for
+        return output, logsumexp, None, None, query_length, key.shape[2], seed, offset, debug_mask
 
 
 # ---------------------------------------------------------------------------- walking the plan
