@@ -6,6 +6,8 @@ Megatron-LM orders, torch.distributed.pipelining orders, in-flight counts and va
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import itertools
 import re
 from collections.abc import Iterator
@@ -93,22 +95,72 @@ def _fake_process_group(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def _real_stage(stage_index: int, num_stages: int) -> pl.PipelineStage:
+    """A real PipelineStage of a Linear(2, 2) on CPU (inside a fake process group)."""
+    module, device = torch.nn.Linear(2, 2), torch.device("cpu")
+    input_args = inspect.signature(pl.PipelineStage).parameters["input_args"]
+    if input_args.default is inspect.Parameter.empty:  # torch 2.4 / 2.5: example inputs required
+        return pl.PipelineStage(module, stage_index, num_stages, device, torch.zeros(1, 2))
+    return pl.PipelineStage(module, stage_index, num_stages, device)
+
+
+# Letters of the compute kinds (_ComputationType member names, torch 2.4 .. 2.13).
+_KIND_LETTERS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD": "B", "BACKWARD_INPUT": "I",
+                 "BACKWARD_WEIGHT": "W", "WEIGHT": "W"}
+
+
+def _action_str(action, full_backward: bool) -> str:
+    """``5F3`` style, from the fields (torch 2.4 prints ``F3_s5``); a composite action as
+    torch prints it. A ``BACKWARD`` that torch 2.5's runtime runs without weight gradients
+    (``use_full_backward`` False) is an ``I``, as torch 2.6 names it."""
+    if getattr(action, "sub_actions", None) is not None:
+        return str(action)
+    name = action.computation_type.name
+    kind = "I" if name == "BACKWARD" and not full_backward else _KIND_LETTERS.get(name, name)
+    microbatch = "" if action.microbatch_index is None else action.microbatch_index
+    return f"{action.stage_index}{kind}{microbatch}"
+
+
+def _recorded_step(schedule, stage, m: int) -> list[str]:
+    """The compute actions torch's own ``_step_microbatches`` runs, in order, on ``stage``.
+
+    For single-stage schedules of a torch that keeps no ``pipeline_order`` for them: the
+    stage's compute records its call instead of computing, and its communication is empty.
+    """
+    ran: list[str] = []
+
+    def forward(mb: int, *args, **kwargs) -> torch.Tensor:
+        ran.append(f"{stage.stage_index}F{mb}")
+        return torch.zeros(())
+
+    def backward(mb: int, *args, **kwargs) -> None:
+        ran.append(f"{stage.stage_index}B{mb}")
+
+    stage.forward_one_chunk, stage.backward_one_chunk = forward, backward
+    for name in ("get_fwd_recv_ops", "get_fwd_send_ops", "get_bwd_recv_ops", "get_bwd_send_ops"):
+        setattr(stage, name, lambda *args, **kwargs: [])
+    stage._prepare_forward_infra = stage._prepare_backward_infra = lambda *a, **k: None
+    schedule._step_microbatches([()] * m, [{}] * m, [torch.zeros(())] * m, None)
+    return ran
+
+
 def _torch_actions(schedule_class: type, pp: int, m: int, rank: int, spr: int = 1) -> list[str]:
     """Return torch's own compute actions of ``rank`` as strings such as ``5F3``.
 
     Built with real PipelineStage objects on a fake process group; idle steps and
-    REDUCE_GRAD dropped.
+    REDUCE_GRAD dropped. Where torch keeps no ``pipeline_order`` (single-stage schedules
+    before ``_get_pipeline_order``), what its ``_step_microbatches`` runs.
     """
     with _fake_process_group(rank, pp):
-        stages = [
-            pl.PipelineStage(torch.nn.Linear(2, 2), rank + k * pp, pp * spr, torch.device("cpu"))
-            for k in range(spr)
-        ]
+        stages = [_real_stage(rank + k * pp, pp * spr) for k in range(spr)]
         multi = issubclass(schedule_class, pl.schedules.PipelineScheduleMulti)
         stage = stages if multi else stages[0]
         schedule = schedule_class(stage, m, loss_fn=lambda out, target: out.sum())
-        actions = schedule.pipeline_order[rank]
-    return [str(a) for a in actions if a is not None and "REDUCE_GRAD" not in str(a)]
+        if getattr(schedule, "pipeline_order", None) is None:
+            return _recorded_step(schedule, stage, m)
+        full_backward = getattr(schedule, "use_full_backward", True) is not False
+        actions = [_action_str(a, full_backward) for a in schedule.pipeline_order[rank] if a]
+    return [a for a in actions if "REDUCE_GRAD" not in a]
 
 
 def _actions_as_order(actions: list[str]) -> list[int]:
@@ -128,9 +180,26 @@ def _torch_microbatches(actions: list[str]) -> list[tuple[str, int, int]]:
     return [(kind, chunk[int(stage)], int(mb)) for stage, kind, mb in parsed]
 
 
-def _torch_group(pp: int, m: int) -> int:
-    """The microbatch group torch's ScheduleInterleaved1F1B uses (microbatches_per_round)."""
-    return m // max(1, m // pp)
+@functools.cache
+def _torch_interleaved_has_rounds() -> bool:
+    """Whether torch's ScheduleInterleaved1F1B groups microbatches in rounds
+    (``microbatches_per_round``); torch 2.4 / 2.5 group them by pp_size instead."""
+    with _fake_process_group(0, 2):
+        stages = [_real_stage(0, 4), _real_stage(2, 4)]
+        schedule = pl.ScheduleInterleaved1F1B(stages, 2, loss_fn=lambda out, target: out.sum())
+    return hasattr(schedule, "microbatches_per_round")
+
+
+def _torch_group(pp: int, m: int) -> int | None:
+    """The microbatch group torch's ScheduleInterleaved1F1B uses; None where it refuses M.
+
+    With rounds: ``max(1, M // pp)`` rounds of ``M // rounds`` (microbatches_per_round), M a
+    multiple of the rounds. Without (torch 2.4 / 2.5): groups of pp, M a multiple of pp.
+    """
+    if _torch_interleaved_has_rounds():
+        rounds = max(1, m // pp)
+        return None if m % rounds else m // rounds
+    return None if m % pp else pp
 
 
 def _megatron_accepts(pp: int, m: int, group: int) -> bool:
@@ -338,6 +407,9 @@ _MULTI = [
 def test_from_pipelining_multi_stage_matches_torch(
     cls: type, pp: int, m: int, rank: int, spr: int
 ) -> None:
+    if _torch_group(pp, m) is None:
+        pytest.skip(f"this torch's {cls.__name__} groups microbatches by pp_size and refuses "
+                    f"num_microbatches={m} for pp_size={pp} (no microbatches_per_round)")
     order = from_pipelining(cls, pp, m, rank, stages_per_rank=spr)
     assert order == _actions_as_order(_torch_actions(cls, pp, m, rank, spr))
     layout, _ = _parse(order)
@@ -373,8 +445,9 @@ def test_looped_bfs_is_refused_because_its_backwards_are_newest_first() -> None:
     torch_steps = _torch_microbatches(_torch_actions(pl.ScheduleLoopedBFS, 2, 4, 0, 2))
     backwards = [(c, mb) for kind, c, mb in torch_steps if kind == "B"]
     assert backwards == [(2, 3), (2, 2), (2, 1), (2, 0), (1, 3), (1, 2), (1, 1), (1, 0)]
-    with pytest.raises(ValueError, match=r"ScheduleLoopedBFS, rank 0: action \d+B3 runs a "
-                                         r"backward out of forward order"):
+    # torch 2.4 prints the action as B3_s0, later versions as 0B3.
+    with pytest.raises(ValueError, match=r"ScheduleLoopedBFS, rank 0: action (\d+B3|B3_s\d+) "
+                                         r"runs a backward out of forward order"):
         from_pipelining(pl.ScheduleLoopedBFS, 2, 4, 0, 2)
 
 
@@ -385,8 +458,9 @@ def test_explicit_orders_name_torchs_own_microbatches(cls: type, rank: int) -> N
     steps = from_pipelining(cls, 2, 4, rank, stages_per_rank=spr, explicit=True)
     torch_steps = _torch_microbatches(_torch_actions(cls, 2, 4, rank, spr))
     ours = [(s.kind.value, s.chunk, s.microbatch) for s in steps]
-    if cls is pl.Schedule1F1B:  # torch numbers the last rank's forwards from 1 (see above)
-        torch_steps = [(k, c, m - 1 if k == "F" and rank == 1 else m) for k, c, m in torch_steps]
+    if cls is pl.Schedule1F1B:  # torch 2.13 numbers the last rank's forwards from 1 (see above)
+        first = min(m for k, _, m in torch_steps if k == "F")
+        torch_steps = [(k, c, m - first if k == "F" else m) for k, c, m in torch_steps]
     assert ours == torch_steps
     validate_order(steps)
     if cls is not pl.ScheduleLoopedBFS:  # FIFO schedules: the same as the chunk-id order
@@ -403,7 +477,8 @@ def test_explicit_orders_name_torchs_own_microbatches(cls: type, rank: int) -> N
 # (group pp, Megatron's default). They differ in which sizes they accept: for M % pp != 0
 # torch silently picks a larger group (pp=4, M=10 -> 5) where Megatron's default group pp
 # raises, and for M < pp torch runs with group M < pp, which Megatron rejects. Each is tested
-# against the rule with its own group below.
+# against the rule with its own group below. torch 2.4 / 2.5 have no rounds: their group is
+# always pp, and they refuse M % pp != 0 (see _torch_group).
 
 
 @pytest.mark.parametrize("rank", range(4))
@@ -421,8 +496,8 @@ def test_torch_interleaved_equals_megatron_pp4_vp2_m16(rank: int) -> None:
 )
 def test_torch_interleaved_against_megatron_rule(pp: int, m: int, spr: int) -> None:
     group = _torch_group(pp, m)
-    if m % max(1, m // pp):
-        with pytest.raises(ValueError):
+    if group is None:
+        with pytest.raises(ValueError, match="rejects"):
             from_pipelining(pl.ScheduleInterleaved1F1B, pp, m, 0, stages_per_rank=spr)
         return
     for rank in range(pp):
@@ -438,11 +513,15 @@ def test_torch_interleaved_against_megatron_rule(pp: int, m: int, spr: int) -> N
             assert torch_order == interleaved_1f1b(pp, spr, rank, m)
 
 
+_NO_ZERO_BUBBLE = pytest.param(None, id="none", marks=pytest.mark.skip(
+    reason="this torch has no zero-bubble schedule class (ScheduleInterleavedZeroBubble, "
+    "ScheduleZBVZeroBubble, ScheduleDualPipeV)"))
+
 _ZERO_BUBBLE = [
     getattr(pl, name)
     for name in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
     if hasattr(pl, name)
-]
+] or [_NO_ZERO_BUBBLE]
 
 
 def _split_actions_as_order(actions: list[str]) -> list[float]:
@@ -474,6 +553,12 @@ def test_from_pipelining_zero_bubble_maps_i_and_w(cls: type, rank: int, m: int) 
     assert layout.num_microbatches == m and any(s.kind.value == "W" for s in steps)
 
 
+@pytest.mark.skipif(
+    not hasattr(pl.Schedule1F1B, "_get_pipeline_order"),
+    reason="this torch's single-stage schedules keep no pipeline_order (no _get_pipeline_order): "
+    "from_pipelining always takes the fallback, which test_from_pipelining_single_stage_matches_"
+    "torch checks against what torch's _step_microbatches runs",
+)
 def test_from_pipelining_fallback_for_torch_without_single_stage_pipeline_order(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -501,12 +586,39 @@ def test_from_pipelining_fallback_for_torch_without_single_stage_pipeline_order(
         (lambda: from_pipelining(pl.Schedule1F1B, 2, 4, 0, 2), "one stage per rank"),
         (lambda: from_pipelining(int, 2, 4, 0), "not a torch.distributed.pipelining schedule"),
         (lambda: from_pipelining("Schedule1F1B", 2, 4, 0), "must be a class"),  # type: ignore
-        (lambda: from_pipelining(pl.Schedule1F1B, 4, 2, 0), "microbatches"),  # torch's own check
     ],
 )
 def test_from_pipelining_argument_errors(call, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call()
+
+
+class _CustomSingleStage(pl.schedules.PipelineScheduleSingle):
+    """A single-stage schedule with a step function of its own and no pipeline_order."""
+
+    def _step_microbatches(self, *args, **kwargs) -> None:
+        raise AssertionError("never run")
+
+
+def test_from_pipelining_refuses_a_single_stage_schedule_without_pipeline_order() -> None:
+    # Its order is neither torch's pipeline_order nor a step function leangraph knows.
+    with pytest.raises(ValueError, match=r"_CustomSingleStage keeps no pipeline_order on this "
+                                         r"torch.*ScheduleGPipe and Schedule1F1B only"):
+        from_pipelining(_CustomSingleStage, 2, 4, 0)
+
+
+@pytest.mark.parametrize("rank", range(4))
+def test_from_pipelining_fewer_microbatches_than_stages_follows_torch(rank: int) -> None:
+    # torch 2.13's Schedule1F1B refuses M < num_stages in its constructor (from_pipelining
+    # passes the refusal on); torch 2.4 .. 2.6 have no such check and run M warm-up forwards.
+    try:
+        torch_order = _actions_as_order(_torch_actions(pl.Schedule1F1B, 4, 2, rank))
+    except ValueError as exc:
+        assert "microbatches" in str(exc)
+        with pytest.raises(ValueError, match=r"Schedule1F1B rejects .*microbatches"):
+            from_pipelining(pl.Schedule1F1B, 4, 2, rank)
+        return
+    assert from_pipelining(pl.Schedule1F1B, 4, 2, rank) == torch_order == one_f_one_b(4, rank, 2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -578,32 +690,44 @@ def test_validate_order_accepts(order: list[int]) -> None:
     assert validate_order(order) is None
 
 
-def test_actions_with_comms_and_overlap_are_mapped() -> None:
-    # torch's comm-lowered list (SEND/RECV, REDUCE_GRAD, ...) maps to the same order, and a
-    # composite OVERLAP_F_B runs its sub-actions in order.
+def test_actions_with_comms_are_mapped() -> None:
+    # torch's comm-lowered list (SEND/RECV, REDUCE_GRAD, ...) maps to the same order.
     from leangraph.schedules import _actions_to_order
 
     pp, m, rank = 4, 8, 1
     with _fake_process_group(rank, pp):
-        stages = [
-            pl.PipelineStage(torch.nn.Linear(2, 2), rank + k * pp, 2 * pp, torch.device("cpu"))
-            for k in range(2)
-        ]
+        stages = [_real_stage(rank + k * pp, 2 * pp) for k in range(2)]
         schedule = pl.ScheduleInterleaved1F1B(stages, m, loss_fn=lambda out, target: out.sum())
-        with_comms = schedule.pipeline_order_with_comms[rank]
+        with_comms = getattr(schedule, "pipeline_order_with_comms", None)
+    if with_comms is None:
+        pytest.skip("this torch's ScheduleInterleaved1F1B keeps no pipeline_order_with_comms "
+                    "(it is no _PipelineScheduleRuntime)")
+    with_comms = with_comms[rank]
     kinds = {a.computation_type.name for a in with_comms}
     assert {"SEND_F", "RECV_F", "SEND_B", "RECV_B", "REDUCE_GRAD"} <= kinds
     expected = from_pipelining(pl.ScheduleInterleaved1F1B, pp, m, rank, stages_per_rank=2)
     assert _actions_to_order(with_comms, "ScheduleInterleaved1F1B", rank) == expected
 
+
+@pytest.mark.skipif(not hasattr(pl.schedules, "OVERLAP_F_B"),
+                    reason="this torch has no composite OVERLAP_F_B action")
+def test_overlap_actions_run_their_sub_actions_in_order() -> None:
+    from leangraph.schedules import _actions_to_order
+
     ts = pl.schedules
-    if not hasattr(ts, "OVERLAP_F_B"):
-        return
     overlap = ts._Action(-1, ts.OVERLAP_F_B, None, (ts._Action(5, ts.F, 0), ts._Action(1, ts.B, 0)))
     actions = [ts._Action(1, ts.F, 0), None, overlap, ts._Action(5, ts.B, 0)]
     assert _actions_to_order(actions, "custom", 1) == [1, 2, -1, -2]
     assert _actions_to_order([ts._Action(1, ts.F, 0), ts._Action(1, ts.I, 0),
                               ts._Action(1, ts.W, 0)], "custom", 1) == [1, -1, -1.5]
+
+
+def test_actions_without_an_order_entry_are_refused_naming_them() -> None:
+    from leangraph.schedules import _actions_to_order
+
+    ts = pl.schedules
+    forward = ts._Action(stage_index=1, computation_type=ts._ComputationType.FORWARD,
+                         microbatch_index=0)  # by name: torch 2.4 orders the fields otherwise
 
     class Mystery:
         computation_type = "MYSTERY"
@@ -614,7 +738,7 @@ def test_actions_with_comms_and_overlap_are_mapped() -> None:
 
     with pytest.raises(ValueError, match=r"custom, rank 1, step 1: action 1\?0 \(MYSTERY\) has "
                                          r"no leangraph order entry"):
-        _actions_to_order([ts._Action(1, ts.F, 0), Mystery()], "custom", 1)
+        _actions_to_order([forward, Mystery()], "custom", 1)
 
 
 def test_max_in_flight_counts_a_split_backward_until_its_weight_step() -> None:

@@ -168,11 +168,15 @@ def test_split_backward_without_parameters_or_input_grads():
         assert torch.equal(p.grad, q.grad)
 
 
+_NO_ZERO_BUBBLE = pytest.param(None, id="none", marks=pytest.mark.skip(
+    reason="this torch has no zero-bubble schedule class (ScheduleInterleavedZeroBubble, "
+    "ScheduleZBVZeroBubble, ScheduleDualPipeV)"))
+
 _TORCH_ZERO_BUBBLE = [
     getattr(pl, name)
     for name in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
     if hasattr(pl, name)
-]
+] or [_NO_ZERO_BUBBLE]
 
 
 @pytest.mark.parametrize("cls", _TORCH_ZERO_BUBBLE, ids=lambda cls: cls.__name__)

@@ -208,18 +208,34 @@ def gpipe(num_microbatches: int, vp_size: int = 1) -> list[int]:
 #
 # How the schedules are built without a process group: torch's schedule classes only read a
 # few plain attributes of their stage objects while they compute ``pipeline_order`` in
-# ``__init__`` (``num_stages``, ``group_size``, ``group_rank``, ``stage_index``, ``submod`` for
-# the torch.compile check, ``is_first`` / ``is_last``) and write a few more
-# (``stage_index_to_group_rank``, ``has_backward``). :class:`_StageStub` provides exactly these,
-# so the real constructor runs and computes torch's own per-rank action lists (multi-stage
-# schedules through ``_calculate_single_rank_operations``; single-stage schedules through
-# ``_get_pipeline_order`` since torch 2.7-ish). No communication happens until ``step()``,
-# which is never called. Single-stage schedules of torch versions without ``pipeline_order``
-# fall back to the order their ``_step_microbatches`` runs (GPipe and 1F1B only).
+# ``__init__`` (``num_stages``, ``group_size``, ``group_rank``, ``stage_index``, ``is_first`` /
+# ``is_last``, ``submod`` for the torch.compile check, ``group`` in torch 2.4 / 2.5's
+# ``ScheduleInterleaved1F1B``) and write a few more (``stage_index_to_group_rank``,
+# ``has_backward``). torch 2.4 and 2.5 constructors also call ``_prepare_forward_infra`` /
+# ``_prepare_backward_infra``, which there only allocate receive buffers (2.6 and 2.13 call them
+# in ``step()``). :class:`_StageStub` provides exactly these, so the real constructor runs and
+# computes torch's own per-rank action lists. No communication happens until ``step()``, which
+# is never called.
+#
+# What differs between the versions this was checked against (2.4.1, 2.5.1, 2.6.0, 2.13):
+# * Multi-stage schedules fill ``pipeline_order`` in ``__init__`` on all of them.
+#   Single-stage ones (``ScheduleGPipe``, ``Schedule1F1B``) do so only where they define
+#   ``_get_pipeline_order`` (2.13, not 2.4 .. 2.6); without it, the order is the one their
+#   ``_step_microbatches`` runs, which :func:`_step_logic_actions` restates for exactly
+#   those two step functions.
+# * Action kinds: 2.4 has ``FORWARD`` and ``BACKWARD``; 2.5 adds ``WEIGHT``, and runs a
+#   ``BACKWARD`` with ``full_backward=schedule.use_full_backward``, which its
+#   ``ScheduleInterleavedZeroBubble`` sets to False (input gradients only); 2.6 and 2.13 name
+#   the three ``FULL_BACKWARD``, ``BACKWARD_INPUT`` and ``BACKWARD_WEIGHT``.
+# * torch 2.4's ``_Action`` fields are ``(computation_type, microbatch_index, stage_index)``,
+#   later ones ``(stage_index, computation_type, microbatch_index)``: fields are used by name.
+# * Accepted sizes are torch's own: 2.4 / 2.5's ``ScheduleInterleaved1F1B`` wants
+#   ``num_microbatches`` a multiple of ``pp_size``; 2.13's ``Schedule1F1B`` refuses fewer
+#   microbatches than stages, which 2.4 .. 2.6 run.
 
 # Action kinds (``_ComputationType`` member names, torch 2.4 .. 2.13) and what they become.
 _FORWARD_KINDS = frozenset({"FORWARD"})
-_BACKWARD_KINDS = frozenset({"FULL_BACKWARD", "BACKWARD"})  # "BACKWARD": torch 2.4's name
+_BACKWARD_KINDS = frozenset({"FULL_BACKWARD", "BACKWARD"})  # "BACKWARD": torch 2.4 / 2.5
 _SKIPPED_KINDS = frozenset(
     {"SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD"}
 )
@@ -240,7 +256,14 @@ class _StageStub:
         self.is_last = stage_index == num_stages - 1
         self.has_backward = True
         self.submod = torch.nn.Module()
+        self.group = None  # the default process group; only stored, never used to communicate
         self.stage_index_to_group_rank = {s: s % pp_size for s in range(num_stages)}
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> None:
+        """torch 2.4 / 2.5 size receive buffers here in the constructor; none are needed."""
+
+    def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> None:
+        """As :meth:`_prepare_forward_infra`."""
 
 
 def _unused_loss(*args: Any, **kwargs: Any) -> Any:
@@ -271,7 +294,7 @@ def _build_schedule(
     stage_arg: Any = stages[0] if kind == "single" else stages
     try:
         return schedule_class(stage_arg, num_microbatches, loss_fn=_unused_loss)
-    except (AssertionError, RuntimeError) as exc:
+    except (AssertionError, RuntimeError, ValueError) as exc:
         raise ValueError(
             f"torch's {schedule_class.__name__} rejects pp_size={pp_size}, "
             f"num_microbatches={num_microbatches}, stages_per_rank={spr}: {exc}"
@@ -279,18 +302,33 @@ def _build_schedule(
 
 
 def _step_logic_actions(schedule: Any, num_microbatches: int, rank: int) -> list[Any]:
-    """Actions of a single-stage schedule whose torch has no ``pipeline_order`` (old torch)."""
+    """Actions of a single-stage schedule whose torch keeps no ``pipeline_order`` (2.4 .. 2.6).
+
+    Restates the order of ``ScheduleGPipe._step_microbatches`` and
+    ``Schedule1F1B._step_microbatches``; any other step function (another class, or a subclass
+    that overrides it) raises ValueError rather than being guessed.
+    """
     from torch.distributed.pipelining import schedules as torch_schedules
 
     ctype = torch_schedules._ComputationType
     backward = getattr(ctype, "FULL_BACKWARD", None) or getattr(ctype, "BACKWARD")  # noqa: B009
-    fwd = [torch_schedules._Action(rank, ctype.FORWARD, m) for m in range(num_microbatches)]
-    bwd = [torch_schedules._Action(rank, backward, m) for m in range(num_microbatches)]
-    if isinstance(schedule, torch_schedules.ScheduleGPipe):
+
+    def action(kind: Any, microbatch: int) -> Any:
+        # By name: torch 2.4's _Action has another field order than later versions.
+        return torch_schedules._Action(
+            stage_index=rank, computation_type=kind, microbatch_index=microbatch
+        )
+
+    fwd = [action(ctype.FORWARD, m) for m in range(num_microbatches)]
+    bwd = [action(backward, m) for m in range(num_microbatches)]
+    step_logic = type(schedule)._step_microbatches
+    if step_logic is torch_schedules.ScheduleGPipe._step_microbatches:
         return fwd + bwd
-    if not isinstance(schedule, torch_schedules.Schedule1F1B):
+    if step_logic is not torch_schedules.Schedule1F1B._step_microbatches:
         raise ValueError(
-            f"this torch version computes no pipeline_order for {type(schedule).__name__}"
+            f"{type(schedule).__name__} keeps no pipeline_order on this torch, and without one "
+            "leangraph knows the step functions (_step_microbatches) of ScheduleGPipe and "
+            "Schedule1F1B only"
         )
     # Schedule1F1B._step_microbatches: num_stages - stage_index forwards, then B/F pairs.
     warmup = min(num_microbatches, schedule._num_stages - rank)
@@ -300,29 +338,42 @@ def _step_logic_actions(schedule: Any, num_microbatches: int, rank: int) -> list
 
 def _torch_rank_actions(
     schedule_class: type, pp_size: int, num_microbatches: int, rank: int, spr: int
-) -> list[Any]:
-    """Return torch's own action list for ``rank`` (``schedule.pipeline_order[rank]``)."""
+) -> tuple[list[Any], bool]:
+    """Return torch's own action list for ``rank`` (``schedule.pipeline_order[rank]``).
+
+    With it, whether the schedule's ``BACKWARD`` actions (torch 2.4 / 2.5's name) are full
+    backwards: torch 2.5's runtime runs them with ``full_backward=schedule.use_full_backward``,
+    which its zero-bubble schedule sets to False (input gradients only; ``WEIGHT`` does the rest).
+    """
     kind = _pipelining_kind(schedule_class)
     if kind == "single" and spr != 1:
         raise ValueError(
             f"{schedule_class.__name__} runs one stage per rank; got stages_per_rank={spr}"
         )
     schedule = _build_schedule(schedule_class, kind, pp_size, num_microbatches, rank, spr)
+    full_backward = getattr(schedule, "use_full_backward", True) is not False
     pipeline_order = getattr(schedule, "pipeline_order", None)
     if pipeline_order:
-        return list(pipeline_order[rank])
+        return list(pipeline_order[rank]), full_backward
     if kind == "single":
-        return _step_logic_actions(schedule, num_microbatches, rank)
+        return _step_logic_actions(schedule, num_microbatches, rank), full_backward
     raise ValueError(f"torch's {schedule_class.__name__} computed no pipeline_order")
 
 
-def _action_kind(action: Any) -> str:
-    """The ``_ComputationType`` member name of a torch action."""
+def _action_kind(action: Any, full_backward: bool = True) -> str:
+    """The ``_ComputationType`` member name of a torch action.
+
+    A ``BACKWARD`` of a schedule whose backwards are not full (torch 2.5's zero-bubble
+    schedule) computes input gradients only: it is named ``BACKWARD_INPUT``, as torch 2.6 does.
+    """
     ctype = action.computation_type
-    return str(getattr(ctype, "name", ctype))
+    kind = str(getattr(ctype, "name", ctype))
+    return "BACKWARD_INPUT" if kind == "BACKWARD" and not full_backward else kind
 
 
-def _action_entries(action: Any, local_chunks: dict[int, int], split: bool) -> list[float]:
+def _action_entries(
+    action: Any, local_chunks: dict[int, int], split: bool, full_backward: bool = True
+) -> list[float]:
     """Map one torch action to order entries (none for actions that run nothing).
 
     ``F`` is ``+c``; ``I`` (input gradients) is ``-c`` and ``W`` (weight gradients)
@@ -332,7 +383,7 @@ def _action_entries(action: Any, local_chunks: dict[int, int], split: bool) -> l
     Raises:
         ValueError: for actions an order cannot express, naming the action.
     """
-    kind = _action_kind(action)
+    kind = _action_kind(action, full_backward)
     if kind in _SKIPPED_KINDS:
         return []
     chunk = local_chunks[action.stage_index]
@@ -365,24 +416,30 @@ def _leaf_actions(action: Any) -> list[Any]:
 
 
 def _actions_to_order(
-    actions: Sequence[Any], schedule_name: str, rank: int, explicit: bool = False
+    actions: Sequence[Any],
+    schedule_name: str,
+    rank: int,
+    explicit: bool = False,
+    full_backward: bool = True,
 ) -> list[Any]:
     """Map a rank's torch action list to an order, chunk ids by ascending stage index.
 
     With ``explicit`` the order is :class:`~leangraph.order.Step` records naming each
     microbatch (by its rank among the stage's microbatch indices), so backwards need not be
     first in, first out; without, backwards must be, and the order is chunk ids.
+    ``full_backward`` False reads ``BACKWARD`` actions as input gradients only (torch 2.5's
+    zero-bubble schedule, see :func:`_torch_rank_actions`).
     """
     leaves = [(pos, leaf) for pos, action in enumerate(actions) for leaf in _leaf_actions(action)]
     stage_ids = sorted({leaf.stage_index for _, leaf in leaves})
     local_chunks = {stage: chunk for chunk, stage in enumerate(stage_ids, start=1)}
-    split = any(_action_kind(leaf) in _SPLIT_BACKWARD_KINDS for _, leaf in leaves)
+    split = any(_action_kind(leaf, full_backward) in _SPLIT_BACKWARD_KINDS for _, leaf in leaves)
     order: list[float] = []
     keys: list[tuple[int, str]] = []
     runs: dict[tuple[int, str], list[Any]] = {}
     for position, leaf in leaves:
         try:
-            entries = _action_entries(leaf, local_chunks, split)
+            entries = _action_entries(leaf, local_chunks, split, full_backward)
         except ValueError as exc:
             raise ValueError(f"{schedule_name}, rank {rank}, step {position}: {exc}") from None
         for entry in entries:
@@ -486,17 +543,20 @@ def from_pipelining(
         The order with chunk ids ``1..stages_per_rank`` (or the steps, with ``explicit``).
 
     Raises:
-        ValueError: if an argument is invalid, torch rejects the sizes, or the schedule
-            contains an action an order cannot express (backwards that are not first in,
-            first out per stage, unless ``explicit``);
-            the message names the action and its step.
+        ValueError: if an argument is invalid, torch rejects the sizes (with torch's reason),
+            a single-stage schedule keeps no ``pipeline_order`` on this torch and steps other
+            than ``ScheduleGPipe`` or ``Schedule1F1B`` do, or the schedule has an action an order
+            cannot express (backwards that are not first in, first out per stage, unless
+            ``explicit``); the message names the action and its step.
     """
     pp_size = _check_int("pp_size", pp_size, 1)
     rank = _check_rank(rank, pp_size)
     num_microbatches = _check_int("num_microbatches", num_microbatches, 1)
     spr = _check_int("stages_per_rank", stages_per_rank, 1)
-    actions = _torch_rank_actions(schedule_class, pp_size, num_microbatches, rank, spr)
-    return _actions_to_order(actions, schedule_class.__name__, rank, explicit)
+    actions, full_backward = _torch_rank_actions(
+        schedule_class, pp_size, num_microbatches, rank, spr
+    )
+    return _actions_to_order(actions, schedule_class.__name__, rank, explicit, full_backward)
 
 
 # --------------------------------------------------------------------------------------------
