@@ -1,0 +1,49 @@
+"""GPU time per training step by kernel (GPU only): torch's and leangraph's graphs of the
+16-microbatch benchmark workload, two steps each under ``torch.profiler``.
+
+Prints each method's total self device time per step and its 22 largest entries. Equal totals
+mean the graphs do the same GPU work, so a step-time difference is idle time between launches.
+Usage: PYTHONPATH=src python3 scripts/profile_kernels.py
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from leangraph import bench
+
+
+def _self_device_us(event: Any) -> float:
+    # torch 2.4 names it self_cuda_time_total; later versions self_device_time_total.
+    return float(getattr(event, "self_device_time_total", None) or event.self_cuda_time_total)
+
+
+def main() -> None:
+    work = bench._Workload(bench.BenchConfig(num_microbatches=16))
+    graphed = {}
+    for name, capture in [("torch", bench._torch_capture(work)),
+                          ("leangraph", bench._leangraph_capture(work, None))]:
+        blocks = copy.deepcopy(work.blocks)
+        graphed[name] = (capture(blocks), blocks)
+        for _ in range(2):  # untimed: first replays
+            work.step(*graphed[name])
+    for name, (lookup, blocks) in graphed.items():
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                work.step(lookup, blocks)
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if _self_device_us(e) > 0]
+        total = sum(_self_device_us(e) for e in events)
+        print(f"== {name}: self device time per step {total / 2 / 1e3:.2f} ms")
+        for event in sorted(events, key=_self_device_us, reverse=True)[:22]:
+            print(f"{event.key[:70]:<70} calls/step {event.count / 2:>6.0f}  "
+                  f"ms/step {_self_device_us(event) / 2 / 1e3:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
