@@ -1,7 +1,8 @@
 """GPU time per training step by kernel (GPU only): torch's and leangraph's graphs of the
 16-microbatch benchmark workload, two steps each under ``torch.profiler``.
 
-Prints each method's total self device time per step and its 22 largest entries. Equal totals
+Prints each method's total self device time per step (graph kernels count twice: under the
+replay and by kernel) and its 22 largest entries. Equal totals
 mean the graphs do the same GPU work, so a step-time difference is idle time between launches.
 Usage: PYTHONPATH=src python3 scripts/profile_kernels.py
 """
