@@ -25,8 +25,9 @@ from .guard import OutputGuard
 from .hooks import CaptureHooks
 from .order import GraphId, StepKind
 from .report import CaptureRecord
+from .signature import CallSignature
 
-__all__ = ["GraphedCallable", "TensorSpec"]
+__all__ = ["GraphedCallable"]
 
 
 # Whether the running backward pass reaches an autograd node (torch's own helper; without it
@@ -38,65 +39,6 @@ class _State(enum.Enum):
     CAPTURING = "capturing"
     READY = "ready"
     RESET = "reset"
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """What a replay argument must match: the captured tensor's metadata."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    requires_grad: bool
-
-    @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
-        return cls(name, tuple(tensor.shape), tensor.dtype, tensor.device, tensor.requires_grad)
-
-    def check(self, owner: str, value: object) -> torch.Tensor:
-        """Return ``value`` if it matches this spec, else raise naming ``owner``."""
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"{owner} {self.name} must be a tensor as at capture, got {type(value).__name__}"
-            )
-        if value.dtype != self.dtype:
-            raise TypeError(f"{owner} {self.name} must keep dtype {self.dtype}, got {value.dtype}")
-        if tuple(value.shape) != self.shape:
-            raise ValueError(
-                f"{owner} {self.name} must keep shape {self.shape}, got {tuple(value.shape)}"
-            )
-        if value.device != self.device:
-            raise ValueError(f"{owner} {self.name} must stay on {self.device}, got {value.device}")
-        if value.requires_grad != self.requires_grad:
-            raise ValueError(
-                f"{owner} {self.name} must have requires_grad={self.requires_grad} as at "
-                f"capture, got requires_grad={value.requires_grad}"
-            )
-        return value
-
-
-def _leaf_names(tree: Any) -> list[str]:
-    """Readable names for the tensor leaves of ``(args, kwargs)``."""
-    names = []
-    for path, _ in pytree.tree_flatten_with_path(tree)[0]:
-        group, head, *rest = path
-        suffix = "".join(str(k) for k in rest)
-        if isinstance(group, pytree.SequenceKey) and group.idx == 0:  # positional arguments
-            assert isinstance(head, pytree.SequenceKey)
-            names.append(f"input {head.idx}{suffix}")
-        else:
-            assert isinstance(head, pytree.MappingKey)
-            names.append(f"kwarg {head.key!r}{suffix}")
-    return names
-
-
-def _describe(value: Any) -> str:
-    """A short description of an argument's pytree structure for error messages."""
-    if isinstance(value, torch.Tensor):
-        return "a tensor"
-    count = len(pytree.tree_leaves(value))
-    return f"a {type(value).__name__} of {count} {'leaf' if count == 1 else 'leaves'}"
 
 
 def _same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -156,16 +98,7 @@ class GraphedCallable:
         # assigns from the buffer plan. The samples are dropped once capture is done.
         self._samples: tuple[torch.Tensor, ...] = tuple(samples)
         self._static_inputs: tuple[torch.Tensor, ...] = ()
-        self._input_tree = input_tree
-        # Tensors passed positionally, the usual call: replay then skips the pytree walk.
-        self._positional_arity = (
-            len(samples) if input_tree == pytree.tree_structure((tuple(samples), {})) else None
-        )
-        sample_call = pytree.tree_unflatten(list(samples), input_tree)
-        self._kwarg_names = tuple(sample_call[1])
-        self._input_specs = tuple(
-            TensorSpec.of(name, t) for name, t in zip(_leaf_names(sample_call), samples)
-        )
+        self._signature = CallSignature(label, samples, input_tree)
         self._params = tuple(params)
         self._param_names = tuple(param_names) or tuple(str(i) for i in range(len(params)))
         # Which parameters the graphs differentiate, fixed now: the static gradient buffers
@@ -238,7 +171,7 @@ class GraphedCallable:
                 if eager is not None:
                     return eager(*args, **kwargs)
         self._require_ready("call")
-        leaves = self._flatten_call(args, kwargs)
+        leaves = self._signature.bind(args, kwargs)
         self._check_frozen_params()
         clone_grads = tuple(t.requires_grad and t.grad_fn is None for t in leaves)
         token = _BackwardToken()
@@ -303,52 +236,6 @@ class GraphedCallable:
         if self._state is not _State.READY:
             raise RuntimeError(f"{self._label}: cannot {what} before capture has finished")
 
-    def _flatten_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-        if (
-            not kwargs
-            and len(args) == self._positional_arity
-            and all(isinstance(arg, torch.Tensor) for arg in args)
-        ):
-            leaves: list[Any] = list(args)  # what pytree gives here, without its walk
-        else:
-            leaves = self._flatten_structured(args, kwargs)
-        return [spec.check(self._label, leaf) for spec, leaf in zip(self._input_specs, leaves)]
-
-    def _flatten_structured(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-        """Leaves of a call with containers or keywords, checked against the captured tree."""
-        if set(kwargs) == set(self._kwarg_names):  # keyword order is the caller's business
-            kwargs = {name: kwargs[name] for name in self._kwarg_names}
-        leaves, tree = pytree.tree_flatten((args, kwargs))
-        if tree != self._input_tree:
-            want_args, want_kwargs = pytree.tree_unflatten(
-                list(self._static_inputs), self._input_tree
-            )
-            if len(args) != len(want_args):
-                raise TypeError(
-                    f"{self._label} takes {len(want_args)} positional arguments as at capture, "
-                    f"got {len(args)}"
-                )
-            if set(kwargs) != set(want_kwargs):
-                raise TypeError(
-                    f"{self._label} takes keyword arguments {sorted(want_kwargs)} as at "
-                    f"capture, got {sorted(kwargs)}"
-                )
-            pairs = [
-                (f"input {i}", got, want) for i, (got, want) in enumerate(zip(args, want_args))
-            ]
-            pairs += [(f"kwarg {key!r}", kwargs[key], want_kwargs[key]) for key in want_kwargs]
-            for name, got, want in pairs:
-                if pytree.tree_structure(got) != pytree.tree_structure(want):
-                    raise TypeError(
-                        f"{self._label} {name} must keep its structure from capture "
-                        f"({_describe(want)}), got {_describe(got)}"
-                    )
-            raise TypeError(
-                f"{self._label}: arguments must keep their structure from capture "
-                f"({self._input_tree}), got {tree}"
-            )
-        return leaves
-
     def _check_frozen_params(self) -> None:
         """A parameter frozen at capture has no gradient in the backward graph: refuse to
         replay once it requires grad, rather than leave its ``.grad`` silently unset."""
@@ -366,7 +253,7 @@ class GraphedCallable:
     def _run_user_fn(self, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Run the user callable on ``leaves`` and flatten what it returns."""
         assert self._fn is not None
-        args, kwargs = pytree.tree_unflatten(list(leaves), self._input_tree)
+        args, kwargs = self._signature.unflatten(leaves)
         leaves, tree = pytree.tree_flatten(self._fn(*args, **kwargs))
         for index, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor):
@@ -393,7 +280,7 @@ class GraphedCallable:
         return self._input_targets(leaves) + self._param_targets()
 
     def _target_names(self) -> list[str]:
-        names = [s.name for s in self._input_specs if s.requires_grad]
+        names = [s.name for s in self._signature.specs if s.requires_grad]
         return names + [
             f"parameter {name!r}"
             for name, trains in zip(self._param_names, self._param_trains)
@@ -427,7 +314,7 @@ class GraphedCallable:
         """``run()`` between the callable's forward_pre and forward capture-time hooks."""
         if not (self._hooks.forward_pre or self._hooks.forward):
             return run()  # once per step of every pass: skip rebuilding the arguments
-        args, kwargs = pytree.tree_unflatten(list(leaves), self._input_tree)
+        args, kwargs = self._signature.unflatten(leaves)
         self._hooks.run("forward_pre", args, kwargs)
         outputs = run()
         assert self._output_tree is not None
@@ -764,7 +651,7 @@ class GraphedCallable:
         grads = iter(self._static_grads)
         result: list[torch.Tensor | None] = []
         copy_at: list[int] = []
-        for spec, clone in zip(self._input_specs, clone_inputs):
+        for spec, clone in zip(self._signature.specs, clone_inputs):
             grad = next(grads) if spec.requires_grad else None
             if grad is not None and clone:
                 copy_at.append(len(result))
