@@ -338,12 +338,13 @@ def _step_logic_actions(schedule: Any, num_microbatches: int, rank: int) -> list
 
 def _torch_rank_actions(
     schedule_class: type, pp_size: int, num_microbatches: int, rank: int, spr: int
-) -> tuple[list[Any], bool]:
+) -> list[Any]:
     """Return torch's own action list for ``rank`` (``schedule.pipeline_order[rank]``).
 
-    With it, whether the schedule's ``BACKWARD`` actions (torch 2.4 / 2.5's name) are full
-    backwards: torch 2.5's runtime runs them with ``full_backward=schedule.use_full_backward``,
-    which its zero-bubble schedule sets to False (input gradients only; ``WEIGHT`` does the rest).
+    A ``BACKWARD`` action (torch 2.4 / 2.5's name) comes back as ``BACKWARD_INPUT``, torch
+    2.6's name, where it computes input gradients only: torch 2.5's runtime runs it with
+    ``full_backward=schedule.use_full_backward``, which its zero-bubble schedule sets to False
+    (``WEIGHT`` does the rest).
     """
     kind = _pipelining_kind(schedule_class)
     if kind == "single" and spr != 1:
@@ -351,29 +352,30 @@ def _torch_rank_actions(
             f"{schedule_class.__name__} runs one stage per rank; got stages_per_rank={spr}"
         )
     schedule = _build_schedule(schedule_class, kind, pp_size, num_microbatches, rank, spr)
-    full_backward = getattr(schedule, "use_full_backward", True) is not False
     pipeline_order = getattr(schedule, "pipeline_order", None)
     if pipeline_order:
-        return list(pipeline_order[rank]), full_backward
-    if kind == "single":
-        return _step_logic_actions(schedule, num_microbatches, rank), full_backward
-    raise ValueError(f"torch's {schedule_class.__name__} computed no pipeline_order")
+        actions = list(pipeline_order[rank])
+    elif kind == "single":
+        actions = _step_logic_actions(schedule, num_microbatches, rank)
+    else:
+        raise ValueError(f"torch's {schedule_class.__name__} computed no pipeline_order")
+    if getattr(schedule, "use_full_backward", True) is not False:
+        return actions
+    return [  # None is an idle step
+        a._replace(computation_type="BACKWARD_INPUT")
+        if a is not None and _action_kind(a) == "BACKWARD"
+        else a
+        for a in actions
+    ]
 
 
-def _action_kind(action: Any, full_backward: bool = True) -> str:
-    """The ``_ComputationType`` member name of a torch action.
-
-    A ``BACKWARD`` of a schedule whose backwards are not full (torch 2.5's zero-bubble
-    schedule) computes input gradients only: it is named ``BACKWARD_INPUT``, as torch 2.6 does.
-    """
+def _action_kind(action: Any) -> str:
+    """The ``_ComputationType`` member name of a torch action."""
     ctype = action.computation_type
-    kind = str(getattr(ctype, "name", ctype))
-    return "BACKWARD_INPUT" if kind == "BACKWARD" and not full_backward else kind
+    return str(getattr(ctype, "name", ctype))
 
 
-def _action_entries(
-    action: Any, local_chunks: dict[int, int], split: bool, full_backward: bool = True
-) -> list[float]:
+def _action_entries(action: Any, local_chunks: dict[int, int], split: bool) -> list[float]:
     """Map one torch action to order entries (none for actions that run nothing).
 
     ``F`` is ``+c``; ``I`` (input gradients) is ``-c`` and ``W`` (weight gradients)
@@ -383,7 +385,7 @@ def _action_entries(
     Raises:
         ValueError: for actions an order cannot express, naming the action.
     """
-    kind = _action_kind(action, full_backward)
+    kind = _action_kind(action)
     if kind in _SKIPPED_KINDS:
         return []
     chunk = local_chunks[action.stage_index]
@@ -420,26 +422,23 @@ def _actions_to_order(
     schedule_name: str,
     rank: int,
     explicit: bool = False,
-    full_backward: bool = True,
 ) -> list[Any]:
     """Map a rank's torch action list to an order, chunk ids by ascending stage index.
 
     With ``explicit`` the order is :class:`~leangraph.order.Step` records naming each
     microbatch (by its rank among the stage's microbatch indices), so backwards need not be
     first in, first out; without, backwards must be, and the order is chunk ids.
-    ``full_backward`` False reads ``BACKWARD`` actions as input gradients only (torch 2.5's
-    zero-bubble schedule, see :func:`_torch_rank_actions`).
     """
     leaves = [(pos, leaf) for pos, action in enumerate(actions) for leaf in _leaf_actions(action)]
     stage_ids = sorted({leaf.stage_index for _, leaf in leaves})
     local_chunks = {stage: chunk for chunk, stage in enumerate(stage_ids, start=1)}
-    split = any(_action_kind(leaf, full_backward) in _SPLIT_BACKWARD_KINDS for _, leaf in leaves)
+    split = any(_action_kind(leaf) in _SPLIT_BACKWARD_KINDS for _, leaf in leaves)
     order: list[float] = []
     keys: list[tuple[int, str]] = []
     runs: dict[tuple[int, str], list[Any]] = {}
     for position, leaf in leaves:
         try:
-            entries = _action_entries(leaf, local_chunks, split, full_backward)
+            entries = _action_entries(leaf, local_chunks, split)
         except ValueError as exc:
             raise ValueError(f"{schedule_name}, rank {rank}, step {position}: {exc}") from None
         for entry in entries:
@@ -553,10 +552,8 @@ def from_pipelining(
     rank = _check_rank(rank, pp_size)
     num_microbatches = _check_int("num_microbatches", num_microbatches, 1)
     spr = _check_int("stages_per_rank", stages_per_rank, 1)
-    actions, full_backward = _torch_rank_actions(
-        schedule_class, pp_size, num_microbatches, rank, spr
-    )
-    return _actions_to_order(actions, schedule_class.__name__, rank, explicit, full_backward)
+    actions = _torch_rank_actions(schedule_class, pp_size, num_microbatches, rank, spr)
+    return _actions_to_order(actions, schedule_class.__name__, rank, explicit)
 
 
 # --------------------------------------------------------------------------------------------
