@@ -5,11 +5,24 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 
+import pytest
 import torch
+from torch.distributed import pipelining
 
 import leangraph
 from leangraph.local_pipeline import run_order
 from leangraph.order import Layout
+
+_ZERO_BUBBLE_NAMES = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+# This torch's zero-bubble schedule classes, as test parameters; one skipped parameter where it
+# has none.
+TORCH_ZERO_BUBBLE_SCHEDULES = [
+    getattr(pipelining, name) for name in _ZERO_BUBBLE_NAMES if hasattr(pipelining, name)
+] or [
+    pytest.param(None, id="none", marks=pytest.mark.skip(
+        reason=f"this torch has no zero-bubble schedule class ({', '.join(_ZERO_BUBBLE_NAMES)})"))
+]
 
 
 class Block(torch.nn.Module):

@@ -27,6 +27,7 @@ from leangraph.schedules import (
     one_f_one_b,
     validate_order,
 )
+from models import TORCH_ZERO_BUBBLE_SCHEDULES
 
 # --------------------------------------------------------------------------------------------
 # Helpers
@@ -513,17 +514,6 @@ def test_torch_interleaved_against_megatron_rule(pp: int, m: int, spr: int) -> N
             assert torch_order == interleaved_1f1b(pp, spr, rank, m)
 
 
-_NO_ZERO_BUBBLE = pytest.param(None, id="none", marks=pytest.mark.skip(
-    reason="this torch has no zero-bubble schedule class (ScheduleInterleavedZeroBubble, "
-    "ScheduleZBVZeroBubble, ScheduleDualPipeV)"))
-
-_ZERO_BUBBLE = [
-    getattr(pl, name)
-    for name in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-    if hasattr(pl, name)
-] or [_NO_ZERO_BUBBLE]
-
-
 def _split_actions_as_order(actions: list[str]) -> list[float]:
     """Torch's actions of a zero-bubble schedule as an order: F +c, I -c, W -(c + 0.5), and a
     full B as -c then -(c + 0.5) (an order with weight steps splits every backward)."""
@@ -539,7 +529,7 @@ def _split_actions_as_order(actions: list[str]) -> list[float]:
     return order
 
 
-@pytest.mark.parametrize("cls", _ZERO_BUBBLE)
+@pytest.mark.parametrize("cls", TORCH_ZERO_BUBBLE_SCHEDULES)
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("m", [4, 6])
 def test_from_pipelining_zero_bubble_maps_i_and_w(cls: type, rank: int, m: int) -> None:

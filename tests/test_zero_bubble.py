@@ -11,7 +11,7 @@ import leangraph.schedules
 from leangraph.buffers import BufferKey, plan_buffers
 from leangraph.order import StepKind, parse_order
 from leangraph.plan import build_plan
-from models import Block, assert_histories_equal, train_both
+from models import TORCH_ZERO_BUBBLE_SCHEDULES, Block, assert_histories_equal, train_both
 
 # 2 chunks x 1 layer, 2 microbatches; weight steps deferred past other work.
 ZB = [1, 2, 1, -2, 2, -1, -2.5, -2, -1.5, -1, -2.5, -1.5]
@@ -168,18 +168,7 @@ def test_split_backward_without_parameters_or_input_grads():
         assert torch.equal(p.grad, q.grad)
 
 
-_NO_ZERO_BUBBLE = pytest.param(None, id="none", marks=pytest.mark.skip(
-    reason="this torch has no zero-bubble schedule class (ScheduleInterleavedZeroBubble, "
-    "ScheduleZBVZeroBubble, ScheduleDualPipeV)"))
-
-_TORCH_ZERO_BUBBLE = [
-    getattr(pl, name)
-    for name in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-    if hasattr(pl, name)
-] or [_NO_ZERO_BUBBLE]
-
-
-@pytest.mark.parametrize("cls", _TORCH_ZERO_BUBBLE, ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("cls", TORCH_ZERO_BUBBLE_SCHEDULES, ids=lambda cls: cls.__name__)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_torch_zero_bubble_schedules_train_exactly(cls, rank):
     # The rank's order from torch's own schedule, one layer per stage; the other rank's
