@@ -9,10 +9,10 @@ Usage: PYTHONPATH=src python3 scripts/profile_kernels.py
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
+from profile_step import graph_both
 from torch.profiler import ProfilerActivity, profile
 
 from leangraph import bench
@@ -20,18 +20,12 @@ from leangraph import bench
 
 def _self_device_us(event: Any) -> float:
     # torch 2.4 names it self_cuda_time_total; later versions self_device_time_total.
-    return float(getattr(event, "self_device_time_total", None) or event.self_cuda_time_total)
+    value = getattr(event, "self_device_time_total", None)
+    return float(event.self_cuda_time_total if value is None else value)
 
 
 def main() -> None:
-    work = bench._Workload(bench.BenchConfig(num_microbatches=16))
-    graphed = {}
-    for name, capture in [("torch", bench._torch_capture(work)),
-                          ("leangraph", bench._leangraph_capture(work, None))]:
-        blocks = copy.deepcopy(work.blocks)
-        graphed[name] = (capture(blocks), blocks)
-        for _ in range(2):  # untimed: first replays
-            work.step(*graphed[name])
+    work, graphed = graph_both(bench.BenchConfig(num_microbatches=16), 2)
     for name, (lookup, blocks) in graphed.items():
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

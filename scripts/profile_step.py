@@ -3,7 +3,8 @@ the launch-bound benchmark workload (hidden 256, sequence 128, 8 microbatches), 
 
 Per round and method it prints the median and minimum of 30 synchronised steps and the host
 time per step of 30 unsynchronised ones (equal to the synchronised time when the host is the
-bottleneck), then a cProfile of 20 steps of each. Usage: PYTHONPATH=src python3 scripts/profile_step.py
+bottleneck), then a cProfile of 20 steps of each.
+Usage: PYTHONPATH=src python3 scripts/profile_step.py
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import io
 import pstats
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -23,14 +25,24 @@ from leangraph.workloads import BlockShape
 SHAPE = BlockShape(hidden=256, heads=4, sequence=128, dtype=torch.bfloat16)
 
 
-def main() -> None:
-    work = bench._Workload(bench.BenchConfig(num_microbatches=8, shape=SHAPE))
+def graph_both(
+    config: bench.BenchConfig, untimed_steps: int
+) -> tuple[Any, dict[str, tuple[Any, list[Any]]]]:
+    """The bench workload of ``config``, and per method (torch, leangraph) its layer lookup and
+    blocks (a copy each), after ``untimed_steps`` steps (first replays, lazy set-up)."""
+    work = bench._Workload(config)
     graphed = {}
     for name, capture in [("torch", bench._torch_capture(work)),
                           ("leangraph", bench._leangraph_capture(work, None))]:
         blocks = copy.deepcopy(work.blocks)
         graphed[name] = (capture(blocks), blocks)
-        work.step(*graphed[name])  # untimed: first replays
+        for _ in range(untimed_steps):
+            work.step(*graphed[name])
+    return work, graphed
+
+
+def main() -> None:
+    work, graphed = graph_both(bench.BenchConfig(num_microbatches=8, shape=SHAPE), 1)
 
     def synchronised(name: str) -> tuple[float, float]:
         times = []
