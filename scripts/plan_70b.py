@@ -46,7 +46,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn import functional as F
 
-from leangraph.memory_plan import MemoryPlan, format_bytes, plan_memory
+from leangraph.memory import MemoryPlan, format_bytes, plan_memory
 from leangraph.schedules import interleaved_1f1b, max_in_flight
 
 GiB = 1024**3

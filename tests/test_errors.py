@@ -15,12 +15,14 @@ import pickle
 import re
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
 import leangraph
 from leangraph import GraphedCallable, GraphResetError
+from leangraph.backends import CpuBackend
 from models import Block
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "errors.md"
@@ -407,17 +409,27 @@ class Faulty(torch.nn.Module):
 
 
 @pytest.fixture
-def made(monkeypatch: pytest.MonkeyPatch) -> list[GraphedCallable]:
-    """Every GraphedCallable built while the test runs."""
-    built: list[GraphedCallable] = []
-    init = GraphedCallable.__init__
+def made(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every graph pair the CPU backend makes while the test runs."""
+    built: list[Any] = []
+    new_pair = CpuBackend.new_pair
 
-    def recording(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        built.append(self)
+    def recording(self: CpuBackend) -> Any:
+        pair = new_pair(self)
+        built.append(pair)
+        return pair
 
-    monkeypatch.setattr(GraphedCallable, "__init__", recording)
+    monkeypatch.setattr(CpuBackend, "new_pair", recording)
     return built
+
+
+def released(pair: Any) -> bool:
+    """Whether a graph pair was reset: a reset pair refuses to replay."""
+    try:
+        pair.replay_forward()
+    except RuntimeError as error:
+        return "reset or never captured" in str(error)
+    return False
 
 
 def _failing_call(layers, *, order=None, samples=None):
@@ -468,12 +480,14 @@ def _works_again(layers, *, order=None, graphs: int | None = None):
     leangraph.reset_all(graphed)
 
 
-# (phase, in_backward, fail_at) with num_warmup_iters=2: each pass calls each callable's
-# forward and backward once, so call 1 or 2 is warm-up and call 3 is capture.
+# (phase, in_backward, fail_at) with num_warmup_iters=2: the probe calls each callable's
+# forward once before warm-up; each pass then calls its forward and backward once, so forward
+# call 2 or 3 and backward call 1 or 2 are warm-up, forward call 4 and backward call 3 capture.
 PHASES = {
+    "the probe": ("the probe", False, 1),
     "warm-up forward": ("warm-up", False, 2),
     "warm-up backward": ("warm-up", True, 1),
-    "capture forward": ("capture", False, 3),
+    "capture forward": ("capture", False, 4),
     "capture backward": ("capture", True, 3),
 }
 
@@ -487,12 +501,15 @@ def test_w6_a_failing_callable_leaves_nothing_broken(where, error, made):
     raised = _failing_call(layers)
     assert raised is layers[1].raised and type(raised) is error  # the original, unchanged
     assert str(raised) == f"boom at call {fail_at}"
-    assert len(made) == 3 and all(g.is_reset for g in made), "graphs made so far not reset"
+    if phase == "the probe":  # before any graph is made
+        assert made == []
+        where_pattern = "its one forward before warm-up"
+    else:
+        assert len(made) == 3 and all(released(p) for p in made), "graphs made so far not reset"
+        where_pattern = rf".*\({'B' if in_backward else 'F'} c1 m0 l1\)"
     if NOTES:
-        kind = "B" if in_backward else "F"
         assert re.search(
-            rf"leangraph: raised during {phase} of callable 1 \(Faulty\), at "
-            rf".*\({kind} c1 m0 l1\)",
+            rf"leangraph: raised during {phase} of callable 1 \(Faulty\), at {where_pattern}",
             notes(raised),
         ), notes(raised)
     _works_again(layers)
@@ -501,14 +518,15 @@ def test_w6_a_failing_callable_leaves_nothing_broken(where, error, made):
 @needs_notes
 def test_w6_ordered_note_names_the_graph(made):
     torch.manual_seed(0)
-    layers = [Faulty(), Faulty(fail_at=2)]  # chunk 2's second forward: microbatch 1
+    # Chunk 2's third forward: the probe's, then warm-up's of microbatches 0 and 1.
+    layers = [Faulty(), Faulty(fail_at=3)]
     raised = _failing_call(layers, order=ORDER, samples=tuple((sample(),) for _ in range(4)))
     assert raised is layers[1].raised
     assert (
         "leangraph: raised during warm-up of graph (chunk 2, microbatch 1, layer 0), at "
         "warm-up pass 0"
     ) in notes(raised)
-    assert len(made) == 4 and all(g.is_reset for g in made)
+    assert len(made) == 4 and all(released(p) for p in made)
     _works_again(layers, order=ORDER, graphs=4)
 
 
@@ -534,7 +552,7 @@ def test_w7_out_of_memory_passes_through_on_cpu():
     with pytest.raises(torch.OutOfMemoryError) as info:
         mgc((hungry,), ((sample(),),))
     assert info.value is error
-    assert notes(info.value).startswith("leangraph: raised during warm-up of callable 0 (")
+    assert notes(info.value).startswith("leangraph: raised during the probe of callable 0 (")
     assert "memory_allocated" not in notes(info.value)  # allocator figures are CUDA's
 
 

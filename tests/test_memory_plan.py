@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from leangraph.memory_plan import LayerMemory, MemoryPlan, format_bytes, plan_memory
+from leangraph.memory import LayerMemory, MemoryPlan, format_bytes, plan_memory
 from leangraph.schedules import gpipe, interleaved_1f1b, max_in_flight, one_f_one_b
 from leangraph.workloads import BlockShape, make_blocks, sample_hidden
 
@@ -173,22 +173,28 @@ def test_meta_follows_the_cpus_kernel_choice() -> None:
     assert measured["meta", "cpu"]["activation_bytes"] > flash.activation_bytes
 
 
-def test_same_callable_and_shapes_are_measured_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    import leangraph.memory_plan as memory_plan
+def test_same_callable_and_shapes_are_measured_once():
+    calls: list[tuple[int, ...]] = []
 
-    calls: list[int] = []
-    real = memory_plan._measure
+    class Counting(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8, device="meta")
 
-    def counting(*args: object) -> LayerMemory:
-        calls.append(args[-1])  # type: ignore[arg-type]
-        return real(*args)  # type: ignore[arg-type]
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(tuple(x.shape))
+            return self.linear(x)
 
-    monkeypatch.setattr(memory_plan, "_measure", counting)
-    shape = BlockShape(hidden=32, heads=2, sequence=8)
-    block = make_blocks(1, shape, "meta")[0]
-    samples = tuple((sample_hidden(shape, "meta"),) for _ in range(2 * 4))
+    block = Counting()
+    samples = tuple((torch.empty(4, 8, device="meta", requires_grad=True),) for _ in range(2 * 4))
     plan_memory((block, block), samples, order=one_f_one_b(2, 0, 4))
-    assert calls == [0]
+    assert calls == [(4, 8)]
+    wider = samples[:4] + tuple(
+        (torch.empty(6, 8, device="meta", requires_grad=True),) for _ in range(4)
+    )
+    calls.clear()
+    plan_memory((block, block), wider, order=one_f_one_b(2, 0, 4))
+    assert calls == [(4, 8), (6, 8)]  # a second signature is measured once more
 
 
 # ---------------------------------------------------------------------------- paper check

@@ -42,9 +42,13 @@ class Probe(torch.nn.Module):
 
 
 def expected_alive(order, layers_per_chunk, passes):
-    """Replay the order by hand: at each forward call, the tags awaiting backward."""
-    calls = {}
-    observed = []
+    """Replay the order by hand: at each forward call, the tags awaiting backward.
+
+    Before warm-up the probe runs each layer's forward once, with nothing alive.
+    """
+    names = [f"c{c}l{l}" for c, count in enumerate(layers_per_chunk, 1) for l in range(count)]
+    calls = dict.fromkeys(names, 1)
+    observed: list[set[str]] = [set() for _ in names]
     for _ in range(passes):
         pending = {}  # chunk -> FIFO of lists of tags
         alive: set[str] = set()
@@ -73,7 +77,7 @@ def test_ordered_warmup_and_capture_keep_only_outputs_awaiting_backward(order):
     layout, _ = parse_order(order, num_callables=4, num_samples=4 * order.count(1))
     samples = tuple((torch.randn(3, requires_grad=True),) for _ in range(layout.num_graphs))
     graphed = leangraph.make_graphed_callables(probes, samples, order=order, num_warmup_iters=2)
-    # Two warm-up passes and the capture pass all follow the order.
+    # The probe, then two warm-up passes and the capture pass that all follow the order.
     assert recorder.observed == expected_alive(order, layers, passes=3)
     assert recorder.alive() == set(), "outputs outlived make_graphed_callables"
     leangraph.reset_all(graphed)
@@ -84,10 +88,10 @@ def test_unordered_warmup_holds_one_callable_at_a_time():
     probes = tuple(Probe(f"p{i}", recorder) for i in range(3))
     samples = tuple((torch.randn(3, requires_grad=True),) for _ in range(3))
     leangraph.make_graphed_callables(probes, samples, num_warmup_iters=2)
-    warmup = recorder.observed[:6]
-    assert warmup == [set(), set(), set(), set(), set(), set()]
+    probe_and_warmup = recorder.observed[:9]  # one probe forward, then two passes, each
+    assert probe_and_warmup == [set()] * 9
     # Capture records all forwards, then the backwards (torch's contract).
-    assert recorder.observed[6:] == [set(), {"p0#2"}, {"p0#2", "p1#2"}]
+    assert recorder.observed[9:] == [set(), {"p0#3"}, {"p0#3", "p1#3"}]
     assert recorder.alive() == set()
 
 

@@ -29,11 +29,12 @@ from typing import Any
 
 import torch
 
-from .graphed import GraphedCallable
 from .local_pipeline import LayerLookup, run_order
 from .order import Layout, StepKind, parse_order
 from .progress import ProgressCallback
-from .report import MemoryReport, TimelinePoint, memory_report
+from .report import MemoryReport, TimelinePoint
+from .result import memory_report
+from .runtime.graphed import GraphedCallable
 from .schedules import interleaved_1f1b
 from .workloads import BlockShape, TransformerBlock, hidden_batches, make_blocks
 
@@ -391,7 +392,7 @@ def run_bench(config: BenchConfig, progress: ProgressCallback | None = None) -> 
 def _run_rounds(config: BenchConfig) -> dict[str, RoundTimes]:
     """``config.rounds`` rounds of capture plus timed steps per graphed method; see
     :class:`RoundTimes`."""
-    from .api import reset_all
+    from .result import reset_all
 
     work = _Workload(config)
     captures = {

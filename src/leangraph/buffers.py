@@ -9,12 +9,14 @@ number of buffers follows what the schedule holds in flight, not the number of m
 Within a chunk, layer ``l + 1``'s first input can be layer ``l``'s static output itself
 (*chained*): the caller passes that output back and no copy happens at replay.
 
-Everything here is plain data computed once from the :class:`~leangraph.plan.Plan`; the engine
-allocates what it says and nothing else.
+Everything here is plain data computed once from the :class:`~leangraph.plan.Plan` (whose
+lifetimes say how long each graph's inputs hold) and the probe's buffer keys; the engine
+allocates what it says and nothing else, and the memory plan counts the same buffers.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -23,7 +25,15 @@ import torch
 from .order import StepKind
 from .plan import Plan
 
-__all__ = ["BufferKey", "BufferPlan", "Chained", "StaticBuffers", "allocate", "plan_buffers"]
+__all__ = [
+    "BufferKey",
+    "BufferPlan",
+    "Chained",
+    "StaticBuffers",
+    "allocate",
+    "plan_buffers",
+    "same_buffer",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +48,20 @@ class BufferKey:
     @classmethod
     def of(cls, tensor: torch.Tensor) -> BufferKey:
         return cls(tuple(tensor.shape), tensor.dtype, tensor.device, tensor.requires_grad)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one contiguous buffer of this key."""
+        element = torch.empty((), dtype=self.dtype, device="meta").element_size()
+        return math.prod(self.shape) * element
+
+
+def same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same memory with the same view (a replay argument that
+    already is its static buffer needs no copy)."""
+    return a is b or (
+        a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,17 +93,6 @@ class BufferPlan:
     def slot_users(self, slot: int) -> list[int]:
         """Graphs whose inputs use ``slot``."""
         return [g for g, sources in enumerate(self.inputs) if slot in sources]
-
-
-def _lifetimes(plan: Plan, has_backward: Sequence[bool]) -> list[tuple[int, int]]:
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for index, step in enumerate(plan.capture):
-        if step.kind is StepKind.FORWARD:
-            first[step.graph] = last[step.graph] = index
-        elif has_backward[step.graph]:
-            last[step.graph] = index
-    return [(first[g], last[g]) for g in range(plan.layout.num_graphs)]
 
 
 def _chain_source(
@@ -123,7 +136,7 @@ class _Slots:
 def plan_buffers(
     plan: Plan,
     input_keys: Sequence[Sequence[BufferKey]],
-    output_keys: Sequence[Sequence[BufferKey]] | None,
+    output_keys: Sequence[Sequence[BufferKey]],
     *,
     chainable: Sequence[bool],
     share: bool = True,
@@ -132,22 +145,14 @@ def plan_buffers(
 
     Args:
         plan: The liveness plan; its capture sequence is the replay sequence.
-        input_keys: Per graph, the key of each static input leaf.
+        input_keys: Per graph, the key of each static input leaf (as the probe saw them).
         output_keys: Per graph, the key of each output (``requires_grad`` says whether it
-            needs a gradient seed), as warm-up saw them; None when there was no warm-up:
-            then every graph is assumed to need its backward, and seeds and chaining are
-            left to capture.
+            needs a gradient seed), as the probe saw them.
         chainable: Per graph, whether input leaf 0 is positional argument 0 itself (a tensor),
             so that the previous layer's output can be passed for it.
         share: False gives every graph buffers of its own (no sharing, no chaining).
     """
-    if output_keys is None:
-        has_backward = [True] * len(input_keys)
-        output_keys = [()] * len(input_keys)
-        chainable = [False] * len(input_keys)
-    else:
-        has_backward = [any(k.requires_grad for k in keys) for keys in output_keys]
-    lifetimes = _lifetimes(plan, has_backward)
+    lifetimes = plan.lifetimes([any(k.requires_grad for k in keys) for keys in output_keys])
     slots = _Slots(share)
     inputs: dict[int, tuple[InputSource, ...]] = {}
     for index, step in enumerate(plan.capture):
@@ -170,7 +175,7 @@ def plan_buffers(
         tuple(inputs[g] for g in range(len(input_keys))),
         tuple(seed_keys),
         tuple(seeds),
-        tuple(lifetimes),
+        lifetimes,
     )
 
 

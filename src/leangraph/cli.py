@@ -122,7 +122,7 @@ def _shape(args: argparse.Namespace) -> Any:
 def _plan(args: argparse.Namespace) -> int:
     import importlib
 
-    from .memory_plan import plan_memory
+    from .memory import plan_memory
 
     if args.function:
         module_name, _, attr = args.function.partition(":")

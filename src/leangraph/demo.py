@@ -16,7 +16,7 @@ from . import make_graphed_callables, reset_all
 from .local_pipeline import LayerLookup, run_order
 from .order import Layout
 from .progress import ProgressCallback
-from .report import memory_report
+from .result import memory_report
 from .schedules import interleaved_1f1b
 from .workloads import BlockShape, hidden_batches, make_blocks, sample_hidden
 

@@ -58,15 +58,42 @@ class Plan:
     ordered: bool
     split_backward: bool = False
 
-    def live_after(self, steps: Sequence[GraphStep]) -> list[frozenset[int]]:
-        """The graphs whose forward outputs are alive after each of ``steps``."""
+    def live_during(
+        self, steps: Sequence[GraphStep], *, keep_all: bool = False
+    ) -> list[frozenset[int]]:
+        """The graphs whose forward outputs are alive during each of ``steps``: those born
+        at or before it, less those that died before it (a step's own deaths still count).
+
+        This is the plan's one fold of "what is alive"; buffers, memory planning and
+        in-flight counts all read it. ``keep_all`` folds births only (nothing ever dies),
+        the keep-everything baseline of a tool that frees warm-up outputs at the end.
+        """
         live: set[int] = set()
         result = []
         for step in steps:
             live.update(step.born)
-            live.difference_update(step.dies)
             result.append(frozenset(live))
+            if not keep_all:
+                live.difference_update(step.dies)
         return result
+
+    def live_after(self, steps: Sequence[GraphStep]) -> list[frozenset[int]]:
+        """The graphs whose forward outputs are alive after each of ``steps``."""
+        during = self.live_during(steps)
+        return [live - frozenset(step.dies) for live, step in zip(during, steps)]
+
+    def lifetimes(self, has_backward: Sequence[bool]) -> tuple[tuple[int, int], ...]:
+        """Per graph, the (first, last) capture-step index during which its static inputs
+        must hold: from its forward to its last backward-side step while it is alive, or its
+        forward alone when it has no backward (``has_backward[g]``)."""
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for index, (step, live) in enumerate(zip(self.capture, self.live_during(self.capture))):
+            if step.kind is StepKind.FORWARD:
+                first[step.graph] = last[step.graph] = index
+            elif has_backward[step.graph] and step.graph in live:
+                last[step.graph] = index
+        return tuple((first[g], last[g]) for g in range(self.layout.num_graphs))
 
     def max_live(self, steps: Sequence[GraphStep]) -> int:
         """Most graphs with live forward outputs at once during ``steps``."""

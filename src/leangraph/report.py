@@ -1,32 +1,22 @@
-"""What capture cost: memory figures of a ``make_graphed_callables`` result, and their plot.
+"""What capture cost: the records of a ``make_graphed_callables`` call's memory, and their plot.
 
-During the call a :class:`MemoryRecorder` samples ``torch.cuda.memory_allocated`` after every
-step of the first warm-up pass and of the capture pass, and reads the allocator's peak per
-phase (it resets the allocator's peak counter at each phase start, so a caller's own
-``max_memory_allocated`` restarts there).
-:func:`memory_report` adds what the callables hold now: static buffers and the graph pool
-(from the allocator's snapshot, filtered by pool id). :func:`plot_memory` draws the timeline.
+During the call a :class:`~leangraph.build.recorder.MemoryRecorder` fills a
+:class:`CaptureRecord`; :func:`leangraph.memory_report` turns it and what the callables hold
+now into a :class:`MemoryReport`; :func:`plot_memory` draws the timeline.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from .progress import ProgressEvent
-
 __all__ = [
     "CallableMemory",
     "CaptureRecord",
-    "MemoryRecorder",
     "MemoryReport",
     "TimelinePoint",
-    "memory_report",
     "plot_memory",
 ]
 
@@ -60,73 +50,6 @@ class CaptureRecord:
     warmup_seconds: float
     capture_seconds: float
     timeline: tuple[TimelinePoint, ...]
-
-
-class MemoryRecorder:
-    """Observer of warm-up and capture that builds a :class:`CaptureRecord`."""
-
-    def __init__(self, device: torch.device, pool: Any) -> None:
-        self._device = device
-        self._pool = pool
-        self._cuda = device.type == "cuda"
-        # An index, not a device: the allocator's statistics are read after every step.
-        self._index = 0
-        if self._cuda:
-            self._index = device.index if device.index is not None else torch.cuda.current_device()
-        self._points: list[TimelinePoint] = []
-        self._baseline = self._allocated()
-        self._warmup_peak: int | None = None
-        self._started = time.perf_counter()
-        self._warmup_seconds = 0.0
-        if self._cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-
-    def _allocated(self) -> int | None:
-        if not self._cuda:
-            return None
-        # memory_allocated() flattens the allocator's whole statistics dict in Python, about
-        # a third of a millisecond; once per step that was a visible share of capture time.
-        stats = torch.cuda.memory_stats_as_nested_dict(self._index)
-        return int(stats["allocated_bytes"]["all"]["current"])
-
-    def __call__(self, event: ProgressEvent) -> None:
-        # Later warm-up passes run the same steps on the same sizes, so they would repeat the
-        # first pass's points (their peak is in the record all the same). Each sample costs
-        # tens of microseconds; over every pass they were a visible share of capture time.
-        if event.iteration > 0:
-            return
-        allocated = self._allocated()
-        self._points.append(
-            TimelinePoint(
-                event.phase, str(event.step), event.label, allocated if allocated is not None else 0
-            )
-        )
-
-    def end_warmup(self) -> None:
-        """Close the warm-up phase (read its peak, restart the counter for capture)."""
-        if self._cuda:
-            torch.cuda.synchronize(self._device)
-            self._warmup_peak = torch.cuda.max_memory_allocated(self._device)
-            torch.cuda.reset_peak_memory_stats(self._device)
-        now = time.perf_counter()
-        self._warmup_seconds, self._started = now - self._started, now
-
-    def finish(self) -> CaptureRecord:
-        """Close the capture phase and return the record."""
-        capture_peak = None
-        if self._cuda:
-            torch.cuda.synchronize(self._device)
-            capture_peak = torch.cuda.max_memory_allocated(self._device)
-        return CaptureRecord(
-            device=str(self._device),
-            pool=self._pool,
-            baseline_bytes=self._baseline,
-            warmup_peak_bytes=self._warmup_peak,
-            capture_peak_bytes=capture_peak,
-            warmup_seconds=self._warmup_seconds,
-            capture_seconds=time.perf_counter() - self._started,
-            timeline=tuple(self._points),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,47 +97,6 @@ class MemoryReport:
             f"time: warm-up {r.warmup_seconds:.2f} s, capture {r.capture_seconds:.2f} s",
         ]
         return "\n".join(lines)
-
-
-def _pool_bytes(record: CaptureRecord) -> tuple[int | None, int | None]:
-    if not record.device.startswith("cuda") or record.pool is None:
-        return None, None
-    reserved = allocated = 0
-    for segment in torch.cuda.memory_snapshot():
-        if tuple(segment.get("segment_pool_id", ())) == tuple(record.pool):
-            reserved += segment["total_size"]
-            allocated += segment["allocated_size"]
-    return reserved, allocated
-
-
-def _storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-
-
-def memory_report(graphed: Any) -> MemoryReport:
-    """The memory report of one ``make_graphed_callables`` result.
-
-    Args:
-        graphed: What ``make_graphed_callables`` returned (a callable, a module, or a tuple).
-
-    Raises:
-        TypeError: for anything else.
-    """
-    from .graphed import graphed_callables_of
-
-    callables = graphed_callables_of(graphed, "memory_report")
-    record = callables[0]._record
-    assert record is not None
-    every: dict[int, int] = {}
-    rows = []
-    for c in callables:
-        held = _storage_bytes(c._owned_tensors())
-        every.update(held)
-        rows.append(CallableMemory(c.label, sum(held.values()), c.is_reset))
-    reserved, allocated = _pool_bytes(record)
-    return MemoryReport(
-        record, tuple(rows), sum(every.values()), reserved, allocated, record.timeline
-    )
 
 
 _PHASE_COLOURS = {"warm-up": "#f2c14e", "capture": "#5fad56", "replay": "#4d9de0"}

@@ -2,7 +2,7 @@
 
 Because replay follows the same order, a block one graph frees during capture (its saved
 activations, once its backward is recorded) is reused only by graphs the schedule runs after
-it. Each graphed callable keeps exactly the tensors it owns; this module holds none between
+it. Each graph builder keeps exactly the tensors it owns; this module holds none between
 steps.
 """
 
@@ -10,20 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .backends.base import GraphBackend
-from .buffers import StaticBuffers
-from .errors import phase_note
-from .graphed import GraphedCallable
-from .order import StepKind
-from .plan import Plan
-from .progress import ProgressCallback, ProgressEvent, notify
+from ..backends.base import GraphBackend
+from ..buffers import StaticBuffers
+from ..errors import phase_note
+from ..order import StepKind
+from ..plan import Plan
+from ..progress import ProgressCallback, ProgressEvent, notify
+from .graph import GraphBuilder
 
 __all__ = ["run_capture"]
 
 
 def run_capture(
     plan: Plan,
-    graphs: Sequence[GraphedCallable],
+    graphs: Sequence[GraphBuilder],
     *,
     backend: GraphBackend,
     buffers: StaticBuffers | None,
@@ -43,13 +43,12 @@ def run_capture(
             graph = graphs[step.graph]
             with phase_note("capture", graph.label, f"capture step {index} ({step})"):
                 if step.kind is StepKind.FORWARD:
-                    _assign(graphs, step.graph, buffers)
-                    graph._capture_forward()
+                    _capture_forward(graphs, step.graph, buffers)
                 else:
                     record = (
-                        graph._capture_weight
+                        graph.capture_weight
                         if step.kind is StepKind.WEIGHT
-                        else graph._capture_backward
+                        else graph.capture_backward
                     )
                     chained = () if buffers is None else buffers.chained(step.graph)
                     record(backend, release=buffers is not None, chained=chained)
@@ -60,14 +59,16 @@ def run_capture(
                 )
 
 
-def _assign(graphs: Sequence[GraphedCallable], graph: int, buffers: StaticBuffers | None) -> None:
-    callable_ = graphs[graph]
+def _capture_forward(
+    graphs: Sequence[GraphBuilder], graph: int, buffers: StaticBuffers | None
+) -> None:
+    builder = graphs[graph]
     if buffers is None:
-        callable_._assign_buffers(callable_._samples, ())
-    else:
-        sources = buffers.chain_sources(graph)
-        callable_._assign_buffers(
-            buffers.inputs_for(graph, lambda g: graphs[g]._static_outputs),
-            buffers.seeds_for(graph),
-            [None if s is None else graphs[s].label for s in sources],
-        )
+        builder.capture_forward(builder.source.samples, (), ())
+        return
+    sources = buffers.chain_sources(graph)
+    builder.capture_forward(
+        buffers.inputs_for(graph, lambda g: graphs[g].static_outputs),
+        buffers.seeds_for(graph),
+        [None if s is None else graphs[s].label for s in sources],
+    )

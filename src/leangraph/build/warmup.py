@@ -11,19 +11,19 @@ from collections.abc import Sequence
 
 import torch
 
-from .backends.base import GraphBackend
-from .errors import phase_note
-from .graphed import GraphedCallable
-from .order import StepKind
-from .plan import Plan
-from .progress import ProgressCallback, ProgressEvent, notify
+from ..backends.base import GraphBackend
+from ..errors import phase_note
+from ..order import StepKind
+from ..plan import Plan
+from ..progress import ProgressCallback, ProgressEvent, notify
+from .graph import GraphBuilder
 
 __all__ = ["run_warmup"]
 
 
 def run_warmup(
     plan: Plan,
-    graphs: Sequence[GraphedCallable],
+    graphs: Sequence[GraphBuilder],
     *,
     num_iters: int,
     backend: GraphBackend,
@@ -41,7 +41,7 @@ def run_warmup(
 
 def _warmup_pass(
     plan: Plan,
-    graphs: Sequence[GraphedCallable],
+    graphs: Sequence[GraphBuilder],
     iteration: int,
     observers: Sequence[ProgressCallback],
     total_steps: int,
@@ -52,13 +52,13 @@ def _warmup_pass(
         where = f"warm-up pass {iteration}, step {index} ({step})"
         with phase_note("warm-up", graph.label, where):
             if step.kind is StepKind.FORWARD:
-                outputs = graph._warmup_forward()
+                outputs = graph.warmup_forward()
                 if outputs is not None:
                     awaiting_backward.update(dict.fromkeys(step.born, outputs))
             else:
                 outputs = awaiting_backward.get(step.graph)
                 if outputs is not None:
-                    graph._warmup_backward(outputs, step.kind)
+                    graph.warmup_backward(outputs, step.kind)
                 for dead in step.dies:
                     awaiting_backward.pop(dead, None)
             del outputs

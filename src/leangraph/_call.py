@@ -1,0 +1,272 @@
+"""One validated record of a call: callables, samples, device and plan, checked once.
+
+``make_graphed_callables`` and ``plan_memory`` take the same ``callables`` / ``sample_args`` /
+``sample_kwargs`` / ``order`` forms. :func:`validate_call` turns them into one frozen
+:class:`Call`, which every later stage (probe, memory plan, buffers, build) reads, so no two
+stages can disagree on what a call means and every error message exists here once.
+:func:`check_capturable` adds what capture alone requires (module hooks, autocast, distinct
+modules); :class:`CaptureOptions` holds the options of ``make_graphed_callables``, checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .order import parse_order
+from .plan import Plan, build_plan, build_unordered_plan
+
+__all__ = ["Call", "CaptureOptions", "Sample", "check_capturable", "validate_call"]
+
+Sample = tuple[tuple[Any, ...], dict[str, Any]]
+"""One graph's sample call: ``(args, kwargs)``."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """The validated arguments of one call.
+
+    Attributes:
+        callables: The callables (or modules), as a tuple.
+        samples: One ``(args, kwargs)`` pair per graph, by graph index.
+        plan: The liveness plan of the order (or of torch's drop-in order).
+        device: The one device of every sample tensor and parameter.
+        single: Whether a single callable was passed (not a tuple).
+    """
+
+    callables: tuple[Any, ...]
+    samples: tuple[Sample, ...]
+    plan: Plan
+    device: torch.device
+    single: bool
+
+    def callable_index(self, graph: int) -> int:
+        """Position in ``callables`` of the callable graph ``graph`` runs."""
+        graph_id = self.plan.layout.graph_id(graph)
+        return self.plan.layout.callable_index(graph_id.chunk, graph_id.layer)
+
+    def callable_of(self, graph: int) -> Any:
+        """The callable (or module) graph ``graph`` runs."""
+        return self.callables[self.callable_index(graph)]
+
+    def label(self, graph: int) -> str:
+        """How errors name graph ``graph``: by position in the order, or by callable."""
+        if self.plan.ordered:
+            return f"graph ({self.plan.layout.graph_id(graph)})"
+        fn = self.callable_of(graph)
+        name = (
+            type(fn).__name__
+            if isinstance(fn, torch.nn.Module)
+            else getattr(fn, "__qualname__", type(fn).__name__)
+        )
+        return f"callable {self.callable_index(graph)} ({name})"
+
+    def chainable(self) -> tuple[bool, ...]:
+        """Per graph, whether its first input leaf is positional argument 0 itself (a
+        tensor), so that the previous layer's output can be passed for it."""
+        return tuple(bool(args) and isinstance(args[0], torch.Tensor) for args, _ in self.samples)
+
+
+def validate_call(
+    callables: Any,
+    sample_args: Any,
+    sample_kwargs: Any,
+    order: Sequence[int] | None,
+    num_layers_per_chunk: int | Sequence[int] | None,
+) -> Call:
+    """Check the shared argument forms and return the :class:`Call` they describe.
+
+    torch's convention holds: a single callable (not a tuple) comes with a single sample
+    tuple (and a single kwargs dict).
+
+    Raises:
+        TypeError: for callables that are not callable, sample arguments that are not tuples
+            of tensor pytrees, kwargs that are not dicts.
+        ValueError: for a malformed order, counts that do not match, tensors on several
+            devices.
+    """
+    single = not isinstance(callables, tuple)
+    if single:
+        callables = (callables,)
+        sample_args = (sample_args,)
+        sample_kwargs = None if sample_kwargs is None else (sample_kwargs,)
+    for index, fn in enumerate(callables):
+        if not callable(fn):
+            raise TypeError(f"callables[{index}] is a {type(fn).__name__}, which is not callable")
+    plan = _make_plan(len(callables), sample_args, order, num_layers_per_chunk)
+    samples = _normalize_samples(sample_args, sample_kwargs, plan.layout.num_graphs)
+    device = _common_device(samples, callables)
+    return Call(tuple(callables), samples, plan, device, single)
+
+
+def _make_plan(
+    num_callables: int,
+    sample_args: Any,
+    order: Sequence[int] | None,
+    num_layers_per_chunk: int | Sequence[int] | None,
+) -> Plan:
+    if not isinstance(sample_args, (tuple, list)):
+        raise TypeError(f"sample_args must be a tuple, got {type(sample_args).__name__}")
+    if order is None:
+        if num_layers_per_chunk is not None:
+            raise ValueError("num_layers_per_chunk needs an order")
+        if len(sample_args) != num_callables:
+            raise ValueError(
+                f"sample_args has {len(sample_args)} entries for {num_callables} callables; "
+                "without an order each callable needs exactly one"
+            )
+        return build_unordered_plan(num_callables)
+    layout, steps = parse_order(
+        order,
+        num_callables=num_callables,
+        num_samples=len(sample_args),
+        num_layers_per_chunk=num_layers_per_chunk,
+    )
+    return build_plan(layout, steps)
+
+
+def _normalize_samples(sample_args: Any, sample_kwargs: Any, count: int) -> tuple[Sample, ...]:
+    if sample_kwargs is None:
+        sample_kwargs = ({},) * count
+    if not isinstance(sample_kwargs, (tuple, list)) or len(sample_kwargs) != count:
+        got = len(sample_kwargs) if isinstance(sample_kwargs, (tuple, list)) else sample_kwargs
+        raise ValueError(f"sample_kwargs must have one dict per graph ({count}), got {got!r}")
+    samples: list[Sample] = []
+    for index, (args, kwargs) in enumerate(zip(sample_args, sample_kwargs)):
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(
+                f"sample_args[{index}] must be a tuple of arguments, got "
+                f"{type(args).__name__} (wrap a single tensor as (tensor,))"
+            )
+        if not isinstance(kwargs, dict):
+            raise TypeError(f"sample_kwargs[{index}] must be a dict, got {type(kwargs).__name__}")
+        for leaf in pytree.tree_leaves((tuple(args), kwargs)):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"sample_args[{index}]: every argument leaf must be a tensor, got "
+                    f"{type(leaf).__name__}"
+                )
+        samples.append((tuple(args), dict(kwargs)))
+    return tuple(samples)
+
+
+def _common_device(samples: Sequence[Sample], callables: Sequence[Any]) -> torch.device:
+    first: tuple[torch.device, str] | None = None
+    for where, tensor in _device_owners(samples, callables):
+        if first is None:
+            first = (tensor.device, where)
+        elif tensor.device != first[0]:
+            raise ValueError(
+                f"sample tensors and parameters must share one device: {first[1]} is on "
+                f"{first[0]}, but {where} is on {tensor.device}"
+            )
+    return first[0] if first is not None else torch.device("cpu")
+
+
+def _device_owners(
+    samples: Sequence[Sample], callables: Sequence[Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for index, (args, kwargs) in enumerate(samples):
+        for tensor in pytree.tree_leaves(args):
+            yield f"sample_args[{index}]", tensor
+        for tensor in pytree.tree_leaves(kwargs):
+            yield f"sample_kwargs[{index}]", tensor
+    for index, fn in enumerate(callables):
+        if isinstance(fn, torch.nn.Module):
+            for name, param in fn.named_parameters():
+                yield f"callables[{index}] ({type(fn).__name__}) parameter {name!r}", param
+
+
+# ---------------------------------------------------------------------------- capture only
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """The options of ``make_graphed_callables`` that warm-up, capture and replay read."""
+
+    num_warmup_iters: int
+    allow_unused_input: bool
+    retain_graph_in_backward: bool
+    share_buffers: bool
+    debug_outputs: bool
+    check_memory: bool
+    pre_warmup_hook: Callable[[], None] | None = None
+    post_warmup_hook: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        count = self.num_warmup_iters
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"num_warmup_iters must be an int >= 0, got {count!r}")
+
+
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def check_capturable(call: Call, already_graphed: Callable[[Any], bool]) -> None:
+    """What capture alone requires of a valid call, checked before any work.
+
+    ``already_graphed(module)`` says whether a module's ``forward`` is already graphed.
+
+    Raises:
+        RuntimeError: for autocast with its cache enabled.
+        ValueError: for modules with hooks, buffers that require grad, an already graphed
+            module, or (without an order) the same module given twice.
+    """
+    enabled = any(torch.is_autocast_enabled(d) for d in ("cuda", "cpu"))
+    if enabled and torch.is_autocast_cache_enabled():
+        raise RuntimeError(
+            "make_graphed_callables does not support the autocast cache: the cache would keep "
+            "capture-time casts alive; use torch.autocast(..., cache_enabled=False)"
+        )
+    for index, fn in enumerate(call.callables):
+        if isinstance(fn, torch.nn.Module):
+            _check_module(index, fn, already_graphed)
+    if not call.plan.ordered:
+        _check_distinct_modules(call.callables)
+
+
+def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[Any], bool]) -> None:
+    if already_graphed(fn):
+        raise ValueError(
+            f"callables[{index}] ({type(fn).__name__}) was already graphed; reset it and "
+            "capture a fresh module"
+        )
+    global_hooks = [
+        kind for kind in _MODULE_HOOKS if getattr(torch.nn.modules.module, f"_global{kind}", None)
+    ]
+    if global_hooks:
+        raise ValueError(
+            f"callables[{index}] ({type(fn).__name__}): global module hooks are registered "
+            f"({', '.join(f'_global{kind}' for kind in global_hooks)}); graphs cannot replay "
+            "them; remove them (torch.nn.modules.module.register_module_*_hook) before capture"
+        )
+    for name, module in fn.named_modules():
+        hooks = [kind for kind in _MODULE_HOOKS if getattr(module, kind, None)]
+        if hooks:
+            where = f"submodule {name!r}" if name else "the module"
+            raise ValueError(
+                f"callables[{index}] ({type(fn).__name__}): {where} has {', '.join(hooks)}, "
+                "which graphs cannot replay; remove them before capture"
+            )
+    for name, buffer in fn.named_buffers():
+        if buffer.requires_grad:
+            raise ValueError(
+                f"callables[{index}] ({type(fn).__name__}): buffer {name!r} requires grad; "
+                "graphed modules' buffers must not require grad"
+            )
+
+
+def _check_distinct_modules(callables: tuple[Any, ...]) -> None:
+    first: dict[int, int] = {}
+    for index, fn in enumerate(callables):
+        if isinstance(fn, torch.nn.Module):
+            if id(fn) in first:
+                raise ValueError(
+                    f"callables[{index}] is the same module as callables[{first[id(fn)]}]; "
+                    "without an order each module is graphed once (its forward is replaced)"
+                )
+            first[id(fn)] = index

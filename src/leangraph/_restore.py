@@ -1,0 +1,90 @@
+"""What a failed call puts back, and what it adds to an out-of-memory error.
+
+A failure in the probe, warm-up or capture must leave the caller's state as it found it:
+RNG states and modules' training flags (parameters' ``.grad`` need nothing: warm-up and
+capture differentiate with ``torch.autograd.grad``, which never touches ``.grad``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["SavedState", "note_out_of_memory"]
+
+
+class SavedState:
+    """What a failed warm-up or capture puts back: RNG states and modules' training flags.
+
+    Taken before the memory check and warm-up. On success nothing is restored, as in
+    ``torch.cuda.make_graphed_callables``: warm-up and capture advance the RNGs the callables
+    draw from. Parameters' ``.grad`` need no saving: warm-up and capture differentiate with
+    ``torch.autograd.grad``, which never touches ``.grad``.
+    """
+
+    def __init__(self, callables: tuple[Any, ...]) -> None:
+        self.cpu_rng = torch.get_rng_state()
+        # Only where CUDA is already initialised (a CUDA backend initialises it): reading the
+        # CUDA RNG would otherwise initialise CUDA for a CPU-only call.
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.training = [
+            (module, module.training)
+            for fn in callables
+            if isinstance(fn, torch.nn.Module)
+            for module in fn.modules()
+        ]
+
+    def restore(self, exc: BaseException) -> None:
+        """Put everything back; a step that fails is noted on ``exc``, which stays the error."""
+        steps: list[tuple[str, Callable[[], None]]] = [
+            ("the CPU RNG state", lambda: torch.set_rng_state(self.cpu_rng))
+        ]
+        if self.cuda_rng is not None:
+            cuda_rng = self.cuda_rng
+            steps.append(("the CUDA RNG states", lambda: torch.cuda.set_rng_state_all(cuda_rng)))
+        for what, step in steps:
+            try:
+                step()
+            except Exception as error:
+                _add_note(exc, f"leangraph: could not restore {what} after the failure: {error!r}")
+        for module, training in self.training:
+            module.training = training
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    add_note = getattr(exc, "add_note", None)  # Python >= 3.11
+    if add_note is not None:
+        add_note(note)
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
+def note_out_of_memory(exc: BaseException, device: torch.device) -> None:
+    """Add the CUDA allocator's figures to an out-of-memory error raised by warm-up or capture."""
+    if not isinstance(exc, torch.cuda.OutOfMemoryError) or device.type != "cuda":
+        return
+    try:
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        reserved = torch.cuda.memory_reserved(device)
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch>=2.7
+        fraction = (
+            ""
+            if get_fraction is None
+            else f", per-process memory fraction {get_fraction(device):g}"
+        )
+    except Exception:
+        return
+    _add_note(
+        exc,
+        (
+            f"leangraph: out of memory on {device} in make_graphed_callables: memory_allocated "
+            f"{_mib(allocated)}, memory_reserved {_mib(reserved)}, free on the device {_mib(free)} "
+            f"of {_mib(total)}{fraction}; the graphs made so far were reset, and "
+            "torch.cuda.empty_cache() returns their memory once this error is dropped"
+        ),
+    )

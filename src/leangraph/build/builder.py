@@ -1,0 +1,191 @@
+"""The build stage: graph sources from the call, warm-up, buffers, capture, frozen records.
+
+:func:`build_graphs` takes the validated call, the probe's facts and the buffer plan, and
+returns one :class:`~leangraph.build.record.GraphRecord` per graph with the call's
+:class:`~leangraph.report.CaptureRecord`. On failure every graph made so far is released and
+the exception propagates.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .._call import Call, CaptureOptions
+from .._restore import note_out_of_memory
+from ..backends.base import GraphBackend
+from ..buffers import BufferPlan, StaticBuffers
+from ..hooks import CaptureHooks
+from ..probe import GraphFacts
+from ..progress import ProgressCallback
+from ..report import CaptureRecord
+from ..runtime.signature import CallSignature
+from .capture import run_capture
+from .graph import GraphBuilder, GraphSource
+from .record import GraphRecord, ModuleBinding, ParameterSharing
+from .recorder import MemoryRecorder
+from .warmup import run_warmup
+
+__all__ = ["Built", "build_graphs"]
+
+
+@dataclass(frozen=True)
+class Built:
+    """What the build stage hands on: a record per graph and what the call measured."""
+
+    records: tuple[GraphRecord, ...]
+    capture: CaptureRecord
+
+
+def build_graphs(
+    call: Call,
+    facts: Sequence[GraphFacts],
+    buffer_plan: BufferPlan | None,
+    backend: GraphBackend,
+    options: CaptureOptions,
+    *,
+    hooks: Sequence[CaptureHooks],
+    progress: ProgressCallback | None,
+) -> Built:
+    """Warm up, allocate the static buffers of ``buffer_plan`` (None: no sharing), capture.
+
+    Raises:
+        Whatever the callables raise, with a note naming the phase, graph and step.
+    """
+    sources = graph_sources(call, facts, hooks, options)
+    builders = [GraphBuilder(source, backend.new_pair()) for source in sources]
+    try:
+        capture = _warm_up_and_capture(call, builders, buffer_plan, backend, options, progress)
+        return Built(tuple(b.record() for b in builders), capture)
+    except BaseException as exc:
+        note_out_of_memory(exc, call.device)  # figures as at the failure, before the resets
+        for builder in builders:
+            builder.abandon()
+        raise
+
+
+def _warm_up_and_capture(
+    call: Call,
+    builders: Sequence[GraphBuilder],
+    buffer_plan: BufferPlan | None,
+    backend: GraphBackend,
+    options: CaptureOptions,
+    progress: ProgressCallback | None,
+) -> CaptureRecord:
+    plan = call.plan
+    recorder = MemoryRecorder(call.device, getattr(backend, "pool", None))
+    observers = [recorder] + ([progress] if progress is not None else [])
+    warmup_steps = options.num_warmup_iters * len(plan.warmup)
+    if options.pre_warmup_hook is not None:
+        options.pre_warmup_hook()
+    run_warmup(
+        plan,
+        builders,
+        num_iters=options.num_warmup_iters,
+        backend=backend,
+        observers=observers,
+        total_steps=warmup_steps + len(plan.capture),
+    )
+    if options.post_warmup_hook is not None:
+        options.post_warmup_hook()
+    recorder.end_warmup()
+    # Allocated after warm-up, so warm-up's peak does not carry them.
+    buffers = None if buffer_plan is None else StaticBuffers.allocate(buffer_plan)
+    run_capture(
+        plan,
+        builders,
+        backend=backend,
+        buffers=buffers,
+        observers=observers,
+        steps_before=warmup_steps,
+    )
+    return recorder.finish()
+
+
+def graph_sources(
+    call: Call,
+    facts: Sequence[GraphFacts],
+    hooks: Sequence[CaptureHooks],
+    options: CaptureOptions,
+) -> list[GraphSource]:
+    """What every graph is built from, in graph order."""
+    sharing = parameter_sharing(call, facts)
+    seen: set[int] = set()
+    sources = []
+    for graph in range(call.plan.layout.num_graphs):
+        fn = call.callable_of(graph)
+        leaves, tree = pytree.tree_flatten(call.samples[graph])
+        samples = _static_leaves(leaves, seen, copy_repeats=not options.share_buffers)
+        named = tuple(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else ()
+        label = call.label(graph)
+        sources.append(
+            GraphSource(
+                index=graph,
+                label=label,
+                graph_id=call.plan.layout.graph_id(graph) if call.plan.ordered else None,
+                fn=fn.forward if isinstance(fn, torch.nn.Module) else fn,
+                samples=samples,
+                signature=CallSignature(label, samples, tree),
+                params=tuple(p for _, p in named),
+                param_names=tuple(n for n, _ in named),
+                facts=facts[graph],
+                hooks=hooks[call.callable_index(graph)],
+                sharing=sharing[graph],
+                module=_binding(fn) if not call.plan.ordered else None,
+                allow_unused_input=options.allow_unused_input,
+                retain_graph=options.retain_graph_in_backward,
+                split_backward=call.plan.split_backward,
+            )
+        )
+    return sources
+
+
+def _binding(fn: object) -> ModuleBinding | None:
+    """How a module graphed without an order falls back to eager outside its mode."""
+    if not isinstance(fn, torch.nn.Module):
+        return None
+    return ModuleBinding(
+        module=weakref.ref(fn), eager_forward=weakref.WeakMethod(fn.forward), training=fn.training
+    )
+
+
+def _static_leaves(
+    leaves: list[torch.Tensor], seen: set[int], *, copy_repeats: bool
+) -> tuple[torch.Tensor, ...]:
+    """Sample tensors as detached leaves; with ``copy_repeats`` (samples that will be static
+    inputs) a tensor already given to another graph is copied."""
+    static = []
+    for leaf in leaves:
+        tensor = leaf.detach()
+        if copy_repeats and id(leaf) in seen:
+            tensor = tensor.clone()
+        seen.add(id(leaf))
+        static.append(tensor.requires_grad_(leaf.requires_grad))
+    return tuple(static)
+
+
+def parameter_sharing(call: Call, facts: Sequence[GraphFacts]) -> list[ParameterSharing]:
+    """Per graph, which other graphs train one of its parameters, known before capture."""
+    params_of: list[list[torch.nn.Parameter]] = []
+    trained_by: dict[int, list[int]] = {}
+    for graph in range(call.plan.layout.num_graphs):
+        fn = call.callable_of(graph)
+        params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+        params_of.append(params)
+        for param, trains in zip(params, facts[graph].trains):
+            if trains:
+                trained_by.setdefault(id(param), []).append(graph)
+    # A layer's graphs (one per microbatch) share the same parameters: find their peers once.
+    found: dict[tuple[int, ...], tuple[int, ...]] = {}
+    result = []
+    for graph, params in enumerate(params_of):
+        shared = tuple(id(p) for p in params if len(trained_by.get(id(p), ())) > 1)
+        if shared not in found:
+            found[shared] = tuple(sorted({g for key in shared for g in trained_by[key]}))
+        peers = tuple(g for g in found[shared] if g != graph)
+        result.append(ParameterSharing(peers, frozenset(shared)))
+    return result

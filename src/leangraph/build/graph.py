@@ -1,0 +1,342 @@
+"""One graph under construction: eager warm-up on its samples, then capture into its pair.
+
+A :class:`GraphBuilder` is private to the build stage. Warm-up and capture drive it in the
+plan's order; :meth:`GraphBuilder.record` then freezes what capture made into a
+:class:`~leangraph.build.record.GraphRecord` and the builder is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..backends.base import GraphBackend, GraphPair
+from ..buffers import BufferKey, same_buffer
+from ..hooks import CaptureHooks
+from ..order import GraphId, StepKind
+from ..probe import GraphFacts
+from ..runtime.signature import CallSignature
+from .record import GraphRecord, ModuleBinding, ParameterSharing
+
+__all__ = ["GraphBuilder", "GraphSource"]
+
+
+@dataclass(frozen=True)
+class GraphSource:
+    """What one graph is built from, all known before warm-up.
+
+    ``samples`` are the sample call's tensor leaves (detached, ``requires_grad`` kept);
+    ``split_backward`` says whether the plan defers weight gradients to their own step.
+    """
+
+    index: int
+    label: str
+    graph_id: GraphId | None
+    fn: Callable[..., Any]
+    samples: tuple[torch.Tensor, ...]
+    signature: CallSignature
+    params: tuple[torch.nn.Parameter, ...]
+    param_names: tuple[str, ...]
+    facts: GraphFacts
+    hooks: CaptureHooks
+    sharing: ParameterSharing
+    module: ModuleBinding | None
+    allow_unused_input: bool
+    retain_graph: bool
+    split_backward: bool
+
+
+class GraphBuilder:
+    """Warm-up and capture of one graph; see the module docstring."""
+
+    def __init__(self, source: GraphSource, pair: GraphPair) -> None:
+        self.source = source
+        self.pair = pair
+        self._static_inputs: tuple[torch.Tensor, ...] = ()
+        self._chained_from: tuple[str | None, ...] = ()
+        self._static_outputs: tuple[torch.Tensor, ...] = ()
+        self._output_requires_grad: tuple[bool, ...] = ()
+        self._static_grad_outputs: tuple[torch.Tensor | None, ...] = ()
+        self._static_grads: tuple[torch.Tensor | None, ...] = ()
+        self._static_weight_grads: tuple[torch.Tensor | None, ...] = ()
+        self._released = False
+
+    @property
+    def label(self) -> str:
+        return self.source.label
+
+    @property
+    def static_outputs(self) -> tuple[torch.Tensor, ...]:
+        """The captured static outputs (what a chained next layer reads)."""
+        return self._static_outputs
+
+    # ------------------------------------------------------------------------ running
+
+    def _run(self, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Run the callable on ``leaves``; its outputs must look as the probe saw them."""
+        args, kwargs = self.source.signature.unflatten(leaves)
+        outputs, tree = pytree.tree_flatten(self.source.fn(*args, **kwargs))
+        for index, leaf in enumerate(outputs):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"{self.label}: output {index} must be a tensor, got {type(leaf).__name__}"
+                )
+        expected = self.source.facts
+        if tree != expected.output_tree:
+            raise RuntimeError(
+                f"{self.label}: outputs changed structure between runs: "
+                f"{expected.output_tree} then {tree}"
+            )
+        keys = tuple(BufferKey.of(o) for o in outputs)
+        if keys != expected.outputs:
+            raise RuntimeError(
+                f"{self.label}: outputs changed shape, dtype, device or requires_grad between "
+                f"runs: {_describe(expected.outputs)} then {_describe(keys)}; graphs need "
+                "outputs that do not depend on the data"
+            )
+        return tuple(outputs)
+
+    def _with_forward_hooks(
+        self, leaves: Sequence[torch.Tensor], run: Callable[[], tuple[torch.Tensor, ...]]
+    ) -> tuple[torch.Tensor, ...]:
+        """``run()`` between the callable's forward_pre and forward capture-time hooks."""
+        hooks = self.source.hooks
+        if not (hooks.forward_pre or hooks.forward):
+            return run()  # once per step of every pass: skip rebuilding the arguments
+        args, kwargs = self.source.signature.unflatten(leaves)
+        hooks.run("forward_pre", args, kwargs)
+        outputs = run()
+        output = pytree.tree_unflatten(list(outputs), self.source.facts.output_tree)
+        hooks.run("forward", args, kwargs, output)
+        return outputs
+
+    def _input_targets(self, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in leaves if t.requires_grad)
+
+    def _param_targets(self) -> tuple[torch.Tensor, ...]:
+        source = self.source
+        return tuple(p for p, trains in zip(source.params, source.facts.trains) if trains)
+
+    def _check_unused(self, grads: Sequence[torch.Tensor | None]) -> None:
+        if self.source.allow_unused_input or all(g is not None for g in grads):
+            return
+        names = [s.name for s in self.source.signature.specs if s.requires_grad]
+        names += [
+            f"parameter {name!r}"
+            for name, trains in zip(self.source.param_names, self.source.facts.trains)
+            if trains
+        ]
+        unused = [name for name, g in zip(names, grads) if g is None]
+        raise ValueError(
+            f"{self.label}: outputs do not depend on {', '.join(unused)}, which "
+            "require grad; pass allow_unused_input=True to allow it"
+        )
+
+    def _differentiable(self, outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        differentiable = tuple(o for o in outputs if o.requires_grad)
+        if differentiable and not (
+            self._input_targets(self.source.samples) or self._param_targets()
+        ):
+            raise ValueError(
+                f"{self.label}: outputs require grad only through tensors that are neither "
+                "inputs nor module parameters; graph an nn.Module so its parameters are known"
+            )
+        return differentiable
+
+    # ------------------------------------------------------------------------ warm-up
+
+    def warmup_forward(self) -> tuple[torch.Tensor, ...] | None:
+        """One eager forward on the samples; returns the outputs awaiting a backward, or None."""
+        samples = self.source.samples
+        outputs = self._with_forward_hooks(samples, lambda: self._run(samples))
+        return self._differentiable(outputs) or None
+
+    def warmup_backward(self, outputs: tuple[torch.Tensor, ...], kind: StepKind) -> None:
+        """One eager backward (full, input-gradient or weight-gradient part) on ``outputs``."""
+        split = self.source.split_backward
+        if kind is StepKind.BACKWARD and split:
+            targets, retain = self._input_targets(self.source.samples), True
+        elif kind is StepKind.WEIGHT:
+            targets, retain = self._param_targets(), False
+        else:
+            targets = self._input_targets(self.source.samples) + self._param_targets()
+            retain = False
+        self.source.hooks.run("backward_pre")
+        if targets:
+            grads = torch.autograd.grad(
+                outputs,
+                targets,
+                retain_graph=retain,
+                allow_unused=True,
+                grad_outputs=[torch.zeros_like(o) for o in outputs],
+            )
+            if not split:
+                self._check_unused(grads)
+        self.source.hooks.run("backward")
+
+    # ------------------------------------------------------------------------ capture
+
+    def capture_forward(
+        self,
+        static_inputs: Sequence[torch.Tensor],
+        seeds: Sequence[torch.Tensor | None],
+        chained_from: Sequence[str | None],
+    ) -> None:
+        """Record the forward graph on the static inputs and gradient seeds the buffer plan
+        gave this graph (``chained_from[i]``: the graph whose output buffer input ``i`` is)."""
+        self._static_inputs = tuple(static_inputs)
+        self._static_grad_outputs = tuple(seeds)
+        self._chained_from = tuple(chained_from)
+        with torch.no_grad():
+            for static, sample in zip(self._static_inputs, self.source.samples):
+                if not same_buffer(static, sample):
+                    static.copy_(sample)  # values do not matter on CUDA; keeps CPU runs exact
+        captured: list[Any] = []
+
+        def capture() -> tuple[torch.Tensor, ...]:
+            captured.append(self.pair.capture_forward(lambda: self._run(self._static_inputs)))
+            return captured[0].outputs
+
+        self._with_forward_hooks(self._static_inputs, capture)
+        self._static_outputs = captured[0].outputs
+        self._output_requires_grad = captured[0].requires_grad
+        if not self._static_grad_outputs and any(self._output_requires_grad):
+            self._static_grad_outputs = tuple(
+                torch.empty_like(o) if rg else None
+                for o, rg in zip(self._static_outputs, self._output_requires_grad)
+            )
+
+    def _grad_body(
+        self, targets: Callable[[], tuple[torch.Tensor, ...]], retain: bool
+    ) -> Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor | None]]:
+        """A backward body differentiating the outputs w.r.t. ``targets()``.
+
+        Targets are looked up at run time: the CPU backend reruns the body against forward
+        replays made on the static inputs as they are then, where a parameter frozen since
+        capture gets None (a CUDA graph still computes its gradient; autograd drops it).
+        """
+        seeds = [g for g in self._static_grad_outputs if g is not None]
+
+        def body(outputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+            wanted = targets()
+            live = [t for t in wanted if t.requires_grad]
+            if not live:
+                return (None,) * len(wanted)
+            grads = iter(
+                torch.autograd.grad(
+                    self._differentiable(outputs),
+                    live,
+                    grad_outputs=seeds,
+                    allow_unused=True,
+                    retain_graph=retain,
+                )
+            )
+            return tuple(next(grads) if t.requires_grad else None for t in wanted)
+
+        return body
+
+    def capture_backward(
+        self, backend: GraphBackend, *, release: bool, chained: Sequence[bool]
+    ) -> None:
+        """Record the backward graph (input gradients only when the backward is split).
+
+        With ``release`` (and no weight step to come), stop owning what dies here: the plan
+        has no further use for this graph's outputs, its gradient buffers or (for chained
+        inputs) the previous layer's output, so they are kept only as non-owning views and
+        the pool hands their blocks to graphs captured later.
+        """
+        if not any(self._output_requires_grad):
+            return
+        hooks = self.source.hooks
+        hooks.run("backward_pre")
+        if self.source.split_backward:  # the weight step still needs the saved activations
+            if self._input_targets(self._static_inputs):  # none: there is no graph to record
+                body = self._grad_body(lambda: self._input_targets(self._static_inputs), True)
+                self._static_grads = self.pair.capture_backward(body, retain_graph=True)
+            hooks.run("backward")
+            return
+        retain = self.source.retain_graph
+        body = self._grad_body(
+            lambda: self._input_targets(self._static_inputs) + self._param_targets(), retain
+        )
+        self._static_grads = self.pair.capture_backward(body, retain_graph=retain)
+        hooks.run("backward")
+        self._check_unused(self._static_grads)
+        if release:
+            self._release_buffers(backend, chained)
+
+    def capture_weight(
+        self, backend: GraphBackend, *, release: bool, chained: Sequence[bool]
+    ) -> None:
+        """Record the deferred weight-gradient graph of a split backward."""
+        if not any(self._output_requires_grad):
+            return
+        retain = self.source.retain_graph
+        hooks = self.source.hooks
+        hooks.run("backward_pre")
+        if self._param_targets():
+            body = self._grad_body(self._param_targets, retain)
+            self._static_weight_grads = self.pair.capture_weight(body, retain_graph=retain)
+        elif not retain:  # nothing to record: just let the activations go
+            self.pair.release_saved()
+        hooks.run("backward")
+        self._check_unused(self._static_grads + self._static_weight_grads)
+        if release:
+            self._release_buffers(backend, chained)
+
+    def _release_buffers(self, backend: GraphBackend, chained: Sequence[bool]) -> None:
+        self._released = True
+        self._static_outputs = tuple(backend.disown(o) for o in self._static_outputs)
+        self._static_grads = tuple(
+            None if g is None else backend.disown(g) for g in self._static_grads
+        )
+        self._static_weight_grads = tuple(
+            None if g is None else backend.disown(g) for g in self._static_weight_grads
+        )
+        self._static_inputs = tuple(
+            backend.alias(t).requires_grad_(t.requires_grad) if link else t
+            for t, link in zip(self._static_inputs, chained)
+        )
+
+    # ------------------------------------------------------------------------ hand-off
+
+    def record(self) -> GraphRecord:
+        """Freeze what capture made (call once, after the capture pass)."""
+        source = self.source
+        return GraphRecord(
+            index=source.index,
+            label=source.label,
+            graph_id=source.graph_id,
+            pair=self.pair,
+            signature=source.signature,
+            static_inputs=self._static_inputs,
+            chained_from=self._chained_from or (None,) * len(self._static_inputs),
+            static_outputs=self._static_outputs,
+            output_tree=source.facts.output_tree,
+            output_requires_grad=self._output_requires_grad,
+            static_grad_outputs=self._static_grad_outputs,
+            static_grads=self._static_grads,
+            static_weight_grads=self._static_weight_grads,
+            params=source.params,
+            param_names=source.param_names,
+            param_trains=source.facts.trains,
+            released=self._released,
+            split_backward=source.split_backward,
+            retain_graph=source.retain_graph,
+            sharing=source.sharing,
+            module=source.module,
+        )
+
+    def abandon(self) -> None:
+        """Release the pair after a failed build."""
+        self.pair.reset()
+
+
+def _describe(keys: Sequence[BufferKey]) -> str:
+    return ", ".join(
+        f"{tuple(k.shape)} {k.dtype}{' requires_grad' if k.requires_grad else ''}" for k in keys
+    )

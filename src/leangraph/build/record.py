@@ -1,0 +1,108 @@
+"""The hand-off from build to runtime: one frozen record per captured graph."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..backends.base import GraphPair
+from ..order import GraphId
+from ..runtime.signature import CallSignature
+
+__all__ = ["GraphRecord", "ModuleBinding", "ParameterSharing"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleBinding:
+    """How a module's graphed ``forward`` falls back to eager outside its training mode."""
+
+    module: weakref.ref[torch.nn.Module]
+    eager_forward: weakref.WeakMethod[Callable[..., Any]]
+    training: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ParameterSharing:
+    """Which other graphs of the call train one of this graph's parameters (the same
+    layer's other microbatches, tied weights), and those parameters' ids; known from the
+    layout and the probe before capture."""
+
+    peers: tuple[int, ...] = ()
+    shared_param_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True, eq=False)
+class GraphRecord:
+    """Everything one graph's replay needs, as capture left it.
+
+    Tensors here are graph-owned static buffers: replays overwrite the outputs and gradients
+    in place. After capture with buffer sharing (``released``), the outputs and gradient
+    buffers are non-owning views into the pool, valid only within the plan's windows.
+
+    Attributes:
+        index: The graph's position in the call's result.
+        label: How errors name it.
+        graph_id: Chunk, microbatch and layer with an order, else None.
+        pair: The backend's forward, backward (and weight-gradient) graphs.
+        signature: What a replay's arguments must match.
+        static_inputs: One static buffer per input leaf.
+        chained_from: Per input leaf, the label of the graph whose output buffer it is.
+        static_outputs: One static buffer per output leaf (tensor outputs only).
+        output_tree: The structure the outputs are returned in.
+        output_requires_grad: Per output, whether it needs a gradient.
+        static_grad_outputs: Per output, the seed buffer its incoming gradient is copied into.
+        static_grads: The backward graph's gradients: inputs that require grad, then (for a
+            full backward) the trained parameters.
+        static_weight_grads: The weight-gradient graph's parameter gradients (split backward).
+        params: The callable's parameters; ``param_names`` and ``param_trains`` alongside.
+        released: Whether outputs and gradient buffers were handed back to the pool.
+        split_backward: Whether the backward is split (zero-bubble weight steps).
+        retain_graph: Whether a backward may replay more than once per forward.
+        sharing: Which other graphs train one of its parameters.
+        module: The module binding for graphed module forwards, else None.
+    """
+
+    index: int
+    label: str
+    graph_id: GraphId | None
+    pair: GraphPair
+    signature: CallSignature
+    static_inputs: tuple[torch.Tensor, ...]
+    chained_from: tuple[str | None, ...]
+    static_outputs: tuple[torch.Tensor, ...]
+    output_tree: pytree.TreeSpec
+    output_requires_grad: tuple[bool, ...]
+    static_grad_outputs: tuple[torch.Tensor | None, ...]
+    static_grads: tuple[torch.Tensor | None, ...]
+    static_weight_grads: tuple[torch.Tensor | None, ...]
+    params: tuple[torch.nn.Parameter, ...]
+    param_names: tuple[str, ...]
+    param_trains: tuple[bool, ...]
+    released: bool
+    split_backward: bool
+    retain_graph: bool
+    sharing: ParameterSharing
+    module: ModuleBinding | None
+
+    @property
+    def has_backward(self) -> bool:
+        """Whether any output needs a gradient."""
+        return any(self.output_requires_grad)
+
+    def trained_params(self) -> tuple[torch.nn.Parameter, ...]:
+        """The parameters the graphs differentiate, in gradient order."""
+        return tuple(p for p, trains in zip(self.params, self.param_trains) if trains)
+
+    def owned_tensors(self) -> list[torch.Tensor]:
+        """The static tensors this graph keeps allocated (shared ones included)."""
+        owned = [t for t, source in zip(self.static_inputs, self.chained_from) if source is None]
+        owned += [g for g in self.static_grad_outputs if g is not None]
+        if not self.released:
+            owned += list(self.static_outputs)
+            owned += [g for g in (*self.static_grads, *self.static_weight_grads) if g is not None]
+        return owned

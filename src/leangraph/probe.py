@@ -1,0 +1,274 @@
+"""The probe: one forward of each distinct callable, measured once for every later stage.
+
+Before warm-up, every distinct (callable, sample signature) pair runs forward once under
+``torch.autograd.graph.saved_tensors_hooks``. What it returns and what autograd saves give
+the facts the memory check and the buffer plan both read, so the two cannot disagree: each
+graph's input and output buffer keys, which outputs need a gradient (hence whether the
+graph has a backward), its output structure, which parameters it trains, and the byte counts
+of :class:`LayerMemory`. Nothing runs backward (gradient sizes come from tensor metadata).
+
+The probe leaves no trace: it runs in a forked RNG state, puts module buffers back (a forward
+may update some, BatchNorm's running statistics), and frees what it allocated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ._call import Call, Sample
+from .buffers import BufferKey
+from .errors import phase_note
+
+__all__ = ["GraphFacts", "LayerMemory", "probe"]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerMemory:
+    """One measured forward of a callable on one sample signature.
+
+    Byte counts are of distinct storages (a view keeps its whole storage alive, so a saved view
+    costs its storage, and several views of one storage cost it once).
+
+    Attributes:
+        activation_bytes: Saved for backward, excluding parameters, buffers and the inputs.
+        saved_input_bytes: Inputs that are saved for backward (static inputs or the previous
+            layer's output; the Korthikanti formula counts them as the layer's activations).
+        output_bytes: Outputs that await a backward (differentiable ones).
+        in_flight_bytes: What one forward holds until its backward, in warm-up and in the
+            capture pool: activations and outputs (a saved output counted once).
+        grad_input_bytes: Gradients of inputs that require grad.
+        param_grad_bytes: Gradients of parameters that require grad.
+        inputs: Buffer key of every tensor leaf of the sample arguments.
+        outputs: Buffer key of every tensor output (``requires_grad``: it needs a gradient).
+    """
+
+    activation_bytes: int
+    saved_input_bytes: int
+    output_bytes: int
+    in_flight_bytes: int
+    grad_input_bytes: int
+    param_grad_bytes: int
+    inputs: tuple[BufferKey, ...]
+    outputs: tuple[BufferKey, ...]
+
+    @property
+    def transient_bytes(self) -> int:
+        """What a backward allocates on top of what is held: grad-inputs + parameter grads."""
+        return self.grad_input_bytes + self.param_grad_bytes
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    """What one graph's probe forward showed; shared by graphs of one callable and signature.
+
+    Attributes:
+        memory: The byte counts and buffer keys of the forward.
+        output_tree: The pytree structure of what the callable returned.
+        trains: Per parameter of the callable (``named_parameters`` order), whether it
+            requires grad, so the graphs differentiate it.
+    """
+
+    memory: LayerMemory
+    output_tree: pytree.TreeSpec
+    trains: tuple[bool, ...]
+
+    @property
+    def inputs(self) -> tuple[BufferKey, ...]:
+        """Buffer key of every tensor leaf of the sample arguments."""
+        return self.memory.inputs
+
+    @property
+    def outputs(self) -> tuple[BufferKey, ...]:
+        """Buffer key of every output; ``requires_grad`` says it needs a gradient."""
+        return self.memory.outputs
+
+    @property
+    def has_backward(self) -> bool:
+        """Whether any output needs a gradient, so the graph has a backward."""
+        return any(key.requires_grad for key in self.memory.outputs)
+
+
+def probe(
+    call: Call,
+    *,
+    where: AbstractContextManager[Any] | None = None,
+    around_forward: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> tuple[GraphFacts, ...]:
+    """One :class:`GraphFacts` per graph of ``call``, each distinct forward run once.
+
+    Args:
+        call: The validated call.
+        where: A context the forwards run in (the backend's warm-up context: the stream
+            warm-up uses next, so lazily created per-stream state is where capture expects it).
+        around_forward: Made anew around each forward (the memory plan's emulation of fused
+            attention on meta tensors, say).
+
+    Raises:
+        TypeError: naming the graph whose output has a leaf that is not a tensor.
+    """
+    cache: dict[tuple[Any, ...], GraphFacts] = {}
+    facts = []
+    devices = [call.device] if call.device.type == "cuda" else []
+    with (
+        torch.random.fork_rng(devices=devices, device_type="cuda"),
+        _buffers_kept(call.callables),
+        where if where is not None else contextlib.nullcontext(),
+    ):
+        for graph in range(call.plan.layout.num_graphs):
+            fn = call.callable_of(graph)
+            key = _signature(fn, call.samples[graph])
+            if key not in cache:
+                label = call.label(graph)
+                with phase_note("the probe", label, "its one forward before warm-up"):
+                    cache[key] = _measure(fn, call.samples[graph], label, around_forward)
+            facts.append(cache[key])
+    return tuple(facts)
+
+
+@contextlib.contextmanager
+def _buffers_kept(callables: tuple[Any, ...]) -> Iterator[None]:
+    """Put module buffers back as they were: the probe's forward is not one the user asked
+    for, so its updates (BatchNorm's running statistics) must not stay."""
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for fn in callables:
+        if isinstance(fn, torch.nn.Module):
+            for buffer in fn.buffers():
+                kept.setdefault(id(buffer), (buffer, buffer.detach().clone()))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept.values():
+                buffer.copy_(value)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    """A key identifying ``tensor``'s storage while it is alive, and the storage's bytes."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage._cdata, storage.nbytes()
+    except (NotImplementedError, RuntimeError):  # tensors without a plain storage
+        return id(tensor), _nbytes(tensor)
+
+
+def _bytes(storages: dict[int, int], keys: Iterable[int]) -> int:
+    return sum(storages[k] for k in set(keys))
+
+
+def _signature(fn: Any, sample: Sample) -> tuple[Any, ...]:
+    """What makes two graphs' facts equal: the callable and the samples' metadata."""
+    leaves, tree = pytree.tree_flatten(sample)
+    meta = tuple((tuple(t.shape), t.dtype, str(t.device), t.requires_grad) for t in leaves)
+    return id(fn), str(tree), meta
+
+
+class _Packed:
+    """What the pack hook hands autograd instead of a saved tensor.
+
+    Packing the tensor itself would tie a saved *output* and its own ``grad_fn`` into a
+    reference cycle (output -> node -> output), which keeps the whole graph of the forward,
+    and its device memory, alive until the cycle collector runs. The holder is emptied once
+    the measurement is done, which breaks every such cycle.
+    """
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+
+
+@contextlib.contextmanager
+def _run_forward(
+    fn: Any,
+    inputs: list[torch.Tensor],
+    tree: pytree.TreeSpec,
+    around_forward: Callable[[], AbstractContextManager[Any]],
+) -> Iterator[tuple[Any, list[torch.Tensor]]]:
+    """Run ``fn`` once; yields what it returned and the tensors autograd still saves.
+
+    Saved tensors are tracked by weak reference: those of graph branches that died during the
+    forward (results the callable dropped) are freed, so they neither count nor alias the
+    storage keys of tensors allocated after them.
+    """
+    packed: list[weakref.ref[_Packed]] = []
+
+    def pack(tensor: torch.Tensor) -> _Packed:
+        holder = _Packed(tensor)
+        packed.append(weakref.ref(holder))
+        return holder
+
+    def unpack(holder: _Packed) -> torch.Tensor:
+        assert holder.tensor is not None, "the probe's graph is never differentiated"
+        return holder.tensor
+
+    args, kwargs = pytree.tree_unflatten(inputs, tree)
+    with around_forward(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        returned = fn(*args, **kwargs)
+    holders = [h for h in (ref() for ref in packed) if h is not None]
+    try:
+        yield returned, [h.tensor for h in holders if h.tensor is not None]
+    finally:
+        for holder in holders:
+            holder.tensor = None
+
+
+def _measure(
+    fn: Any,
+    sample: Sample,
+    label: str,
+    around_forward: Callable[[], AbstractContextManager[Any]],
+) -> GraphFacts:
+    """Probe one forward of ``fn`` on ``sample``; see :class:`GraphFacts`."""
+    leaves, tree = pytree.tree_flatten(sample)
+    inputs = [t.detach().requires_grad_(t.requires_grad) for t in leaves]
+    params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+    buffers = list(fn.buffers()) if isinstance(fn, torch.nn.Module) else []
+    with _run_forward(fn, inputs, tree, around_forward) as (returned, saved_tensors):
+        outputs, output_tree = pytree.tree_flatten(returned)
+        for index, out in enumerate(outputs):
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(
+                    f"{label}: output {index} must be a tensor, got {type(out).__name__}"
+                )
+        memory = _layer_memory(inputs, params, buffers, outputs, saved_tensors)
+    named = fn.named_parameters() if isinstance(fn, torch.nn.Module) else ()
+    return GraphFacts(memory, output_tree, tuple(p.requires_grad for _, p in named))
+
+
+def _layer_memory(
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    saved_tensors: Sequence[torch.Tensor],
+) -> LayerMemory:
+    everything = [*saved_tensors, *inputs, *params, *buffers, *outputs]
+    storages = dict(_storage(t) for t in everything)
+    saved = {_storage(t)[0] for t in saved_tensors}
+    fixed = {_storage(t)[0] for t in (*params, *buffers)}
+    input_keys = {_storage(t)[0] for t in inputs} - fixed
+    kept_keys = {_storage(t)[0] for t in outputs if t.requires_grad} - fixed - input_keys
+    activations = saved - fixed - input_keys
+    return LayerMemory(
+        activation_bytes=_bytes(storages, activations),
+        saved_input_bytes=_bytes(storages, saved & input_keys),
+        output_bytes=_bytes(storages, kept_keys),
+        # Without a differentiable output there is no backward: nothing outlives the forward.
+        in_flight_bytes=_bytes(storages, activations | kept_keys) if kept_keys else 0,
+        grad_input_bytes=sum(_nbytes(t) for t in inputs if t.requires_grad),
+        param_grad_bytes=sum(_nbytes(p) for p in params if p.requires_grad),
+        inputs=tuple(BufferKey.of(t) for t in inputs),
+        outputs=tuple(BufferKey.of(t) for t in outputs),
+    )

@@ -1,0 +1,326 @@
+"""One object per graphed callable: the replay and lifecycle of one captured graph.
+
+A :class:`GraphedCallable` is made from the frozen :class:`~leangraph.build.record.GraphRecord`
+that capture produced; it replays, and :meth:`GraphedCallable.reset` releases its graphs and
+static buffers. Nothing here is shared with any other callable except the backend's memory
+pool and the call's :class:`~leangraph.runtime.pending.PendingBackwards`, so a reset touches
+this callable alone.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..buffers import same_buffer
+from ..build.record import GraphRecord
+from ..errors import GraphResetError
+from ..order import GraphId
+from ..result import GraphedSet
+from .grads import GradRouting
+from .guard import OutputGuard
+from .pending import BackwardToken, PendingBackwards
+from .weight import WeightStep
+
+__all__ = ["GraphedCallable"]
+
+
+class _State(enum.Enum):
+    READY = "ready"
+    RESET = "reset"
+
+
+class GraphedCallable:
+    """A callable replayed from a captured forward graph, differentiable through a backward graph.
+
+    Calling it copies the arguments into the static input buffers (skipping tensors that
+    already are those buffers), replays the forward graph and returns the outputs wired into
+    autograd; their backward replays the backward graph.
+
+    Memory aliasing: the returned outputs are views of graph-owned static buffers. With buffer
+    sharing (the default) they stay valid until this callable's backward replay (its weight
+    step, for split backwards), or its next forward replay when it has no backward; without
+    sharing, until its next forward replay. Never after :meth:`reset`. Clone them to keep
+    them longer. Gradients stored by autograd (parameters' and leaf inputs' ``.grad``) are
+    fresh tensors; gradients flowing into earlier autograd nodes alias static gradient
+    buffers and are consumed by those nodes at once.
+    """
+
+    def __init__(
+        self,
+        record: GraphRecord,
+        graphed_set: GraphedSet,
+        pending: PendingBackwards,
+        *,
+        debug_outputs: bool,
+    ) -> None:
+        self._record: GraphRecord | None = record
+        self._label = record.label
+        self._graph_id = record.graph_id
+        self._index = record.index
+        self._set = graphed_set
+        self._pending = pending
+        self._lock = threading.RLock()
+        self._state = _State.READY
+        self._signature = record.signature
+        self._single_output = record.output_tree.is_leaf()
+        self._frozen_params = tuple(
+            (name, p)
+            for name, p, trains in zip(record.param_names, record.params, record.param_trains)
+            if not trains
+        )
+        self._grads: GradRouting | None = GradRouting(record, pending)
+        self._weight = WeightStep(record) if record.split_backward else None
+        self._debug_outputs = debug_outputs
+        self._guard: OutputGuard | None = None
+        self._forward_generation = 0
+        self._backward_generation = -1
+
+    # ----------------------------------------------------------------------------- public
+
+    @property
+    def label(self) -> str:
+        """How errors name this callable, e.g. ``graph (chunk 1, microbatch 0, layer 2)``."""
+        return self._label
+
+    @property
+    def graph_id(self) -> GraphId | None:
+        """Chunk, microbatch and layer when captured with an order, else ``None``."""
+        return self._graph_id
+
+    @property
+    def is_reset(self) -> bool:
+        """Whether :meth:`reset` has run; a reset callable never replays again."""
+        return self._state is _State.RESET
+
+    @property
+    def graphed_set(self) -> GraphedSet:
+        """The result of the ``make_graphed_callables`` call this callable came from."""
+        return self._set
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """The static buffers this callable keeps allocated (buffers it shares with other
+        callables included); empty after :meth:`reset`. They are graph-owned: replays
+        overwrite them."""
+        record = self._record
+        return [] if record is None else record.owned_tensors()
+
+    def __repr__(self) -> str:
+        return f"<GraphedCallable {self._label} ({self._state.value})>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Replay the forward graph on ``args``/``kwargs``; see the class docstring.
+
+        Raises:
+            GraphResetError: if the callable was reset.
+            TypeError, ValueError: if the arguments differ from the captured ones in
+                structure, keys, dtype, shape, device or ``requires_grad``.
+        """
+        record = self._record
+        if record is not None and record.module is not None:
+            binding = record.module
+            module = binding.module()
+            if module is not None and module.training != binding.training:
+                eager = binding.eager_forward()
+                if eager is not None:
+                    return eager(*args, **kwargs)
+        record = self._require_ready("call")
+        leaves = self._signature.bind(args, kwargs)
+        self._check_frozen_params()
+        clone_grads = tuple(t.requires_grad and t.grad_fn is None for t in leaves)
+        token = BackwardToken()
+        outputs = _Replay.apply(self, clone_grads, token, *leaves, *record.params)
+        del token  # from here on only the replay's autograd node (if any) keeps it alive
+        if self._single_output:
+            return outputs[0]
+        return pytree.tree_unflatten(list(outputs), record.output_tree)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"{self._label}: a graphed callable cannot be copied or pickled (its graphs and "
+            "static buffers belong to one capture); copy the module before graphing it"
+        )
+
+    def reset(self) -> None:
+        """Release this callable's graphs and static buffers, for good.
+
+        Terminal (the callable never replays again: calls and backwards through outputs it
+        produced earlier raise :class:`GraphResetError`), isolated (no other callable or pool
+        user is affected) and idempotent (later calls do nothing). Memory is returned to the
+        pool once no user tensor refers to the released buffers. Waits for a replay running in
+        another thread to finish first.
+        """
+        with self._lock:
+            if self._state is _State.RESET:
+                return
+            self._state = _State.RESET
+            self._release()
+
+    def backward_dw(self) -> None:
+        """Run the deferred weight-gradient step of the last backward (zero-bubble orders).
+
+        Replays the weight-gradient graph and accumulates into each parameter's ``.grad`` as
+        autograd would (``.grad`` set to a fresh tensor when None, else added to in place);
+        parameter ``post_accumulate_grad`` hooks do not run. Call it at the schedule's W step,
+        after the backward through this callable's outputs (which computed input gradients
+        only) and before its next forward replay.
+
+        Raises:
+            GraphResetError: if the callable was reset.
+            RuntimeError: if it was captured without weight steps, or no backward awaits its
+                weight step.
+        """
+        with self._lock:
+            self._require_ready("run its weight step")
+            if self._weight is None:
+                raise RuntimeError(
+                    f"{self._label}: backward_dw() needs an order with -(c + 0.5) weight "
+                    "steps; this callable's backward computes weight gradients itself"
+                )
+            self._weight.run()
+            if self._guard is not None:
+                self._guard.invalidate(f"the weight step of {self._label} ran")
+
+    # ----------------------------------------------------------------------------- internals
+
+    def _release(self) -> None:
+        record, self._record = self._record, None
+        if record is not None:
+            record.pair.reset()
+            self._pending.clear(self._index)
+        self._grads = None
+        self._weight = None
+        self._frozen_params = ()
+        if self._guard is not None:
+            self._guard.invalidate("its callable was reset")
+
+    def __del__(self) -> None:
+        if getattr(self, "_record", None) is not None:
+            self._release()
+
+    def _require_ready(self, what: str) -> GraphRecord:
+        record = self._record
+        if self._state is _State.RESET or record is None:
+            raise GraphResetError(f"{self._label}: cannot {what}: this graphed callable was reset")
+        return record
+
+    def _check_frozen_params(self) -> None:
+        """A parameter frozen at capture has no gradient in the backward graph: refuse to
+        replay once it requires grad, rather than leave its ``.grad`` silently unset."""
+        for name, param in self._frozen_params:
+            if param.requires_grad:
+                raise ValueError(
+                    f"{self._label} parameter {name!r} must have requires_grad=False as at "
+                    "capture (the backward graph computes no gradient for it), got "
+                    "requires_grad=True; capture again to train it"
+                )
+
+    def _check_no_pending_backward(self, record: GraphRecord) -> None:
+        """Refuse a forward replay that would overwrite activations a backward still needs."""
+        if self._weight is not None:
+            self._weight.check_not_due()
+        if record.retain_graph or self._backward_generation == self._forward_generation:
+            return
+        if self._pending.awaits(self._index):
+            raise RuntimeError(
+                f"{self._label}: forward replayed while the outputs of its previous replay "
+                f"({self._forward_generation}) still await their backward; the new replay "
+                "would overwrite the activations that backward needs. Run the backward first "
+                "or drop those outputs and everything computed from them"
+            )
+
+    def _replay_forward(
+        self, inputs: Sequence[torch.Tensor], token: BackwardToken
+    ) -> tuple[torch.Tensor, ...]:
+        with self._lock:
+            record = self._require_ready("replay its forward graph")
+            self._check_no_pending_backward(record)
+            for index, (static, value) in enumerate(zip(record.static_inputs, inputs)):
+                if same_buffer(static, value):
+                    continue
+                source = record.chained_from[index]
+                if source is not None:
+                    raise ValueError(
+                        f"{self._label} input {index} is the output buffer of {source} "
+                        "(chained layers share it); pass that graph's output itself, got another "
+                        "tensor. Capture with share_buffers=False to feed layers anything"
+                    )
+                static.copy_(value)
+            record.pair.replay_forward()
+            self._forward_generation += 1
+            if record.has_backward:
+                self._pending.note(self._index, token)
+            if self._guard is not None:
+                self._guard.invalidate(f"{self._label} was replayed again")
+            outputs = tuple(o.detach() for o in record.static_outputs)
+            if self._debug_outputs:
+                self._guard = OutputGuard(self._label, self._forward_generation)
+                outputs = tuple(self._guard.wrap(o) for o in outputs)
+            return outputs
+
+    def _replay_backward(
+        self, grads: Sequence[torch.Tensor], generation: int, clone_inputs: Sequence[bool]
+    ) -> tuple[torch.Tensor | None, ...]:
+        with self._lock:
+            record = self._require_ready("run a backward")
+            if generation != self._forward_generation:
+                raise RuntimeError(
+                    f"{self._label}: backward of forward replay {generation} requested, but the "
+                    f"graph was replayed again since (replay {self._forward_generation}) and "
+                    "its saved activations were overwritten; run each backward before the "
+                    "next forward replay of the same graph"
+                )
+            if generation == self._backward_generation and not record.retain_graph:
+                raise RuntimeError(
+                    f"{self._label}: second backward through forward replay {generation}; "
+                    "capture with retain_graph_in_backward=True to allow it"
+                )
+            for static, grad in zip(record.static_grad_outputs, grads):
+                if static is not None and not same_buffer(static, grad):
+                    static.copy_(grad)
+            if record.static_grads:
+                record.pair.replay_backward()
+            self._backward_generation = generation
+            self._pending.clear(self._index)
+            if self._weight is not None:
+                self._weight.defer(generation)
+            elif self._guard is not None:
+                self._guard.invalidate(f"the backward of {self._label} ran")
+            assert self._grads is not None
+            return self._grads.scatter(clone_inputs)
+
+
+class _Replay(torch.autograd.Function):
+    """Autograd node of one forward replay; its backward replays the backward graph."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        owner: GraphedCallable,
+        clone_inputs: tuple[bool, ...],
+        token: BackwardToken,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        outputs = owner._replay_forward(tensors[: len(clone_inputs)], token)
+        record = owner._require_ready("replay its forward graph")
+        ctx.owner = owner
+        ctx.generation = owner._forward_generation
+        ctx.clone_inputs = clone_inputs
+        ctx.token = token
+        token.node = weakref.ref(ctx)
+        frozen = [o for o, rg in zip(outputs, record.output_requires_grad) if not rg]
+        ctx.mark_non_differentiable(*frozen)
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        owner: GraphedCallable = ctx.owner
+        grad_inputs = owner._replay_backward(grads, ctx.generation, ctx.clone_inputs)
+        return (None, None, None, *grad_inputs)

@@ -1,0 +1,87 @@
+"""The probe: one forward per distinct callable and signature, facts for every later stage."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from leangraph._call import validate_call
+from leangraph.buffers import BufferKey
+from leangraph.probe import probe
+from models import Block
+
+
+def _facts(callables, samples, order=None, **kwargs):
+    return probe(validate_call(callables, samples, None, order, None), **kwargs)
+
+
+def test_facts_say_what_each_graph_returns_needs_and_trains():
+    block = Block(8)
+    block.norm.weight.requires_grad_(False)
+    frozen = lambda x: (x * 2).detach()  # noqa: E731
+    samples = ((torch.randn(4, 8, requires_grad=True),), (torch.randn(4, 8),))
+    trained, plain = _facts((block, frozen), samples)
+    key = BufferKey((4, 8), torch.float32, torch.device("cpu"), True)
+    assert trained.inputs == (key,) and trained.outputs == (key,) and trained.has_backward
+    names = [name for name, _ in block.named_parameters()]
+    assert dict(zip(names, trained.trains)) == {
+        name: name != "norm.weight" for name in names
+    }
+    assert plain.outputs == (BufferKey((4, 8), torch.float32, torch.device("cpu"), False),)
+    assert not plain.has_backward and plain.trains == ()
+    assert plain.output_tree.is_leaf()
+
+
+def test_one_forward_per_callable_and_signature():
+    calls = []
+
+    def double(x):
+        calls.append(tuple(x.shape))
+        return x * 2
+
+    samples = tuple((torch.randn(n, 3, requires_grad=True),) for n in (2, 2, 5, 2))
+    facts = _facts(double, samples[0])
+    assert len(facts) == 1 and calls == [(2, 3)]
+    calls.clear()
+    facts = _facts((double,), (samples[2],))
+    assert calls == [(5, 3)] and facts[0].inputs[0].shape == (5, 3)
+
+
+def test_probe_leaves_rng_parameters_grads_and_buffers_alone():
+    torch.manual_seed(0)
+    norm = torch.nn.BatchNorm1d(8)
+    dropout = torch.nn.Dropout(0.5)
+    model = torch.nn.Sequential(norm, dropout)
+    before = {name: b.clone() for name, b in norm.named_buffers()}
+    params = [p.detach().clone() for p in model.parameters()]
+    sample = torch.randn(4, 8, requires_grad=True)
+    rng = torch.get_rng_state()
+    _facts(model, (sample,))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(b, before[name]) for name, b in norm.named_buffers())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_probe_runs_the_callables_inside_the_given_context():
+    log = []
+
+    @contextlib.contextmanager
+    def where():
+        log.append("enter")
+        yield
+        log.append("exit")
+
+    def scaled(x):
+        log.append("forward")
+        return x * 2
+
+    _facts(scaled, (torch.randn(3, requires_grad=True),), where=where())
+    assert log == ["enter", "forward", "exit"]
+
+
+def test_an_output_that_is_not_a_tensor_is_refused_naming_the_callable():
+    with pytest.raises(TypeError, match=r"callable 0 \(.*<lambda>\): output 1 must be a tensor, got int"):
+        _facts(lambda x: (x, 3), (torch.randn(3),))
