@@ -234,7 +234,7 @@ def test_backward_after_a_newer_replay_raises():
     [
         (torch.randn(2, 5, requires_grad=True), ValueError, r"input 0 must keep shape \(2, 4\)"),
         (torch.randn(2, 4, dtype=torch.float64, requires_grad=True), TypeError, "dtype"),
-        (torch.randn(2, 4), ValueError, "requires_grad=True"),
+        (torch.ones(2, 4, dtype=torch.int64), TypeError, "converts to it exactly"),
         (1.0, TypeError, "input 0 must be a tensor as at capture, got float"),
         ([torch.randn(2, 4)], TypeError, r"input 0 must keep its structure from capture \(a "
                                          r"tensor\), got a list of 1 leaf"),

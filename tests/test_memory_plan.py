@@ -341,8 +341,8 @@ def test_bad_input() -> None:
         plan_memory((lin, 3), ((x,), (x,)))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="tuple of arguments"):
         plan_memory((lin,), (x,))  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="must be a tensor"):
-        plan_memory(lin, (x, 3))
+    with pytest.raises(TypeError, match="must be a tensor or a constant"):
+        plan_memory(lin, (x, object()))
     with pytest.raises(ValueError, match="exactly one"):
         plan_memory((lin,), ((x,), (x,)))
     with pytest.raises(ValueError, match="needs an order"):
@@ -355,8 +355,8 @@ def test_bad_input() -> None:
         plan_memory(lin, (x,), meta_attention="tpu")
     with pytest.raises(ValueError, match="one device"):
         plan_memory(nn.Linear(4, 4), (x,))
-    with pytest.raises(TypeError, match="output 1 must be a tensor"):
-        plan_memory(lambda t: (t * 2, 3), (x,))
+    with pytest.raises(TypeError, match="output 1 must be a tensor or a constant"):
+        plan_memory(lambda t: (t * 2, object()), (x,))
 
 
 # ---------------------------------------------------------------------------- the 70B script

@@ -119,7 +119,10 @@ def graph_sources(
     for graph in range(call.plan.layout.num_graphs):
         fn = call.callable_of(graph)
         leaves, tree = pytree.tree_flatten(call.samples[graph])
-        samples = _static_leaves(leaves, seen, copy_repeats=not options.share_buffers)
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        samples = _static_leaves(tensors, seen, copy_repeats=not options.share_buffers)
+        given = iter(samples)
+        call_leaves = [next(given) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         named = tuple(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else ()
         label = call.label(graph)
         sources.append(
@@ -129,7 +132,7 @@ def graph_sources(
                 graph_id=call.plan.layout.graph_id(graph) if call.plan.ordered else None,
                 fn=fn.forward if isinstance(fn, torch.nn.Module) else fn,
                 samples=samples,
-                signature=CallSignature(label, samples, tree),
+                signature=CallSignature(label, call_leaves, tree),
                 params=tuple(p for _, p in named),
                 param_names=tuple(n for n, _ in named),
                 facts=facts[graph],

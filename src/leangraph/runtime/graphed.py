@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -69,6 +70,8 @@ class GraphedCallable:
         self._lock = threading.RLock()
         self._state = _State.READY
         self._signature = record.signature
+        self._specs = record.signature.specs
+        self._warned: set[str] = set()  # inputs already warned about, by name
         self._single_output = record.output_tree.is_leaf()
         self._frozen_params = tuple(
             (name, p)
@@ -134,12 +137,14 @@ class GraphedCallable:
         leaves = self._signature.bind(args, kwargs)
         self._check_frozen_params()
         clone_grads = tuple(t.requires_grad and t.grad_fn is None for t in leaves)
+        if any(t.requires_grad and not s.requires_grad for t, s in zip(leaves, self._specs)):
+            self._warn_ungraded(leaves)
         token = BackwardToken()
         outputs = _Replay.apply(self, clone_grads, token, *leaves, *record.params)
         del token  # from here on only the replay's autograd node (if any) keeps it alive
         if self._single_output:
             return outputs[0]
-        return pytree.tree_unflatten(list(outputs), record.output_tree)
+        return pytree.tree_unflatten(record.output_template.fill(outputs), record.output_tree)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
@@ -219,6 +224,19 @@ class GraphedCallable:
                     f"{self._label} parameter {name!r} must have requires_grad=False as at "
                     "capture (the backward graph computes no gradient for it), got "
                     "requires_grad=True; capture again to train it"
+                )
+
+    def _warn_ungraded(self, leaves: Sequence[torch.Tensor]) -> None:
+        """An input that requires grad only at replay gets no gradient from the backward
+        graph (torch's drop-in accepts it the same way): say so once per input."""
+        for leaf, spec in zip(leaves, self._specs):
+            if leaf.requires_grad and not spec.requires_grad and spec.name not in self._warned:
+                self._warned.add(spec.name)
+                warnings.warn(
+                    f"{self._label} {spec.name} requires grad at replay but did not at capture: "
+                    "the backward graph computes no gradient for it, so it gets none; capture "
+                    "with a sample that requires grad to train through it",
+                    stacklevel=3,
                 )
 
     def _check_no_pending_backward(self, record: GraphRecord) -> None:
