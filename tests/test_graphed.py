@@ -35,8 +35,14 @@ def test_several_microbatches_in_one_backward_pass_accumulate_exactly():
     layers = tuple(Block(8) for _ in range(2))
     reference = copy.deepcopy(layers)
     samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(6))
+    # One backward pass over the summed losses runs the microbatches' backwards newest
+    # first (autograd runs the latest-made node first): the order must say so, with steps
+    # that name their microbatch.
+    forward, backward = leangraph.StepKind.FORWARD, leangraph.StepKind.BACKWARD
+    order = [leangraph.Step(forward, 1, m) for m in range(3)]
+    order += [leangraph.Step(backward, 1, m) for m in reversed(range(3))]
     graphed = leangraph.make_graphed_callables(
-        layers, samples, order=[1, 1, 1, -1, -1, -1], num_layers_per_chunk=2
+        layers, samples, order=order, num_layers_per_chunk=2
     )
     for _ in range(3):
         xs = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
@@ -127,6 +133,14 @@ def _three_graphs():
     return reference, leangraph.make_graphed_callables(layers, samples)
 
 
+def _one_graph():
+    """One module graphed alone: its replays are the whole capture order."""
+    layer = Block(4)
+    reference = [copy.deepcopy(layer)]
+    graphed = leangraph.make_graphed_callables(layer, (torch.randn(2, 4, requires_grad=True),))
+    return reference, (graphed,)
+
+
 def test_reset_is_terminal_isolated_and_idempotent():
     torch.manual_seed(0)
     reference, graphed = _three_graphs()
@@ -177,7 +191,7 @@ def test_reset_all_frees_modules_by_reference_counting_alone(ordered, with_hooks
     layers = tuple(Block(8) for _ in range(3))
     microbatches = 2 if ordered else 1
     samples = tuple((torch.randn(2, 8, requires_grad=True),) for _ in range(3 * microbatches))
-    order = dict(order=[1, 1, -1, -1], num_layers_per_chunk=3) if ordered else {}
+    order = dict(order=[1, -1, 1, -1], num_layers_per_chunk=3) if ordered else {}
     hooks = [{"forward": [lambda *args: None]}] * 3 if with_hooks else None
     alive = [weakref.ref(layer) for layer in layers] + [weakref.ref(layers[0].up.weight)]
     gc.disable()
@@ -195,7 +209,7 @@ def test_reset_all_frees_modules_by_reference_counting_alone(ordered, with_hooks
 
 
 def test_replay_while_outputs_await_backward_raises():
-    _, graphed = _three_graphs()
+    _, graphed = _one_graph()
     x = torch.randn(2, 4, requires_grad=True)
     first = graphed[0](x)
     with pytest.raises(RuntimeError, match=r"callable 0 \(Block\): forward replayed while the "
@@ -206,7 +220,7 @@ def test_replay_while_outputs_await_backward_raises():
 
 
 def test_replay_while_only_a_derived_tensor_awaits_backward_raises():
-    _, graphed = _three_graphs()
+    _, graphed = _one_graph()
     x = torch.randn(2, 4, requires_grad=True)
     loss = graphed[0](x).sum()  # the output tensor itself is gone, its autograd node is not
     with pytest.raises(RuntimeError, match="still await their backward"):
@@ -249,7 +263,7 @@ def test_replay_rejects_mismatched_arguments(arg, error, message):
 def test_returned_parameter_grads_do_not_alias_static_buffers():
     # A .grad aliasing the backward graph's gradient buffer would be overwritten by the next
     # replay and then have that view added to itself: twice eager's gradient.
-    reference, graphed = _three_graphs()
+    reference, graphed = _one_graph()
     for step in range(3):
         x = torch.randn(2, 4, requires_grad=True)
         graphed[0](x).sum().backward()

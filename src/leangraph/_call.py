@@ -90,6 +90,13 @@ def validate_call(
         ValueError: for a malformed order, counts that do not match, tensors on several
             devices.
     """
+    if isinstance(callables, list):
+        raise TypeError(
+            "callables must be a callable or a tuple of callables, got a list; pass "
+            "tuple(callables) (torch.cuda.make_graphed_callables takes a tuple too)"
+        )
+    if isinstance(callables, tuple) and not callables:
+        raise ValueError("callables is empty; pass at least one callable to graph")
     single = not isinstance(callables, tuple)
     if single:
         callables = (callables,)
@@ -264,6 +271,16 @@ def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[An
             raise ValueError(
                 f"callables[{index}] ({type(fn).__name__}): {where} has {', '.join(hooks)}, "
                 "which graphs cannot replay; remove them before capture"
+            )
+    for name, param in fn.named_parameters():
+        if (
+            param._backward_hooks
+        ):  # torch keeps Tensor.register_hook's hooks here, publicly unlisted
+            raise ValueError(
+                f"callables[{index}] ({type(fn).__name__}): parameter {name!r} has a tensor hook "
+                "(register_hook); the captured backward would run it and autograd would run it "
+                "again when it accumulates the gradient, so it would act twice. Remove it "
+                "before capture (register_post_accumulate_grad_hook hooks are fine)"
             )
     for name, buffer in fn.named_buffers():
         if buffer.requires_grad:

@@ -8,9 +8,12 @@ the exception propagates.
 
 from __future__ import annotations
 
+import functools
+import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -148,12 +151,25 @@ def graph_sources(
 
 
 def _binding(fn: object) -> ModuleBinding | None:
-    """How a module graphed without an order falls back to eager outside its mode."""
+    """How a module graphed without an order falls back to eager outside its mode.
+
+    A module's own ``forward`` method is held weakly (it holds the module, which will hold
+    the graphed callable). A ``torch.compile``d module's ``forward`` is a function set on the
+    instance, closing over the wrapped module only, so it is held as it is.
+    """
     if not isinstance(fn, torch.nn.Module):
         return None
-    return ModuleBinding(
-        module=weakref.ref(fn), eager_forward=weakref.WeakMethod(fn.forward), training=fn.training
-    )
+    forward = fn.forward
+    eager: Callable[[], Callable[..., Any] | None]
+    if isinstance(forward, types.MethodType):
+        eager = weakref.WeakMethod(forward)
+    else:
+        eager = functools.partial(_itself, forward)
+    return ModuleBinding(module=weakref.ref(fn), eager_forward=eager, training=fn.training)
+
+
+def _itself(value: Callable[..., Any]) -> Callable[..., Any]:
+    return value
 
 
 def _static_leaves(

@@ -23,7 +23,7 @@ class ModuleBinding:
     """How a module's graphed ``forward`` falls back to eager outside its training mode."""
 
     module: weakref.ref[torch.nn.Module]
-    eager_forward: weakref.WeakMethod[Callable[..., Any]]
+    eager_forward: Callable[[], Callable[..., Any] | None]  # None once the module is gone
     training: bool
 
 

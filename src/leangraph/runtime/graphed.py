@@ -22,11 +22,12 @@ from torch.utils import _pytree as pytree
 from ..buffers import same_buffer
 from ..build.record import GraphRecord
 from ..errors import GraphResetError
-from ..order import GraphId
+from ..order import GraphId, StepKind
 from ..result import GraphedSet
 from .grads import GradRouting
 from .guard import OutputGuard
 from .pending import BackwardToken, PendingBackwards
+from .sequence import ReplaySequence
 from .weight import WeightStep
 
 __all__ = ["GraphedCallable"]
@@ -58,6 +59,7 @@ class GraphedCallable:
         record: GraphRecord,
         graphed_set: GraphedSet,
         pending: PendingBackwards,
+        sequence: ReplaySequence,
         *,
         debug_outputs: bool,
     ) -> None:
@@ -67,6 +69,7 @@ class GraphedCallable:
         self._index = record.index
         self._set = graphed_set
         self._pending = pending
+        self._sequence = sequence
         self._lock = threading.RLock()
         self._state = _State.READY
         self._signature = record.signature
@@ -142,6 +145,8 @@ class GraphedCallable:
         token = BackwardToken()
         outputs = _Replay.apply(self, clone_grads, token, *leaves, *record.params)
         del token  # from here on only the replay's autograd node (if any) keeps it alive
+        if record.has_backward and not any(o.requires_grad for o in outputs):
+            self._sequence.without_backward(self._index)  # grad mode off: no backward comes
         if self._single_output:
             return outputs[0]
         return pytree.tree_unflatten(record.output_template.fill(outputs), record.output_tree)
@@ -170,9 +175,10 @@ class GraphedCallable:
     def backward_dw(self) -> None:
         """Run the deferred weight-gradient step of the last backward (zero-bubble orders).
 
-        Replays the weight-gradient graph and accumulates into each parameter's ``.grad`` as
-        autograd would (``.grad`` set to a fresh tensor when None, else added to in place);
-        parameter ``post_accumulate_grad`` hooks do not run. Call it at the schedule's W step,
+        Replays the weight-gradient graph and accumulates into each parameter's ``.grad``
+        through autograd (``.grad`` set to a fresh tensor when None, else added to in place),
+        so parameter ``post_accumulate_grad`` hooks run once each, as in eager's weight step
+        (DDP-style gradient-ready hooks among them). Call it at the schedule's W step,
         after the backward through this callable's outputs (which computed input gradients
         only) and before its next forward replay.
 
@@ -188,6 +194,8 @@ class GraphedCallable:
                     f"{self._label}: backward_dw() needs an order with -(c + 0.5) weight "
                     "steps; this callable's backward computes weight gradients itself"
                 )
+            self._weight.require_due()
+            self._sequence.expect(self._index, StepKind.WEIGHT)
             self._weight.run()
             if self._guard is not None:
                 self._guard.invalidate(f"the weight step of {self._label} ran")
@@ -199,6 +207,7 @@ class GraphedCallable:
         if record is not None:
             record.pair.reset()
             self._pending.clear(self._index)
+            self._sequence.drop(self._index)
         self._grads = None
         self._weight = None
         self._frozen_params = ()
@@ -259,16 +268,10 @@ class GraphedCallable:
         with self._lock:
             record = self._require_ready("replay its forward graph")
             self._check_no_pending_backward(record)
-            for index, (static, value) in enumerate(zip(record.static_inputs, inputs)):
-                if same_buffer(static, value):
-                    continue
-                source = record.chained_from[index]
-                if source is not None:
-                    raise ValueError(
-                        f"{self._label} input {index} is the output buffer of {source} "
-                        "(chained layers share it); pass that graph's output itself, got another "
-                        "tensor. Capture with share_buffers=False to feed layers anything"
-                    )
+            copies = self._inputs_to_copy(record, inputs)
+            # Checked before anything is copied: static inputs may be shared with other graphs.
+            self._sequence.expect(self._index, StepKind.FORWARD, may_repeat=record.retain_graph)
+            for static, value in copies:
                 static.copy_(value)
             record.pair.replay_forward()
             self._forward_generation += 1
@@ -281,6 +284,25 @@ class GraphedCallable:
                 self._guard = OutputGuard(self._label, self._forward_generation)
                 outputs = tuple(self._guard.wrap(o) for o in outputs)
             return outputs
+
+    def _inputs_to_copy(
+        self, record: GraphRecord, inputs: Sequence[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (static buffer, value) pairs a forward replay copies: every input that is not
+        its buffer already. A chained input must be the previous layer's output itself."""
+        copies = []
+        for index, (static, value) in enumerate(zip(record.static_inputs, inputs)):
+            if same_buffer(static, value):
+                continue
+            source = record.chained_from[index]
+            if source is not None:
+                raise ValueError(
+                    f"{self._label} input {index} is the output buffer of {source} "
+                    "(chained layers share it); pass that graph's output itself, got another "
+                    "tensor. Capture with share_buffers=False to feed layers anything"
+                )
+            copies.append((static, value))
+        return copies
 
     def _replay_backward(
         self, grads: Sequence[torch.Tensor], generation: int, clone_inputs: Sequence[bool]
@@ -296,9 +318,12 @@ class GraphedCallable:
                 )
             if generation == self._backward_generation and not record.retain_graph:
                 raise RuntimeError(
-                    f"{self._label}: second backward through forward replay {generation}; "
-                    "capture with retain_graph_in_backward=True to allow it"
+                    f"{self._label}: second backward through forward replay {generation}: "
+                    "each forward replay's backward runs once, as eager autograd's does unless "
+                    "asked to retain the graph; to replay a backward more than once per "
+                    "forward, capture with retain_graph_in_backward=True"
                 )
+            self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
             for static, grad in zip(record.static_grad_outputs, grads):
                 if static is not None and not same_buffer(static, grad):
                     static.copy_(grad)
