@@ -682,7 +682,7 @@ def test_validate_order_accepts(order: list[int]) -> None:
 
 def test_actions_with_comms_are_mapped() -> None:
     # torch's comm-lowered list (SEND/RECV, REDUCE_GRAD, ...) maps to the same order.
-    from leangraph.schedules import _actions_to_order
+    from leangraph.schedules.pipelining import _actions_to_order
 
     pp, m, rank = 4, 8, 1
     with _fake_process_group(rank, pp):
@@ -702,7 +702,7 @@ def test_actions_with_comms_are_mapped() -> None:
 @pytest.mark.skipif(not hasattr(pl.schedules, "OVERLAP_F_B"),
                     reason="this torch has no composite OVERLAP_F_B action")
 def test_overlap_actions_run_their_sub_actions_in_order() -> None:
-    from leangraph.schedules import _actions_to_order
+    from leangraph.schedules.pipelining import _actions_to_order
 
     ts = pl.schedules
     overlap = ts._Action(-1, ts.OVERLAP_F_B, None, (ts._Action(5, ts.F, 0), ts._Action(1, ts.B, 0)))
@@ -713,7 +713,7 @@ def test_overlap_actions_run_their_sub_actions_in_order() -> None:
 
 
 def test_actions_without_an_order_entry_are_refused_naming_them() -> None:
-    from leangraph.schedules import _actions_to_order
+    from leangraph.schedules.pipelining import _actions_to_order
 
     ts = pl.schedules
     forward = ts._Action(stage_index=1, computation_type=ts._ComputationType.FORWARD,

@@ -1,0 +1,29 @@
+"""Pipeline orders of well-known schedules, and what an order keeps in flight.
+
+Every builder here returns an *order* in the convention of :mod:`leangraph.order`
+(TransformerEngine ``_order`` / Megatron-LM): one list per pipeline rank, ``+c`` the next
+microbatch's forward of model chunk ``c`` (1-based), ``-c`` the backward of chunk ``c``'s oldest
+outstanding forward.
+"""
+
+from __future__ import annotations
+
+from .pipelining import (
+    InFlight,
+    from_pipelining,
+    gpipe,
+    interleaved_1f1b,
+    max_in_flight,
+    one_f_one_b,
+    validate_order,
+)
+
+__all__ = [
+    "InFlight",
+    "from_pipelining",
+    "gpipe",
+    "interleaved_1f1b",
+    "max_in_flight",
+    "one_f_one_b",
+    "validate_order",
+]
