@@ -8,15 +8,8 @@ outstanding forward.
 
 from __future__ import annotations
 
-from .pipelining import (
-    InFlight,
-    from_pipelining,
-    gpipe,
-    interleaved_1f1b,
-    max_in_flight,
-    one_f_one_b,
-    validate_order,
-)
+from .megatron import gpipe, interleaved_1f1b, one_f_one_b
+from .pipelining import InFlight, from_pipelining, max_in_flight, validate_order
 
 __all__ = [
     "InFlight",
