@@ -8,8 +8,9 @@ outstanding forward.
 
 from __future__ import annotations
 
+from .inspection import InFlight, max_in_flight, validate_order
 from .megatron import gpipe, interleaved_1f1b, one_f_one_b
-from .pipelining import InFlight, from_pipelining, max_in_flight, validate_order
+from .pipelining import from_pipelining
 
 __all__ = [
     "InFlight",
