@@ -682,7 +682,7 @@ def test_validate_order_accepts(order: list[int]) -> None:
 
 def test_actions_with_comms_are_mapped() -> None:
     # torch's comm-lowered list (SEND/RECV, REDUCE_GRAD, ...) maps to the same order.
-    from leangraph.schedules.pipelining import _actions_to_order
+    from leangraph.schedules.pipelining import order_from_actions
 
     pp, m, rank = 4, 8, 1
     with _fake_process_group(rank, pp):
@@ -696,24 +696,24 @@ def test_actions_with_comms_are_mapped() -> None:
     kinds = {a.computation_type.name for a in with_comms}
     assert {"SEND_F", "RECV_F", "SEND_B", "RECV_B", "REDUCE_GRAD"} <= kinds
     expected = from_pipelining(pl.ScheduleInterleaved1F1B, pp, m, rank, stages_per_rank=2)
-    assert _actions_to_order(with_comms, "ScheduleInterleaved1F1B", rank) == expected
+    assert order_from_actions(with_comms, schedule_name="ScheduleInterleaved1F1B", rank=rank) == expected
 
 
 @pytest.mark.skipif(not hasattr(pl.schedules, "OVERLAP_F_B"),
                     reason="this torch has no composite OVERLAP_F_B action")
 def test_overlap_actions_run_their_sub_actions_in_order() -> None:
-    from leangraph.schedules.pipelining import _actions_to_order
+    from leangraph.schedules.pipelining import order_from_actions
 
     ts = pl.schedules
     overlap = ts._Action(-1, ts.OVERLAP_F_B, None, (ts._Action(5, ts.F, 0), ts._Action(1, ts.B, 0)))
     actions = [ts._Action(1, ts.F, 0), None, overlap, ts._Action(5, ts.B, 0)]
-    assert _actions_to_order(actions, "custom", 1) == [1, 2, -1, -2]
-    assert _actions_to_order([ts._Action(1, ts.F, 0), ts._Action(1, ts.I, 0),
-                              ts._Action(1, ts.W, 0)], "custom", 1) == [1, -1, -1.5]
+    assert order_from_actions(actions, schedule_name="custom", rank=1) == [1, 2, -1, -2]
+    split = [ts._Action(1, ts.F, 0), ts._Action(1, ts.I, 0), ts._Action(1, ts.W, 0)]
+    assert order_from_actions(split, schedule_name="custom", rank=1) == [1, -1, -1.5]
 
 
 def test_actions_without_an_order_entry_are_refused_naming_them() -> None:
-    from leangraph.schedules.pipelining import _actions_to_order
+    from leangraph.schedules.pipelining import order_from_actions
 
     ts = pl.schedules
     forward = ts._Action(stage_index=1, computation_type=ts._ComputationType.FORWARD,
@@ -728,7 +728,7 @@ def test_actions_without_an_order_entry_are_refused_naming_them() -> None:
 
     with pytest.raises(ValueError, match=r"custom, rank 1, step 1: action 1\?0 \(MYSTERY\) has "
                                          r"no leangraph order entry"):
-        _actions_to_order([forward, Mystery()], "custom", 1)
+        order_from_actions([forward, Mystery()], schedule_name="custom", rank=1)
 
 
 def test_max_in_flight_counts_a_split_backward_until_its_weight_step() -> None:

@@ -1,8 +1,9 @@
 """Orders of ``torch.distributed.pipelining`` schedules.
 
 :func:`from_pipelining` reads the action list that a ``torch.distributed.pipelining`` schedule
-class computes for one rank and maps it to an order in the convention of
-:mod:`leangraph.order`.
+class computes for one rank and maps it, with :func:`order_from_actions`, to an order in the
+convention of :mod:`leangraph.order`. How the action list is read on each torch version is
+:mod:`leangraph.schedules._torch_compat`'s business.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from ..order import Step, StepKind
 from ._arguments import check_int, check_rank
 from ._torch_compat import action_kind, rank_actions
 
-__all__ = ["from_pipelining"]
+__all__ = ["from_pipelining", "order_from_actions"]
 
 
 # Action kinds (torch 2.6+ names, see _torch_compat.action_kind) that run nothing an order
@@ -67,17 +68,41 @@ def _leaf_actions(action: Any) -> list[Any]:
     return [leaf for sub_action in sub_actions for leaf in _leaf_actions(sub_action)]
 
 
-def _actions_to_order(
+def order_from_actions(
     actions: Sequence[Any],
+    *,
     schedule_name: str,
     rank: int,
     explicit: bool = False,
 ) -> list[Any]:
-    """Map a rank's torch action list to an order, chunk ids by ascending stage index.
+    """Map one rank's torch action list to an order, chunk ids by ascending stage index.
 
-    With ``explicit`` the order is :class:`~leangraph.order.Step` records naming each
-    microbatch (by its rank among the stage's microbatch indices), so backwards need not be
-    first in, first out; without, backwards must be, and the order is chunk ids.
+    :func:`from_pipelining` builds the action list itself; this maps one built elsewhere, such
+    as ``pipeline_order[rank]`` of a schedule constructed on real stages, or its
+    ``pipeline_order_with_comms[rank]``. Actions map as :func:`from_pipelining` describes.
+
+    Note:
+        Kinds are read as torch 2.6 and later name them, and torch 2.4 / 2.5's ``BACKWARD`` as
+        a full backward. torch 2.5's ``ScheduleInterleavedZeroBubble`` runs its ``BACKWARD``
+        actions without weight gradients (``use_full_backward=False``), which its action list
+        does not say: take such a schedule's order from :func:`from_pipelining`.
+
+    Args:
+        actions: The rank's torch ``_Action`` records in the order they run, ``None`` for an
+            idle step.
+        schedule_name: The schedule's name, for error messages.
+        rank: The rank the actions belong to, for error messages.
+        explicit: Return :class:`~leangraph.order.Step` records naming each microbatch (by
+            its rank among the stage's microbatch indices), so backwards need not be first in,
+            first out; without, backwards must be, and the order is chunk ids.
+
+    Returns:
+        The order with chunk ids ``1..`` (number of stages in ``actions``), or the steps.
+
+    Raises:
+        ValueError: for an action an order cannot express, or (without ``explicit``)
+            backwards that are not first in, first out per stage; the message names the
+            schedule, the rank, the action and its step.
     """
     leaves = [(pos, leaf) for pos, action in enumerate(actions) for leaf in _leaf_actions(action)]
     stage_ids = sorted({leaf.stage_index for _, leaf in leaves})
@@ -203,4 +228,6 @@ def from_pipelining(
     num_microbatches = check_int("num_microbatches", num_microbatches, 1)
     spr = check_int("stages_per_rank", stages_per_rank, 1)
     actions = rank_actions(schedule_class, pp_size, num_microbatches, rank, spr)
-    return _actions_to_order(actions, schedule_class.__name__, rank, explicit)
+    return order_from_actions(
+        actions, schedule_name=schedule_class.__name__, rank=rank, explicit=explicit
+    )
