@@ -1,7 +1,9 @@
 """Inspecting orders: whether one is valid, and how many forwards it keeps in flight.
 
 Both read any order (chunk ids or :class:`~leangraph.order.Step` records) through
-:func:`leangraph.order.parse_order`, with one layer per chunk.
+:func:`leangraph.order.parse_order`, with one layer per chunk; :func:`max_in_flight` counts
+what the liveness plan (:mod:`leangraph.plan`, the only place that folds what is alive) keeps
+alive.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..order import Step, StepKind, parse_order
+from ..order import Layout, Step, StepKind, parse_order
+from ..plan import build_plan
 
 __all__ = ["InFlight", "max_in_flight", "validate_order"]
 
@@ -27,29 +30,32 @@ class InFlight:
     total: int
 
 
-def _parse(order: Sequence[object]) -> tuple[Step, ...]:
+def _size(order: Sequence[object]) -> tuple[int, int]:
+    """The chunks and microbatches ``order`` runs, as ``parse_order``'s counts need them.
+
+    Read leniently: for a malformed order any counts do, as ``parse_order`` then reports what
+    is wrong with the order before it compares counts.
+    """
+    if not isinstance(order, Sequence) or isinstance(order, (str, bytes)):
+        return 1, 1
+    if order and all(isinstance(e, Step) for e in order):
+        explicit: Sequence[Step] = order  # type: ignore[assignment]
+        chunks = max(step.chunk for step in explicit)
+        return chunks, sum(1 for s in explicit if s.kind is StepKind.FORWARD and s.chunk == 1)
+    ids = [int(e) for e in order if isinstance(e, numbers.Integral) and not isinstance(e, bool)]
+    chunks = max((abs(e) for e in ids), default=1) or 1
+    return chunks, sum(1 for e in ids if e == 1)
+
+
+def _parse(order: Sequence[object]) -> tuple[Layout, tuple[Step, ...]]:
     """Validate ``order`` with :func:`leangraph.order.parse_order`, one layer per chunk."""
-    chunks, microbatches = 1, 1
-    if isinstance(order, Sequence) and not isinstance(order, (str, bytes)):
-        if order and all(isinstance(e, Step) for e in order):
-            explicit: Sequence[Step] = order  # type: ignore[assignment]
-            chunks = max(step.chunk for step in explicit)
-            microbatches = sum(
-                1 for step in explicit if step.kind is StepKind.FORWARD and step.chunk == 1
-            )
-        else:
-            ids = [
-                int(e) for e in order if isinstance(e, numbers.Integral) and not isinstance(e, bool)
-            ]
-            chunks = max((abs(e) for e in ids), default=1) or 1
-            microbatches = sum(1 for e in ids if e == 1)
-    _, steps = parse_order(
+    chunks, microbatches = _size(order)
+    return parse_order(
         order,
         num_callables=chunks,
         num_samples=chunks * microbatches,
         num_layers_per_chunk=1,
     )
-    return steps
 
 
 def validate_order(order: Sequence[object]) -> None:
@@ -82,18 +88,10 @@ def max_in_flight(order: Sequence[object]) -> InFlight:
     Raises:
         ValueError: if ``order`` is malformed (as :func:`validate_order`).
     """
-    steps = _parse(order)
-    num_chunks = max(step.chunk for step in steps)
-    # A forward is outstanding until its last step: the weight step when the order splits
-    # backwards (the activations live until then), else the backward.
-    last = StepKind.WEIGHT if any(s.kind is StepKind.WEIGHT for s in steps) else StepKind.BACKWARD
-    outstanding = [0] * num_chunks
-    peak = [0] * num_chunks
-    total = peak_total = 0
-    for step in steps:
-        delta = 1 if step.kind is StepKind.FORWARD else (-1 if step.kind is last else 0)
-        outstanding[step.chunk - 1] += delta
-        total += delta
-        peak[step.chunk - 1] = max(peak[step.chunk - 1], outstanding[step.chunk - 1])
-        peak_total = max(peak_total, total)
-    return InFlight(per_chunk=tuple(peak), total=peak_total)
+    # With one layer per chunk each graph is one forward, and the plan keeps its outputs alive
+    # until its last step: the weight step when the order splits backwards (the activations
+    # live until then), else the backward. So live graphs are outstanding forwards.
+    plan = build_plan(*_parse(order))
+    return InFlight(
+        per_chunk=plan.max_live_per_chunk(plan.capture), total=plan.max_live(plan.capture)
+    )
