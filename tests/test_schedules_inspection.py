@@ -160,7 +160,7 @@ def _split_backwards(draw: st.DrawFn, order: list[int]) -> list[float]:
     return split + [-(chunk + 0.5) for chunk in waiting]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(order=_builder_orders(), data=st.data())
 def test_max_in_flight_equals_a_brute_force_count(order: list[int], data: st.DataObject) -> None:
     assert max_in_flight(order) == _brute_force_in_flight(order)

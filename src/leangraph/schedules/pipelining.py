@@ -82,10 +82,11 @@ def order_from_actions(
     ``pipeline_order_with_comms[rank]``. Actions map as :func:`from_pipelining` describes.
 
     Note:
-        Kinds are read as torch 2.6 and later name them, and torch 2.4 / 2.5's ``BACKWARD`` as
-        a full backward. torch 2.5's ``ScheduleInterleavedZeroBubble`` runs its ``BACKWARD``
-        actions without weight gradients (``use_full_backward=False``), which its action list
-        does not say: take such a schedule's order from :func:`from_pipelining`.
+        Kinds are read as torch 2.6 and later name them: torch 2.4 / 2.5's ``BACKWARD`` as a
+        full backward, torch 2.5's ``WEIGHT`` as a weight step. torch 2.5's
+        ``ScheduleInterleavedZeroBubble`` runs its ``BACKWARD`` actions without weight
+        gradients (``use_full_backward=False``), which its action list does not say: take such
+        a schedule's order from :func:`from_pipelining`.
 
     Args:
         actions: The rank's torch ``_Action`` records in the order they run, ``None`` for an
