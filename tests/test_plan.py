@@ -38,3 +38,15 @@ def test_unordered_plan_warms_up_per_callable_and_captures_like_torch():
     assert plan.max_live(plan.warmup) == 1
     assert [str(s) for s in plan.capture] == ["F c1 m0 l0", "F c1 m0 l1", "F c1 m0 l2",
                                               "B c1 m0 l2", "B c1 m0 l1", "B c1 m0 l0"]
+
+
+def test_max_live_per_chunk_counts_each_chunks_graphs_at_its_own_peak():
+    # Chunk 1 (two layers) peaks at 2 microbatches while chunk 2 is idle, then chunk 2 (one
+    # layer) at 2 while chunk 1 is empty: per chunk 4 and 2 graphs, together never more than 4.
+    order = [1, 1, -1, -1, 2, 2, -2, -2]
+    layout, steps = parse_order(order, num_callables=3, num_samples=6, num_layers_per_chunk=[2, 1])
+    plan = build_plan(layout, steps)
+    assert plan.max_live_per_chunk(plan.capture) == (4, 2)
+    assert plan.max_live(plan.capture) == 4
+    assert plan.max_live_per_chunk(plan.capture[:1]) == (1, 0)
+    assert plan.max_live_per_chunk(()) == (0, 0)
