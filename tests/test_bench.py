@@ -6,9 +6,9 @@ import json
 
 import torch
 
-from leangraph.bench import BenchConfig, format_table, run_bench
+from leangraph.cli.bench import BenchConfig, format_table, run_bench
 from leangraph.cli import main
-from leangraph.workloads import BlockShape
+from leangraph.cli.workloads import BlockShape
 
 TINY = BlockShape(hidden=32, heads=4, sequence=16, dtype=torch.float32)
 

@@ -217,7 +217,7 @@ class LinearStack(torch.nn.Module):
 
 
 def test_zero_bubble_training_is_bitwise_equal_to_eager_for_fp32_linear_stacks():
-    from leangraph.local_pipeline import run_order
+    from leangraph.cli.local_pipeline import run_order
     from leangraph.order import Layout
 
     order = [1, 2, 1, 2, -2, -1, 1, -2, 2, -1.5, -1, -2.5, -2.5, -2, -1.5, -1, -2.5, -1.5]
@@ -291,7 +291,7 @@ FIRST_CAPTURE = """
 import sys, torch, leangraph
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from leangraph.schedules import interleaved_1f1b
-from leangraph.workloads import BlockShape, make_blocks, sample_hidden
+from leangraph.cli.workloads import BlockShape, make_blocks, sample_hidden
 shape = BlockShape(hidden=256, heads=4, sequence=128, dtype=torch.bfloat16)
 blocks = make_blocks(4, shape, "cuda")
 samples = tuple((sample_hidden(shape, "cuda"),) for _ in range(16))

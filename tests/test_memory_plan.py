@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from leangraph.memory_plan import LayerMemory, MemoryPlan, format_bytes, plan_memory
 from leangraph.schedules import gpipe, interleaved_1f1b, max_in_flight, one_f_one_b
-from leangraph.workloads import BlockShape, make_blocks, sample_hidden
+from leangraph.cli.workloads import BlockShape, make_blocks, sample_hidden
 
 DEVICES = ["cpu", "meta"]
 F32 = 4

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import make_graphed_callables, reset_all
+from leangraph import make_graphed_callables, memory_report, reset_all
+from leangraph.order import Layout
+from leangraph.progress import ProgressCallback
+from leangraph.schedules import interleaved_1f1b
+
 from .local_pipeline import LayerLookup, run_order
-from .order import Layout
-from .progress import ProgressCallback
-from .report import memory_report
-from .schedules import interleaved_1f1b
 from .workloads import BlockShape, hidden_batches, make_blocks, sample_hidden
 
 __all__ = ["DemoConfig", "DemoResult", "run_demo"]

@@ -122,7 +122,7 @@ def _shape(args: argparse.Namespace) -> Any:
 def _plan(args: argparse.Namespace) -> int:
     import importlib
 
-    from .memory_plan import plan_memory
+    from leangraph import plan_memory
 
     if args.function:
         module_name, _, attr = args.function.partition(":")
@@ -133,7 +133,8 @@ def _plan(args: argparse.Namespace) -> int:
         plan = plan_memory(callables, sample_args, **kwargs)
         print(f"memory plan of {args.function}:")
     else:
-        from .schedules import interleaved_1f1b
+        from leangraph.schedules import interleaved_1f1b
+
         from .workloads import make_blocks, sample_hidden
 
         shape = _shape(args)
@@ -158,8 +159,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     import torch
 
+    from leangraph import plot_memory
+
     from .bench import BenchConfig, format_table, plot_bars, run_bench
-    from .report import plot_memory
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     methods = tuple(args.methods.split(","))
@@ -238,7 +240,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``leangraph`` console script."""
     args = build_parser().parse_args(argv)
     return int(args.handler(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -29,12 +29,13 @@ from typing import Any
 
 import torch
 
-from .graphed import GraphedCallable
+from leangraph import GraphedCallable, make_graphed_callables, memory_report, reset_all
+from leangraph.order import Layout, StepKind, parse_order
+from leangraph.progress import ProgressCallback
+from leangraph.report import MemoryReport, TimelinePoint
+from leangraph.schedules import interleaved_1f1b
+
 from .local_pipeline import LayerLookup, run_order
-from .order import Layout, StepKind, parse_order
-from .progress import ProgressCallback
-from .report import MemoryReport, TimelinePoint, memory_report
-from .schedules import interleaved_1f1b
 from .workloads import BlockShape, TransformerBlock, hidden_batches, make_blocks
 
 __all__ = ["BenchConfig", "BenchResult", "MethodResult", "run_bench"]
@@ -320,8 +321,6 @@ def _torch_capture(work: _Workload) -> Callable[[list[TransformerBlock]], LayerL
 def _leangraph_capture(
     work: _Workload, progress: ProgressCallback | None
 ) -> Callable[[list[TransformerBlock]], LayerLookup]:
-    from . import make_graphed_callables
-
     def capture(blocks: list[TransformerBlock]) -> LayerLookup:
         sample = work.sample()  # one sample for every graph: leangraph copies what it needs
         graphed = make_graphed_callables(
@@ -391,8 +390,6 @@ def run_bench(config: BenchConfig, progress: ProgressCallback | None = None) -> 
 def _run_rounds(config: BenchConfig) -> dict[str, RoundTimes]:
     """``config.rounds`` rounds of capture plus timed steps per graphed method; see
     :class:`RoundTimes`."""
-    from .api import reset_all
-
     work = _Workload(config)
     captures = {
         name: _torch_capture(work) if name == "torch" else _leangraph_capture(work, None)
