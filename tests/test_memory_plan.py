@@ -25,7 +25,7 @@ F32 = 4
 
 
 def _load_script() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "scripts" / "plan_70b.py"
+    path = Path(__file__).resolve().parents[1] / "examples" / "plan_70b.py"
     spec = importlib.util.spec_from_file_location("plan_70b", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

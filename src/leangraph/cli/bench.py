@@ -15,6 +15,11 @@ memory held when that method starts (weights and data included there, so "above 
 torch's callables are listed in the schedule's forward order (its best case: it captures all
 forwards in that order, then all backwards in reverse). Its graphs are then replayed in the
 pipeline order, which its contract does not cover; the loss check says whether that held.
+
+The evidence scripts of ``benchmarks/`` build on the same pieces: :class:`BenchWorkload` (the
+workload and its training step), :func:`capture_torch`, :func:`capture_leangraph` and
+:func:`capture_method` (one graphed method over a copy of the blocks), :func:`graph_methods`,
+:data:`LAUNCH_BOUND`.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -36,11 +41,33 @@ from leangraph.report import MemoryReport, TimelinePoint
 from leangraph.schedules import interleaved_1f1b
 
 from .local_pipeline import LayerLookup, run_order
-from .workloads import BlockShape, TransformerBlock, hidden_batches, make_blocks
+from .workloads import BlockShape, TransformerBlock, hidden_batches, make_blocks, sample_hidden
 
-__all__ = ["BenchConfig", "BenchResult", "MethodResult", "run_bench"]
+__all__ = [
+    "GRAPHED_METHODS",
+    "LAUNCH_BOUND",
+    "METHODS",
+    "BenchConfig",
+    "BenchResult",
+    "BenchWorkload",
+    "Captured",
+    "MethodResult",
+    "RoundTimes",
+    "capture_leangraph",
+    "capture_method",
+    "capture_torch",
+    "format_table",
+    "graph_methods",
+    "plot_bars",
+    "run_bench",
+]
 
 MIB = 1024 * 1024
+
+METHODS = ("eager", "torch", "leangraph")
+"""Every method the bench knows, in the order it runs them."""
+GRAPHED_METHODS = ("torch", "leangraph")
+"""The methods that capture graphs (and so have capture figures and timing rounds)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +90,23 @@ class BenchConfig:
     device: str = "cuda"
     rounds: int = 0  # extra rounds timing the graphed methods in turn (see RoundTimes)
 
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.methods if name not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+        if "torch" in self.methods and not self.device.startswith("cuda"):
+            raise ValueError(
+                "the torch method needs a CUDA device (torch.cuda.make_graphed_callables)"
+            )
+
+
+LAUNCH_BOUND = BenchConfig(
+    num_microbatches=8,
+    shape=BlockShape(hidden=256, heads=4, sequence=128, dtype=torch.bfloat16),
+    steps=50,
+)
+"""The launch-bound workload of ``docs/benchmarks.md``: small blocks, host-bound steps."""
+
 
 @dataclass
 class MethodResult:
@@ -75,6 +119,7 @@ class MethodResult:
     capture_seconds: float | None = None
     step_seconds: float | None = None
     memory_check_seconds: float | None = None  # part of capture_seconds (leangraph)
+    start_allocated_bytes: int | None = None  # allocated at the start: the zero of the above
     losses: list[float] = field(default_factory=list)
 
 
@@ -141,6 +186,8 @@ class _Meter:
 
     def __init__(self, device: str) -> None:
         self.cuda = device.startswith("cuda")
+        self.allocated: int | None = None
+        self.reserved = 0
         gc.collect()  # the previous method's graphs may sit in reference cycles
         if self.cuda:
             torch.cuda.synchronize()
@@ -155,7 +202,7 @@ class _Meter:
             torch.cuda.reset_peak_memory_stats()
 
     def peak_allocated(self) -> int | None:
-        if not self.cuda:
+        if self.allocated is None:
             return None
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - self.allocated
@@ -175,43 +222,37 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-class _Workload:
-    """Order, layout, data and the initial blocks every method starts from."""
+class BenchWorkload:
+    """Order, layout, data and the initial blocks every method starts from.
+
+    Every method graphs or runs a copy of ``blocks``, so all start from the same weights;
+    ``inputs`` and ``targets`` hold one tensor per microbatch (fixed seed).
+    """
 
     def __init__(self, config: BenchConfig) -> None:
         self.config = config
         self.order = interleaved_1f1b(
             config.pp_size, config.vp_size, config.rank, config.num_microbatches
         )
-        self.chunks = [config.layers_per_chunk] * config.vp_size
-        self.layout = Layout(tuple(self.chunks), config.num_microbatches)
+        self.layers_per_chunk = [config.layers_per_chunk] * config.vp_size
+        self.layout = Layout(tuple(self.layers_per_chunk), config.num_microbatches)
         self.blocks = make_blocks(self.layout.num_callables, config.shape, config.device)
         gen = torch.Generator().manual_seed(1)
         count = config.num_microbatches
         self.inputs = hidden_batches(config.shape, count, config.device, gen)
         self.targets = hidden_batches(config.shape, count, config.device, gen)
-        self.report: MemoryReport | None = None
-        self.graphed: tuple[GraphedCallable, ...] | None = None
 
     def sample(self) -> tuple[torch.Tensor]:
-        s = self.config.shape
-        return (
-            torch.randn(
-                s.micro_batch,
-                s.sequence,
-                s.hidden,
-                device=self.config.device,
-                dtype=s.dtype,
-                requires_grad=True,
-            ),
-        )
+        """A fresh sample argument tuple of one graph (a random activation)."""
+        return (sample_hidden(self.config.shape, self.config.device),)
 
     def step(self, lookup: LayerLookup, blocks: list[TransformerBlock]) -> list[float]:
+        """One training step in the order (gradients of ``blocks`` zeroed first); the losses."""
         for block in blocks:
             block.zero_grad(set_to_none=True)
         result = run_order(
             self.order,
-            self.chunks,
+            self.layers_per_chunk,
             lookup,
             self.inputs,
             lambda out, m: torch.nn.functional.mse_loss(out.float(), self.targets[m].float()),
@@ -221,6 +262,7 @@ class _Workload:
     def timed_steps(
         self, lookup: LayerLookup, blocks: list[TransformerBlock]
     ) -> tuple[list[float], float]:
+        """One untimed step, then ``config.steps`` timed ones: its losses, the median time."""
         losses = self.step(lookup, blocks)  # not timed: first replays, lazy inits
         times = []
         for _ in range(self.config.steps):
@@ -231,30 +273,42 @@ class _Workload:
             times.append(time.perf_counter() - start)
         return losses, statistics.median(times)
 
-
-def _bench_eager(work: _Workload) -> MethodResult:
-    blocks = copy.deepcopy(work.blocks)
-    meter = _Meter(work.config.device)
-    losses = work.step(lambda c, m, l: blocks[work.layout.callable_index(c, l)], blocks)
-    result = MethodResult("eager", step_peak_bytes=meter.peak_allocated(), losses=losses)
-    _, result.step_seconds = work.timed_steps(
-        lambda c, m, l: blocks[work.layout.callable_index(c, l)], blocks
-    )
-    return result
+    def eager_lookup(self, blocks: list[TransformerBlock]) -> LayerLookup:
+        """What to run per (chunk, microbatch, layer) eagerly: the layer's block itself."""
+        return lambda c, m, l: blocks[self.layout.callable_index(c, l)]
 
 
-def _forward_positions(work: _Workload) -> dict[tuple[int, int, int], int]:
+@dataclass(frozen=True)
+class Captured:
+    """One graphed method's result over its own copy of the blocks.
+
+    ``lookup`` gives what to run for (chunk, microbatch, layer); ``graphed`` is leangraph's
+    result (None for torch), for ``memory_report``. The graphs alias their own static
+    buffers until :meth:`release` (leangraph) or until the object is dropped (torch).
+    """
+
+    lookup: LayerLookup
+    blocks: list[TransformerBlock]
+    graphed: tuple[GraphedCallable, ...] | None = None
+
+    def release(self) -> None:
+        """Free leangraph's graphs now (``reset_all``); torch's go with the last reference."""
+        if self.graphed is not None:
+            reset_all(self.graphed)
+
+
+def _forward_positions(work: BenchWorkload) -> dict[tuple[int, int, int], int]:
     """(chunk, microbatch, layer) -> position in the schedule's forward order."""
     _, steps = parse_order(
         work.order,
         num_callables=work.layout.num_callables,
         num_samples=work.layout.num_graphs,
-        num_layers_per_chunk=work.chunks,
+        num_layers_per_chunk=work.layers_per_chunk,
     )
     positions: dict[tuple[int, int, int], int] = {}
     for step in steps:
         if step.kind is StepKind.FORWARD:
-            for layer in range(work.chunks[step.chunk - 1]):
+            for layer in range(work.layers_per_chunk[step.chunk - 1]):
                 positions[(step.chunk, step.microbatch, layer)] = len(positions)
     return positions
 
@@ -270,88 +324,162 @@ class _SharedParams(torch.nn.Module):
         return self.block(x)
 
 
+def capture_torch(work: BenchWorkload, blocks: list[TransformerBlock]) -> Captured:
+    """Graph ``blocks`` with ``torch.cuda.make_graphed_callables`` (CUDA only).
+
+    One wrapper module per graph, listed in the schedule's forward order (torch's best case:
+    it captures every forward in that order, then every backward in reverse).
+    """
+    positions = _forward_positions(work)
+    by_position = sorted(positions.items(), key=lambda item: item[1])
+    wrappers = [
+        _SharedParams(blocks[work.layout.callable_index(c, l)]) for (c, _, l), _ in by_position
+    ]
+    graphed = torch.cuda.make_graphed_callables(
+        tuple(wrappers),
+        tuple(work.sample() for _ in wrappers),
+        num_warmup_iters=work.config.warmup_iters,
+    )
+    modules = cast(tuple[torch.nn.Module, ...], graphed)  # a tuple of modules in, modules out
+    return Captured(lambda c, m, l: modules[positions[(c, m, l)]], blocks)
+
+
+def capture_leangraph(
+    work: BenchWorkload,
+    blocks: list[TransformerBlock],
+    *,
+    progress: ProgressCallback | None = None,
+    **options: Any,
+) -> Captured:
+    """Graph ``blocks`` with ``leangraph.make_graphed_callables`` in the workload's order.
+
+    ``options`` go to ``make_graphed_callables`` as they are (``check_memory=False``, say).
+    """
+    sample = work.sample()  # one sample for every graph: leangraph copies what it needs
+    graphed = make_graphed_callables(
+        tuple(blocks),
+        tuple(sample for _ in range(work.layout.num_graphs)),
+        order=work.order,
+        num_layers_per_chunk=work.layers_per_chunk,
+        num_warmup_iters=work.config.warmup_iters,
+        progress=progress,
+        **options,
+    )
+    return Captured(lambda c, m, l: graphed[work.layout.graph_index(c, m, l)], blocks, graphed)
+
+
+def capture_method(
+    work: BenchWorkload,
+    name: str,
+    blocks: list[TransformerBlock] | None = None,
+    *,
+    progress: ProgressCallback | None = None,
+    **options: Any,
+) -> Captured:
+    """Graph ``blocks`` (default: a fresh copy of the workload's initial blocks) with ``name``.
+
+    ``progress`` and ``options`` go to leangraph's ``make_graphed_callables``; torch takes
+    neither.
+
+    Raises:
+        ValueError: for a name outside :data:`GRAPHED_METHODS`, or options given to torch.
+    """
+    if name not in GRAPHED_METHODS:
+        raise ValueError(f"no graphed method {name!r}; choose from {', '.join(GRAPHED_METHODS)}")
+    if name == "torch" and (options or progress is not None):
+        raise ValueError(f"the torch method takes no options, got {sorted(options) or 'progress'}")
+    blocks = copy.deepcopy(work.blocks) if blocks is None else blocks
+    if name == "torch":
+        return capture_torch(work, blocks)
+    return capture_leangraph(work, blocks, progress=progress, **options)
+
+
+def graph_methods(
+    work: BenchWorkload, names: tuple[str, ...] = GRAPHED_METHODS, *, untimed_steps: int = 0
+) -> dict[str, Captured]:
+    """Capture each of ``names`` on its own copy of the blocks, in turn, each followed by
+    ``untimed_steps`` training steps (first replays, lazy set-up) before the next capture."""
+    graphed = {}
+    for name in names:
+        graphed[name] = captured = capture_method(work, name)
+        for _ in range(untimed_steps):
+            work.step(captured.lookup, captured.blocks)
+    return graphed
+
+
+def _sampling_replay(
+    captured: Captured, layout: Layout, points: list[TimelinePoint]
+) -> LayerLookup:
+    """``captured.lookup`` that appends allocated memory after each forward replay."""
+    assert captured.graphed is not None  # only leangraph's graphs have labels to name
+
+    def lookup(c: int, m: int, l: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        graph = captured.graphed[layout.graph_index(c, m, l)]  # type: ignore[index]
+
+        def sampled(x: torch.Tensor) -> torch.Tensor:
+            out = graph(x)
+            allocated = torch.cuda.memory_allocated() if x.is_cuda else 0
+            points.append(TimelinePoint("replay", f"F c{c} m{m} l{l}", graph.label, allocated))
+            return out
+
+        return sampled
+
+    return lookup
+
+
+def _bench_eager(work: BenchWorkload) -> MethodResult:
+    blocks = copy.deepcopy(work.blocks)
+    meter = _Meter(work.config.device)
+    lookup = work.eager_lookup(blocks)
+    losses = work.step(lookup, blocks)
+    result = MethodResult(
+        "eager",
+        step_peak_bytes=meter.peak_allocated(),
+        start_allocated_bytes=meter.allocated,
+        losses=losses,
+    )
+    _, result.step_seconds = work.timed_steps(lookup, blocks)
+    return result
+
+
+def _leangraph_figures(result: MethodResult, report: MemoryReport, meter: _Meter) -> None:
+    """Peak and memory-check time from leangraph's own record (it restarts the allocator's
+    peak counter per phase, so the meter's peak would miss warm-up)."""
+    record = report.record
+    if record.warmup_peak_bytes is not None and meter.allocated is not None:
+        peak = max(record.warmup_peak_bytes, record.capture_peak_bytes or 0)
+        result.capture_peak_bytes = peak - meter.allocated
+    result.memory_check_seconds = (result.capture_seconds or 0.0) - (
+        record.warmup_seconds + record.capture_seconds
+    )
+
+
 def _bench_graphed(
-    work: _Workload, name: str, capture: Callable[[list[TransformerBlock]], LayerLookup]
-) -> MethodResult:
+    work: BenchWorkload, name: str, progress: ProgressCallback | None
+) -> tuple[MethodResult, MemoryReport | None]:
     blocks = copy.deepcopy(work.blocks)
     meter = _Meter(work.config.device)
     start = time.perf_counter()
-    lookup = capture(blocks)
+    captured = capture_method(work, name, blocks, progress=progress)
     _sync(work.config.device)
     result = MethodResult(
         name,
         capture_seconds=time.perf_counter() - start,
         capture_peak_bytes=meter.peak_allocated(),
         held_bytes=meter.held(),
+        start_allocated_bytes=meter.allocated,
     )
-    if name == "leangraph" and work.graphed is not None:
-        work.report = memory_report(work.graphed)  # after the timing: not part of the capture
-    record = work.report.record if name == "leangraph" and work.report is not None else None
-    if record is not None and record.warmup_peak_bytes is not None:
-        # leangraph restarts the allocator's peak counter per phase; its record has both.
-        peak = max(record.warmup_peak_bytes, record.capture_peak_bytes or 0)
-        result.capture_peak_bytes = peak - meter.allocated
-        result.memory_check_seconds = (result.capture_seconds or 0.0) - (
-            record.warmup_seconds + record.capture_seconds
-        )
+    report = None if captured.graphed is None else memory_report(captured.graphed)
+    if report is not None:
+        _leangraph_figures(result, report, meter)
     meter.restart_peak()
-    result.losses = work.step(lookup, blocks)
+    replay: list[TimelinePoint] = []
+    first = captured.lookup if report is None else _sampling_replay(captured, work.layout, replay)
+    result.losses = work.step(first, captured.blocks)
     result.step_peak_bytes = meter.peak_reserved()
-    _, result.step_seconds = work.timed_steps(lookup, blocks)
-    return result
-
-
-def _torch_capture(work: _Workload) -> Callable[[list[TransformerBlock]], LayerLookup]:
-    def capture(blocks: list[TransformerBlock]) -> LayerLookup:
-        positions = _forward_positions(work)
-        by_index = sorted(positions.items(), key=lambda item: item[1])
-        wrappers = [
-            _SharedParams(blocks[work.layout.callable_index(c, l)]) for (c, _, l), _ in by_index
-        ]
-        graphed = torch.cuda.make_graphed_callables(
-            tuple(wrappers),
-            tuple(work.sample() for _ in wrappers),
-            num_warmup_iters=work.config.warmup_iters,
-        )
-        return lambda c, m, l: graphed[positions[(c, m, l)]]  # type: ignore[return-value]
-
-    return capture
-
-
-def _leangraph_capture(
-    work: _Workload, progress: ProgressCallback | None
-) -> Callable[[list[TransformerBlock]], LayerLookup]:
-    def capture(blocks: list[TransformerBlock]) -> LayerLookup:
-        sample = work.sample()  # one sample for every graph: leangraph copies what it needs
-        graphed = make_graphed_callables(
-            tuple(blocks),
-            tuple(sample for _ in range(work.layout.num_graphs)),
-            order=work.order,
-            num_layers_per_chunk=work.chunks,
-            num_warmup_iters=work.config.warmup_iters,
-            progress=progress,
-        )
-        work.graphed = graphed
-        replay: list[TimelinePoint] = []
-
-        def lookup(c: int, m: int, l: int) -> Callable[[torch.Tensor], torch.Tensor]:
-            graph = graphed[work.layout.graph_index(c, m, l)]
-            if work.report is None or len(replay) >= work.layout.num_graphs:
-                return graph
-
-            def sampled(x: torch.Tensor) -> torch.Tensor:
-                out = graph(x)
-                allocated = torch.cuda.memory_allocated() if x.is_cuda else 0
-                replay.append(TimelinePoint("replay", f"F c{c} m{m} l{l}", graph.label, allocated))
-                if len(replay) == work.layout.num_graphs and work.report is not None:
-                    work.report = work.report.with_points(replay)
-                return out
-
-            return sampled
-
-        return lookup
-
-    return capture
+    _, result.step_seconds = work.timed_steps(captured.lookup, captured.blocks)
+    captured.release()
+    return result, None if report is None else report.with_points(replay)
 
 
 def _agree(reference: list[float], losses: list[float], dtype: torch.dtype) -> bool:
@@ -362,18 +490,19 @@ def _agree(reference: list[float], losses: list[float], dtype: torch.dtype) -> b
 
 
 def run_bench(config: BenchConfig, progress: ProgressCallback | None = None) -> BenchResult:
-    """Run the configured methods one after the other; see the module docstring."""
-    if "torch" in config.methods and not config.device.startswith("cuda"):
-        raise ValueError("the torch method needs a CUDA device (torch.cuda.make_graphed_callables)")
-    work = _Workload(config)
-    runners = {
-        "eager": lambda: _bench_eager(work),
-        "torch": lambda: _bench_graphed(work, "torch", _torch_capture(work)),
-        "leangraph": lambda: _bench_graphed(work, "leangraph", _leangraph_capture(work, progress)),
-    }
+    """Run the configured methods one after the other; see the module docstring.
+
+    ``progress`` is handed to leangraph's ``make_graphed_callables``.
+    """
+    work = BenchWorkload(config)
     methods: dict[str, MethodResult] = {}
+    report: MemoryReport | None = None
     for name in config.methods:
-        methods[name] = runners[name]()
+        if name == "eager":
+            methods[name] = _bench_eager(work)
+        else:
+            methods[name], method_report = _bench_graphed(work, name, progress)
+            report = method_report or report
         _sync(config.device)
     reference = methods["eager"].losses if "eager" in methods else []
     agree = {
@@ -383,34 +512,28 @@ def run_bench(config: BenchConfig, progress: ProgressCallback | None = None) -> 
     }
     settings = asdict(config)
     settings["shape"] = {**asdict(config.shape), "dtype": str(config.shape.dtype)}
-    rounds = _run_rounds(config) if config.rounds else {}
-    return BenchResult(settings, methods, agree, report=work.report, rounds=rounds)
+    rounds = _run_rounds(work) if config.rounds else {}
+    return BenchResult(settings, methods, agree, report=report, rounds=rounds)
 
 
-def _run_rounds(config: BenchConfig) -> dict[str, RoundTimes]:
+def _run_rounds(work: BenchWorkload) -> dict[str, RoundTimes]:
     """``config.rounds`` rounds of capture plus timed steps per graphed method; see
     :class:`RoundTimes`."""
-    work = _Workload(config)
-    captures = {
-        name: _torch_capture(work) if name == "torch" else _leangraph_capture(work, None)
-        for name in config.methods
-        if name != "eager"
-    }
-    times = {name: RoundTimes() for name in captures}
+    config = work.config
+    names = [name for name in config.methods if name in GRAPHED_METHODS]
+    times = {name: RoundTimes() for name in names}
     for round_index in range(config.rounds):
-        names = list(captures)
-        for name in names[round_index % len(names) :] + names[: round_index % len(names)]:
+        first = round_index % len(names) if names else 0
+        for name in names[first:] + names[:first]:
             blocks = copy.deepcopy(work.blocks)
             _Meter(config.device)  # collect, synchronise and empty the cache first
             start = time.perf_counter()
-            lookup = captures[name](blocks)
+            captured = capture_method(work, name, blocks)
             _sync(config.device)
             times[name].capture_seconds.append(time.perf_counter() - start)
-            times[name].step_seconds.append(work.timed_steps(lookup, blocks)[1])
-            if work.graphed is not None:
-                reset_all(work.graphed)
-                work.graphed = None
-            del lookup, blocks
+            times[name].step_seconds.append(work.timed_steps(captured.lookup, captured.blocks)[1])
+            captured.release()
+            del captured, blocks
     return times
 
 

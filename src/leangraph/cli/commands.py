@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main", "progress_bar"]
 
 MIB = 1024 * 1024
 
