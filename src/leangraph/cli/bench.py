@@ -30,18 +30,33 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import torch
 
-from leangraph import GraphedCallable, make_graphed_callables, memory_report, reset_all
+from leangraph import (
+    GraphedCallable,
+    make_graphed_callables,
+    memory_report,
+    plot_memory,
+    reset_all,
+)
 from leangraph.order import Layout, StepKind, parse_order
 from leangraph.progress import ProgressCallback
 from leangraph.report import MemoryReport, TimelinePoint
 from leangraph.schedules import interleaved_1f1b
 
 from .local_pipeline import LayerLookup, run_order
-from .workloads import BlockShape, TransformerBlock, hidden_batches, make_blocks, sample_hidden
+from .phases import PhaseProgress, steps_per_pass
+from .workloads import (
+    BlockShape,
+    TransformerBlock,
+    hidden_batches,
+    make_blocks,
+    plural,
+    sample_hidden,
+)
 
 __all__ = [
     "GRAPHED_METHODS",
@@ -59,7 +74,9 @@ __all__ = [
     "format_table",
     "graph_methods",
     "plot_bars",
+    "plot_timeline",
     "run_bench",
+    "timeline_references",
 ]
 
 MIB = 1024 * 1024
@@ -260,17 +277,27 @@ class BenchWorkload:
         return [float(loss) for loss in result.losses]
 
     def timed_steps(
-        self, lookup: LayerLookup, blocks: list[TransformerBlock]
+        self,
+        lookup: LayerLookup,
+        blocks: list[TransformerBlock],
+        on_step: Callable[[int], None] | None = None,
     ) -> tuple[list[float], float]:
-        """One untimed step, then ``config.steps`` timed ones: its losses, the median time."""
+        """One untimed step, then ``config.steps`` timed ones: its losses, the median time.
+
+        ``on_step`` is called with the number of steps done after each (1 to ``steps + 1``).
+        """
         losses = self.step(lookup, blocks)  # not timed: first replays, lazy inits
         times = []
-        for _ in range(self.config.steps):
+        for done in range(1, self.config.steps + 1):
+            if on_step is not None:
+                on_step(done)
             _sync(self.config.device)
             start = time.perf_counter()
             self.step(lookup, blocks)
             _sync(self.config.device)
             times.append(time.perf_counter() - start)
+        if on_step is not None:
+            on_step(self.config.steps + 1)
         return losses, statistics.median(times)
 
     def eager_lookup(self, blocks: list[TransformerBlock]) -> LayerLookup:
@@ -427,8 +454,20 @@ def _sampling_replay(
     return lookup
 
 
-def _bench_eager(work: BenchWorkload) -> MethodResult:
+def _training_phase(
+    progress: PhaseProgress | None, name: str, config: BenchConfig, measured: int
+) -> Callable[[int], None] | None:
+    """Show phase ``name``: ``measured`` steps read for memory, then :meth:`timed_steps`'
+    untimed and timed ones; the callback it returns counts those of ``timed_steps``."""
+    if progress is None:
+        return None
+    progress.begin(name, measured + 1 + config.steps, "steps")
+    return lambda done: progress.advance(measured + done)
+
+
+def _bench_eager(work: BenchWorkload, progress: PhaseProgress | None) -> MethodResult:
     blocks = copy.deepcopy(work.blocks)
+    on_step = _training_phase(progress, "eager: training", work.config, measured=1)
     meter = _Meter(work.config.device)
     lookup = work.eager_lookup(blocks)
     losses = work.step(lookup, blocks)
@@ -438,7 +477,7 @@ def _bench_eager(work: BenchWorkload) -> MethodResult:
         start_allocated_bytes=meter.allocated,
         losses=losses,
     )
-    _, result.step_seconds = work.timed_steps(lookup, blocks)
+    _, result.step_seconds = work.timed_steps(lookup, blocks, on_step)
     return result
 
 
@@ -454,13 +493,31 @@ def _leangraph_figures(result: MethodResult, report: MemoryReport, meter: _Meter
     )
 
 
+def _announce_capture(work: BenchWorkload, name: str, progress: PhaseProgress | None) -> None:
+    """Show the capture phase of ``name`` before it starts (leangraph's then counts steps)."""
+    if progress is None:
+        return
+    if name == "torch":
+        progress.begin("torch: capture (torch.cuda.make_graphed_callables, warm-up included)")
+    else:
+        progress.expect_capture(
+            prefix="leangraph: ",
+            warmup_passes=work.config.warmup_iters,
+            steps_per_pass=steps_per_pass(work.order, work.layers_per_chunk),
+            memory_check=work.config.device.startswith("cuda"),
+        )
+
+
 def _bench_graphed(
-    work: BenchWorkload, name: str, progress: ProgressCallback | None
+    work: BenchWorkload, name: str, progress: PhaseProgress | None
 ) -> tuple[MethodResult, MemoryReport | None]:
     blocks = copy.deepcopy(work.blocks)
+    _announce_capture(work, name, progress)
     meter = _Meter(work.config.device)
     start = time.perf_counter()
-    captured = capture_method(work, name, blocks, progress=progress)
+    captured = capture_method(
+        work, name, blocks, progress=progress if name == "leangraph" else None
+    )
     _sync(work.config.device)
     result = MethodResult(
         name,
@@ -472,12 +529,13 @@ def _bench_graphed(
     report = None if captured.graphed is None else memory_report(captured.graphed)
     if report is not None:
         _leangraph_figures(result, report, meter)
+    on_step = _training_phase(progress, f"{name}: training", work.config, measured=1)
     meter.restart_peak()
     replay: list[TimelinePoint] = []
     first = captured.lookup if report is None else _sampling_replay(captured, work.layout, replay)
     result.losses = work.step(first, captured.blocks)
     result.step_peak_bytes = meter.peak_reserved()
-    _, result.step_seconds = work.timed_steps(captured.lookup, captured.blocks)
+    _, result.step_seconds = work.timed_steps(captured.lookup, captured.blocks, on_step)
     captured.release()
     return result, None if report is None else report.with_points(replay)
 
@@ -489,17 +547,18 @@ def _agree(reference: list[float], losses: list[float], dtype: torch.dtype) -> b
     )
 
 
-def run_bench(config: BenchConfig, progress: ProgressCallback | None = None) -> BenchResult:
+def run_bench(config: BenchConfig, progress: PhaseProgress | None = None) -> BenchResult:
     """Run the configured methods one after the other; see the module docstring.
 
-    ``progress`` is handed to leangraph's ``make_graphed_callables``.
+    ``progress`` hears of each phase (a method's capture, leangraph's memory check, warm-up
+    passes and capture step by step, each method's training steps, the timing rounds).
     """
     work = BenchWorkload(config)
     methods: dict[str, MethodResult] = {}
     report: MemoryReport | None = None
     for name in config.methods:
         if name == "eager":
-            methods[name] = _bench_eager(work)
+            methods[name] = _bench_eager(work, progress)
         else:
             methods[name], method_report = _bench_graphed(work, name, progress)
             report = method_report or report
@@ -512,26 +571,33 @@ def run_bench(config: BenchConfig, progress: ProgressCallback | None = None) -> 
     }
     settings = asdict(config)
     settings["shape"] = {**asdict(config.shape), "dtype": str(config.shape.dtype)}
-    rounds = _run_rounds(work) if config.rounds else {}
+    rounds = _run_rounds(work, progress) if config.rounds else {}
     return BenchResult(settings, methods, agree, report=report, rounds=rounds)
 
 
-def _run_rounds(work: BenchWorkload) -> dict[str, RoundTimes]:
+def _run_rounds(work: BenchWorkload, progress: PhaseProgress | None) -> dict[str, RoundTimes]:
     """``config.rounds`` rounds of capture plus timed steps per graphed method; see
-    :class:`RoundTimes`."""
+    :class:`RoundTimes`. Progress names each round's captures but does not count their steps:
+    those captures are timed."""
     config = work.config
     names = [name for name in config.methods if name in GRAPHED_METHODS]
     times = {name: RoundTimes() for name in names}
     for round_index in range(config.rounds):
         first = round_index % len(names) if names else 0
         for name in names[first:] + names[:first]:
+            where = f"timing round {round_index + 1} of {config.rounds}: {name}"
+            if progress is not None:
+                progress.begin(f"{where} capture")
             blocks = copy.deepcopy(work.blocks)
             _Meter(config.device)  # collect, synchronise and empty the cache first
             start = time.perf_counter()
             captured = capture_method(work, name, blocks)
             _sync(config.device)
             times[name].capture_seconds.append(time.perf_counter() - start)
-            times[name].step_seconds.append(work.timed_steps(captured.lookup, captured.blocks)[1])
+            on_step = _training_phase(progress, f"{where} training", config, measured=0)
+            times[name].step_seconds.append(
+                work.timed_steps(captured.lookup, captured.blocks, on_step)[1]
+            )
             captured.release()
             del captured, blocks
     return times
@@ -580,27 +646,131 @@ def format_table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
-def plot_bars(result: BenchResult, path: str) -> None:
-    """Bar chart of step peak, warm-up+capture peak and held memory per method (matplotlib)."""
+REPLAY_NOTE = (
+    "forwards of the first graphed step;\n"
+    "the rise is gradients and losses\n"
+    "allocated outside the graphs"
+)
+"""What the replay part of the bench's timeline shows: replays allocate nothing, so the
+rise is the step's own tensors (parameter gradients, losses, chunk-1 input gradients)."""
+
+
+def _workload_title(result: BenchResult) -> str:
+    c = result.config
+    shape = c["shape"]
+    dtype = str(shape["dtype"]).replace("torch.", "")
+    chunks = f"{plural(c['vp_size'], 'chunk')} x {plural(c['layers_per_chunk'], 'block')}"
+    return (
+        f"rank {c['rank']} of PP{c['pp_size']}/VP{c['vp_size']}, {c['num_microbatches']} "
+        f"microbatches, {chunks}, hidden {shape['hidden']}, sequence {shape['sequence']}, {dtype}"
+    )
+
+
+def timeline_references(result: BenchResult) -> dict[str, int]:
+    """The other methods' peaks on leangraph's timeline scale (absolute allocated bytes).
+
+    Each method's figures are above the memory held when it started (the same weights and
+    data for all), so leangraph's start plus eager's step peak is where an eager step would
+    reach on leangraph's timeline; likewise torch's warm-up+capture peak.
+    """
+    leangraph_start = getattr(result.methods.get("leangraph"), "start_allocated_bytes", None)
+    if leangraph_start is None:
+        return {}
+    levels = {
+        "eager step peak (the limit)": ("eager", "step_peak_bytes"),
+        "torch warm-up+capture peak": ("torch", "capture_peak_bytes"),
+    }
+    references = {}
+    for label, (method, figure) in levels.items():
+        value = getattr(result.methods.get(method), figure, None)
+        if value is not None:
+            references[label] = leangraph_start + value
+    return references
+
+
+def plot_timeline(result: BenchResult, path: str | Path) -> Path:
+    """leangraph's memory timeline (warm-up, capture, the first graphed step) with eager's
+    step peak and torch's capture peak drawn across it; see :func:`leangraph.plot_memory`.
+
+    Raises:
+        ValueError: when leangraph did not run, or nothing was measured (the CPU backend).
+    """
+    if result.report is None:
+        raise ValueError("the bench has no leangraph timeline: leangraph was not among its methods")
+    return plot_memory(
+        result.report,
+        path,
+        title=f"leangraph memory timeline\n{_workload_title(result)}",
+        references=timeline_references(result),
+        phase_notes={"replay": REPLAY_NOTE},
+    )
+
+
+_BAR_FIGURES = (
+    ("step peak", "step_peak_bytes", "#4d9de0"),
+    ("warm-up+capture peak", "capture_peak_bytes", "#f2c14e"),
+    ("held after capture", "held_bytes", "#5fad56"),
+)
+
+
+def _bar_labels(result: BenchResult, names: list[str], figure: str) -> tuple[list[str], list[str]]:
+    """Per method, the label inside its bar (MiB, and the ratio to eager's step peak under it)
+    and the one above it (``n/a`` where the method has no such figure, as eager's capture)."""
+    inside, above = [], []
+    for name in names:
+        value = getattr(result.methods[name], figure)
+        ratio = result.ratio(name, figure)
+        text = "" if value is None else f"{value / MIB:.0f}"
+        inside.append(text if ratio is None or value is None else f"{text}\n{ratio:.2f}x")
+        above.append("n/a" if value is None else "")
+    return inside, above
+
+
+def plot_bars(result: BenchResult, path: str | Path) -> Path:
+    """Bar chart of each method's step peak, warm-up+capture peak and memory held after
+    capture, in MiB above the weights and data, each bar labelled with its value and its
+    ratio to eager's step peak (needs matplotlib).
+
+    Raises:
+        ValueError: when no method has a memory figure (a CPU run measures none).
+    """
+    names = list(result.methods)
+    if all(getattr(result.methods[n], f[1]) is None for n in names for f in _BAR_FIGURES):
+        raise ValueError("no method has a memory figure (a CPU run measures none): nothing to draw")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figures = [
-        ("step peak", "step_peak_bytes"),
-        ("warm-up+capture peak", "capture_peak_bytes"),
-        ("held after capture", "held_bytes"),
-    ]
-    names = list(result.methods)
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(figures)
-    for i, (title, attr) in enumerate(figures):
-        values = [(getattr(result.methods[n], attr) or 0) / MIB for n in names]
-        ax.bar([x + i * width for x in range(len(names))], values, width, label=title)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    width = 0.8 / len(_BAR_FIGURES)
+    tallest = 0.0
+    for i, (title, figure, colour) in enumerate(_BAR_FIGURES):
+        heights = [(getattr(result.methods[n], figure) or 0) / MIB for n in names]
+        tallest = max(tallest, *heights)
+        bars = ax.bar(
+            [x + i * width for x in range(len(names))], heights, width, label=title, color=colour
+        )
+        inside, above = _bar_labels(result, names, figure)
+        ax.bar_label(bars, labels=inside, label_type="center", fontsize=8)
+        ax.bar_label(bars, labels=above, padding=2, fontsize=8)
+    eager = result.methods.get("eager")
+    if eager is not None and eager.step_peak_bytes:
+        ax.axhline(
+            eager.step_peak_bytes / MIB,
+            color="#c0392b",
+            linestyle=":",
+            label="eager step peak (the limit)",
+        )
     ax.set_xticks([x + width for x in range(len(names))], names)
+    ax.set_ylim(0, 1.1 * tallest)
     ax.set_ylabel("MiB above weights and data")
-    ax.legend()
+    ax.set_title(
+        f"Memory per method (ratios to eager's step peak)\n{_workload_title(result)}", fontsize=10
+    )
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=4, frameon=False, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    out = Path(path)
+    fig.savefig(out, dpi=120)
     plt.close(fig)
+    return out
