@@ -153,16 +153,16 @@ def _rich_display() -> Iterator[Callable[[Phase], None]]:
         transient=True,
     ) as bar:
         task = bar.add_task("", total=None, count="", detail="")
+        shown = [""]
 
         def show(phase: Phase) -> None:
-            bar.update(
-                task,
-                description=phase.name,
-                completed=phase.done,
-                total=phase.total,
-                count=phase.count(),
-                detail=phase.detail,
-            )
+            count, detail = phase.count(), phase.detail
+            if phase.name != shown[0]:  # a new phase: its own clock from zero
+                shown[0] = phase.name
+                bar.reset(
+                    task, total=phase.total, description=phase.name, count=count, detail=detail
+                )
+            bar.update(task, completed=phase.done, total=phase.total, count=count, detail=detail)
 
         yield show
 
