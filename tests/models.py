@@ -10,7 +10,7 @@ import torch
 from torch.distributed import pipelining
 
 import leangraph
-from leangraph.local_pipeline import run_order
+from leangraph.cli.local_pipeline import run_order
 from leangraph.order import Layout
 
 _ZERO_BUBBLE_NAMES = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")

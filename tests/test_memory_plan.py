@@ -18,14 +18,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from leangraph.memory import LayerMemory, MemoryPlan, format_bytes, plan_memory
 from leangraph.schedules import gpipe, interleaved_1f1b, max_in_flight, one_f_one_b
-from leangraph.workloads import BlockShape, make_blocks, sample_hidden
+from leangraph.cli.workloads import BlockShape, make_blocks, sample_hidden
 
 DEVICES = ["cpu", "meta"]
 F32 = 4
 
 
 def _load_script() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "scripts" / "plan_70b.py"
+    path = Path(__file__).resolve().parents[1] / "examples" / "plan_70b.py"
     spec = importlib.util.spec_from_file_location("plan_70b", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
