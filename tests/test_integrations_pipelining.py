@@ -5,8 +5,8 @@ gloo (the CPU reference backend), graphed and eagerly (a deep copy of the same s
 ``PipelineStage`` objects), through torch's ``schedule.step()``; losses, the merged output of
 ``step()``, gradients and parameters must be bitwise equal over several optimizer steps, and so
 must ``schedule.eval()`` where torch's eager runtime runs it. Importing torch dominates the
-cost, so one pair of processes (this file, run as a script) runs every case, and the tests
-read what each rank reported.
+cost, so one pair of processes (this file, run as a script) runs every case, and
+``examples/pipelining_torch.py``'s training too; the tests read what each rank reported.
 
 Errors, eval and teardown are checked in this process on a pipeline of one rank (a gloo group
 of one; torch's runtime drives all stages on that rank); the same bitwise check runs there on
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import os
 import socket
@@ -44,6 +45,7 @@ from leangraph.integrations.pipelining import (
 from models import Block
 
 ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "pipelining_torch.py"
 WIDTH, IN_FEATURES, OUT_FEATURES, ROWS = 8, 3, 2, 2  # ROWS: rows per microbatch
 STEPS = 3
 TIMEOUT_S = 300
@@ -276,6 +278,7 @@ def _worker(rank: int, port: int, out: Path) -> None:
             if hasattr(pipelining, case.schedule):
                 results[case.id] = run_case(case, pp_size=2, rank=rank)
         results["placement_error"] = _placement_error(rank)
+        results["example"] = _example(rank)
     except BaseException:
         results["error"] = traceback.format_exc()
         (out / f"rank{rank}.json").write_text(json.dumps(results))
@@ -300,6 +303,15 @@ def _placement_error(rank: int) -> str:
     finally:
         graphed.reset()
     return "no error"
+
+
+def _example(rank: int) -> bool:
+    """examples/pipelining_torch.py's training and checks on this rank (its launcher aside)."""
+    spec = importlib.util.spec_from_file_location("pipelining_torch_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return bool(example.run(example.parse_args([]), rank, 2, torch.device("cpu")))
 
 
 @pytest.fixture(scope="module")
@@ -344,6 +356,10 @@ def test_two_ranks_schedule_refuses_stages_placed_elsewhere(two_ranks) -> None:
     assert "ScheduleZBVZeroBubble places stage 2 on rank 1, but rank 0 captured it" in (
         two_ranks[0]["placement_error"])
     assert "places stage 3 on rank 0, but rank 1 captured it" in two_ranks[1]["placement_error"]
+
+
+def test_two_ranks_run_the_example_bitwise_like_eager(two_ranks) -> None:
+    assert [report["example"] for report in two_ranks] == [True, True]
 
 
 # --------------------------------------------------------------------------------------------
