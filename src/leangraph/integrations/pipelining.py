@@ -9,9 +9,9 @@ why:
   stage here is a ``PipelineStage`` subclass that names the microbatch around
   ``forward_one_chunk``; the module then replays the graph of (chunk, microbatch, layer);
 * a call outside ``forward_one_chunk`` (metadata inference on the first ``step()``), a call
-  without a backward or without gradients (``schedule.eval()``, ``torch.no_grad()``: receive
-  buffers then do not require grad, as no graph was captured for), and a call with the layers
-  in another training mode than at capture run the layers eagerly;
+  without a backward or without gradients (``schedule.eval()``, ``torch.no_grad()``: torch's
+  receive buffers then do not require grad, unlike the inputs the graphs were captured for),
+  and a call with the layers in another training mode than at capture run the layers eagerly;
 * the runtime must run the captured order step by step: graphs that share memory are only
   safe replayed in it, so any other step raises :class:`leangraph.LeangraphError` naming the
   step and the one expected;
@@ -210,6 +210,11 @@ def graph_pipeline_stages(
         capture_options: Further keyword options of ``make_graphed_callables`` (e.g.
             ``num_warmup_iters``, ``backend``); not ``order``, ``num_layers_per_chunk`` or
             ``sample_kwargs``, which this computes.
+
+    Memory aliasing: inside a stage, each layer's outputs are views of graph-owned buffers,
+    valid until that graph's backward (its weight step in zero-bubble orders); what the stages
+    hand torch's runtime is valid as long as torch needs it (the last stage's outputs, which
+    torch keeps to the end of ``step()``, are copied out of graph memory).
 
     Returns:
         The stages for torch's schedule and the capture (:class:`GraphedPipeline`).
