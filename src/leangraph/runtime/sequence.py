@@ -9,7 +9,9 @@ and weight-step replay against it, on every backend.
 A step that can no longer come is passed over: the backward (and weight step) of a forward
 replayed without anything requiring grad, or whose outputs were dropped before their
 backward, and every step of a graph that was reset. A graph captured with
-``retain_graph_in_backward`` may repeat the forward or backward it just ran.
+``retain_graph_in_backward`` may repeat the forward or backward it just ran. A pass may start
+over from its first step once nothing is in flight (no backward or weight step can still
+come): a pass abandoned midway, by an exception say, leaves nothing a new pass could clobber.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ class ReplaySequence:
         self._last: tuple[int, StepKind] | None = None
         self._no_backward: set[int] = set()  # graphs whose backward side will not come
         self._dropped: set[int] = set()  # graphs that were reset
+        self._in_flight: set[int] = set()  # forward replayed, backward side not finished
+        self._weight_due: set[int] = set()  # backward replayed, weight step to come
+        last = {g: k for g, k in self._steps if k is not StepKind.FORWARD}
+        self._last_kind = last  # per graph with a backward: the kind of its final step
         self._lock = threading.Lock()
 
     def expect(self, graph: int, kind: StepKind, *, may_repeat: bool = False) -> None:
@@ -64,6 +70,9 @@ class ReplaySequence:
                 return
             self._pass_over_what_cannot_come()
             expected = self._steps[self._next]
+            if expected != (graph, kind) and self._may_start_over(graph, kind):
+                self._next = 0
+                expected = self._steps[0]
             if expected != (graph, kind):
                 raise RuntimeError(
                     f"{self._labels[graph]}: {_WHAT[kind]} replayed out of capture order; the "
@@ -88,7 +97,26 @@ class ReplaySequence:
         graph, kind = self._last = self._steps[self._next]
         if kind is StepKind.FORWARD:
             self._no_backward.discard(graph)
+            if graph in self._last_kind:
+                self._in_flight.add(graph)
+        self._finish_step(graph, kind)
         self._next = (self._next + 1) % len(self._steps)
+
+    def _finish_step(self, graph: int, kind: StepKind) -> None:
+        """Bookkeeping of what is in flight once a backward-side step ran or was passed."""
+        if kind is StepKind.FORWARD:
+            return
+        if kind is self._last_kind[graph]:
+            self._in_flight.discard(graph)
+            self._weight_due.discard(graph)
+        elif graph not in self._no_backward:
+            self._weight_due.add(graph)
+
+    def _may_start_over(self, graph: int, kind: StepKind) -> bool:
+        return (graph, kind) == self._steps[0] and not any(
+            g in self._weight_due or (self._awaits(g) and g not in self._no_backward)
+            for g in self._in_flight
+        )
 
     def _pass_over_what_cannot_come(self) -> None:
         for _ in range(len(self._steps)):
@@ -101,5 +129,6 @@ class ReplaySequence:
                 self._no_backward.add(graph)  # its outputs were dropped: so is its weight step
             elif graph not in self._no_backward:
                 return
+            self._finish_step(graph, kind)
             self._next = (self._next + 1) % len(self._steps)
         # Every graph was reset: nothing can replay, and the callables say so themselves.
