@@ -83,6 +83,7 @@ class GraphedCallable:
         )
         self._grads: GradRouting | None = GradRouting(record, pending)
         self._weight = WeightStep(record) if record.split_backward else None
+        self._autograd_params = self._params_for_autograd(record)
         self._debug_outputs = debug_outputs
         self._guard: OutputGuard | None = None
         self._forward_generation = 0
@@ -143,7 +144,7 @@ class GraphedCallable:
         if any(t.requires_grad and not s.requires_grad for t, s in zip(leaves, self._specs)):
             self._warn_ungraded(leaves)
         token = BackwardToken()
-        outputs = _Replay.apply(self, clone_grads, token, *leaves, *record.params)
+        outputs = _Replay.apply(self, clone_grads, token, *leaves, *self._autograd_params)
         del token  # from here on only the replay's autograd node (if any) keeps it alive
         if record.has_backward and not any(o.requires_grad for o in outputs):
             self._sequence.without_backward(self._index)  # grad mode off: no backward comes
@@ -234,6 +235,20 @@ class GraphedCallable:
                     "capture (the backward graph computes no gradient for it), got "
                     "requires_grad=True; capture again to train it"
                 )
+
+    @staticmethod
+    def _params_for_autograd(record: GraphRecord) -> tuple[torch.Tensor, ...]:
+        """What a replay's autograd node takes besides the inputs: the parameters, whose
+        gradients it returns. A split backward returns none (the weight step delivers them),
+        and autograd would still run their accumulators, and their post-accumulate-grad hooks,
+        with no gradient; an empty leaf that requires grad stands in for them, so the outputs
+        require grad exactly when eager's would."""
+        if not record.split_backward:
+            return record.params
+        if not record.trained_params():
+            return ()
+        device = record.static_outputs[0].device
+        return (torch.empty(0, device=device, requires_grad=True),)
 
     def _warn_ungraded(self, leaves: Sequence[torch.Tensor]) -> None:
         """An input that requires grad only at replay gets no gradient from the backward
@@ -336,7 +351,10 @@ class GraphedCallable:
             elif self._guard is not None:
                 self._guard.invalidate(f"the backward of {self._label} ran")
             assert self._grads is not None
-            return self._grads.scatter(clone_inputs)
+            routed = self._grads.scatter(clone_inputs)
+            if self._weight is not None:  # no parameter gradient: the stand-in gets none
+                routed = routed[: len(clone_inputs)] + (None,) * len(self._autograd_params)
+            return routed
 
 
 class _Replay(torch.autograd.Function):
