@@ -178,7 +178,9 @@ class Trace:
         env: Env = [None] * self.size
         for slot, part, source in self.imports:
             env[slot] = earlier[part][source]
-        with torch.no_grad():
+        # The recorded calls are what autograd and autocast made of the body at capture; a
+        # replay redoes neither, whatever modes its caller has on (a CUDA graph replays kernels).
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
             for step in self.steps:
                 step.run(env)
         results = [env[r] if isinstance(r, int) else r for r in self.results]
