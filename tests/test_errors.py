@@ -587,6 +587,31 @@ def test_w7_out_of_memory_passes_through_on_cpu():
     assert "memory_allocated" not in notes(info.value)  # allocator figures are CUDA's
 
 
+class ReadsItem(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.linear(x)
+        return hidden / hidden.abs().max().item()
+
+
+def test_w8_a_host_read_during_capture_is_refused_on_the_cpu_backend():
+    module = ReadsItem()
+    module(sample())  # eagerly fine: warm-up runs it
+    with raises(
+        RuntimeError,
+        "the CPU backend cannot capture Tensor.item(), or bool(), int() or float() of a tensor",
+        "test_errors.py:",
+        "in forward: it reads a tensor's values on the host",
+        "'operation not permitted when stream is capturing'",
+    ) as info:
+        mgc(module, (sample(),))
+    if NOTES:
+        assert notes(info.value).startswith("leangraph: raised during capture of callable 0 (")
+
+
 # ------------------------------------------------------------------------- replay
 
 

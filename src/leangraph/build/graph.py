@@ -217,12 +217,9 @@ class GraphBuilder:
     def _grad_body(
         self, targets: Callable[[], tuple[torch.Tensor, ...]], retain: bool
     ) -> Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor | None]]:
-        """A backward body differentiating the outputs w.r.t. ``targets()``.
-
-        Targets are looked up at run time: the CPU backend reruns the body against forward
-        replays made on the static inputs as they are then, where a parameter frozen since
-        capture gets None (a CUDA graph still computes its gradient; autograd drops it).
-        """
+        """A backward body differentiating the outputs w.r.t. ``targets()`` (looked up when
+        the body runs, at capture). A backend records what it runs; a parameter frozen after
+        capture still gets its gradient computed at replay, and autograd drops it."""
         seeds = [g for g in self._static_grad_outputs if g is not None]
 
         def body(outputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor | None]:
