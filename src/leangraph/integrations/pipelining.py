@@ -165,6 +165,32 @@ class GraphedPipeline:
         self.graphed_set.reset()
 
 
+def _capture(
+    specs: Sequence[StageModules],
+    order: Sequence[Any],
+    inputs: Sequence[Any],
+    num_microbatches: int,
+    capture_options: Mapping[str, Any] | None,
+) -> tuple[Any, Layout, tuple[Step, ...]]:
+    """Graph every local stage's layers in one call, in ``order``."""
+    layers = tuple(layer for spec in specs for layer in spec.layers)
+    layers_per_chunk = [len(spec.layers) for spec in specs]
+    layout, steps = parse_order(
+        order,
+        num_callables=len(layers),
+        num_samples=len(layers) * num_microbatches,
+        num_layers_per_chunk=layers_per_chunk,
+    )
+    graphed = make_graphed_callables(
+        layers,
+        _graph_samples(specs, inputs, layout),
+        order=order,
+        num_layers_per_chunk=layers_per_chunk,
+        **_capture_options(capture_options),
+    )
+    return graphed, layout, tuple(steps)
+
+
 def graph_pipeline_stages(
     stages: Sequence[StageModules | Sequence[nn.Module]],
     schedule_class: type,
@@ -180,49 +206,33 @@ def graph_pipeline_stages(
 ) -> GraphedPipeline:
     """Graph one rank's stages in the order ``schedule_class`` runs them; return torch stages.
 
-    Call it on every rank of the pipeline, after ``init_process_group``, with the rank's own
-    stages. The layers of all local stages are captured in one
-    :func:`leangraph.make_graphed_callables` call with
-    ``from_pipelining(schedule_class, pp_size, num_microbatches, rank, len(stages),
-    explicit=True)`` as the order; the returned stages replay them under torch's runtime (see
-    the module docstring for what differs from an eager ``PipelineStage``).
-
-    Samples: ``sample_args[k]`` is one microbatch's input of ``stages[k]`` (a tensor or a
-    tuple), as the stage receives it. On every stage but the first, floating-point inputs come
-    from torch's receive buffers, which require grad in training, so the samples are given
-    ``requires_grad=True``. ``pre`` and the layers run once eagerly on the samples (with the
-    caller's RNG state put back afterwards) to give each layer its sample input.
+    Call it on every rank, after ``init_process_group``, with the rank's own stages: their
+    layers are captured in one :func:`leangraph.make_graphed_callables` call, in
+    ``from_pipelining(..., explicit=True)``'s order, and the returned stages replay them under
+    torch's runtime (the module docstring says what differs from an eager ``PipelineStage``).
+    ``sample_args[k]`` is one microbatch's input of ``stages[k]`` as the stage receives it
+    (inputs of later stages are given ``requires_grad=True``, as torch's receive buffers have);
+    ``pre`` and the layers run once eagerly on it, RNG state put back, to sample each layer.
 
     Args:
-        stages: The rank's stages by ascending stage index: :class:`StageModules`, or a
-            sequence of layers for a stage without glue. Their layers keep their parameters
-            (train them with an optimizer as usual); they are not modified.
-        schedule_class: A ``torch.distributed.pipelining`` schedule class that
-            :func:`~leangraph.schedules.from_pipelining` supports.
+        stages: The rank's stages by ascending stage index (:class:`StageModules`, or a
+            sequence of layers); their layers are not modified and train as usual.
+        schedule_class: A schedule class :func:`~leangraph.schedules.from_pipelining` supports.
         sample_args: One sample input per stage, for one microbatch.
         num_microbatches: Microbatches per ``step()``.
-        pp_size: Ranks of the pipeline; default (and it must equal) the group's size.
-        rank: This rank; default (and it must equal) the rank in ``group``.
-        stage_indices: Global stage indices of ``stages``, ascending; default: where
-            ``schedule_class`` places them (:func:`stage_placement`).
-        device: The stages' device; default: the first sample tensor's.
-        group: The pipeline's process group (default: the world).
-        capture_options: Further keyword options of ``make_graphed_callables`` (e.g.
-            ``num_warmup_iters``, ``backend``); not ``order``, ``num_layers_per_chunk`` or
-            ``sample_kwargs``, which this computes.
+        pp_size, rank: Default (and must equal) the group's size and this rank in it.
+        stage_indices: Global stage indices of ``stages``; default :func:`stage_placement`.
+        device, group: The stages' device (default: the samples') and process group.
+        capture_options: More ``make_graphed_callables`` options (not ``order``,
+            ``num_layers_per_chunk`` or ``sample_kwargs``, which this computes).
 
-    Memory aliasing: inside a stage, each layer's outputs are views of graph-owned buffers,
-    valid until that graph's backward (its weight step in zero-bubble orders); what the stages
-    hand torch's runtime is valid as long as torch needs it (the last stage's outputs, which
-    torch keeps to the end of ``step()``, are copied out of graph memory).
-
-    Returns:
-        The stages for torch's schedule and the capture (:class:`GraphedPipeline`).
+    Memory aliasing: each layer's outputs are views of graph-owned buffers, valid until that
+    graph's backward (its weight step in zero-bubble orders); the last stage's outputs, which
+    torch keeps to the end of ``step()``, are copied out of graph memory.
 
     Raises:
-        ValueError, TypeError: for arguments that do not fit together (the message names
-            them), sizes torch's schedule rejects, or what ``make_graphed_callables`` refuses.
-        RuntimeError: if this torch's ``PipelineStage`` cannot run leangraph's stages.
+        ValueError, TypeError, RuntimeError: for arguments that do not fit together, what
+            torch's schedule or ``make_graphed_callables`` refuses, or a torch it cannot run.
     """
     _check_torch_runtime()
     specs = _stage_specs(stages)
@@ -236,23 +246,8 @@ def graph_pipeline_stages(
     order = from_pipelining(
         schedule_class, pp_size, num_microbatches, rank, len(specs), explicit=True
     )
-    layers = tuple(layer for spec in specs for layer in spec.layers)
-    layers_per_chunk = [len(spec.layers) for spec in specs]
-    layout, steps = parse_order(
-        order,
-        num_callables=len(layers),
-        num_samples=len(layers) * num_microbatches,
-        num_layers_per_chunk=layers_per_chunk,
-    )
     inputs = _stage_inputs(sample_args, indices)
-    samples = _graph_samples(specs, inputs, layout)
-    graphed = make_graphed_callables(
-        layers,
-        samples,
-        order=order,
-        num_layers_per_chunk=layers_per_chunk,
-        **_capture_options(capture_options),
-    )
+    graphed, layout, steps = _capture(specs, order, inputs, num_microbatches, capture_options)
     cursor = _StepCursor(steps, schedule_class.__name__, rank, indices)
     built = _build_stages(
         specs,
