@@ -369,8 +369,10 @@ def test_two_ranks_run_the_example_bitwise_like_eager(two_ranks) -> None:
 
 @pytest.fixture
 def one_rank(tmp_path: Path) -> Iterator[None]:
-    """A gloo process group of one (torch's runtime runs every stage on this rank)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+    """A process group of one (torch's runtime runs every stage on this rank, and still sends
+    between them): gloo for CPU tensors, and NCCL for CUDA ones where there is a GPU."""
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     try:
         yield
