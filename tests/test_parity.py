@@ -322,3 +322,32 @@ def test_compiled_functions_and_modules_in_an_order():
         torch.testing.assert_close(out, project(layers[0](x), weight))
         out.sum().backward()
     leangraph.reset_all(graphed)
+
+
+@CUDA
+@needs_cuda
+def test_inductor_compiled_layers_graph_on_cuda_drop_in_and_ordered():
+    """torch.compile's default backend (Inductor's Triton kernels) inside leangraph's capture."""
+    torch.manual_seed(0)
+    layers = [Scaled().cuda() for _ in range(2)]
+    reference = copy.deepcopy(layers)
+    compiled = tuple(torch.compile(layer) for layer in layers)
+    samples = tuple((torch.randn(2, 4, device="cuda", requires_grad=True),) for _ in range(4))
+    graphed = leangraph.make_graphed_callables(compiled, samples, order=[1, 2, -2, -1] * 2)
+    for microbatch in range(2):
+        x = torch.randn(2, 4, device="cuda", requires_grad=True)
+        out = graphed[2 + microbatch](graphed[microbatch](x))
+        expected = reference[1](reference[0](x.detach()))
+        torch.testing.assert_close(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+    for layer, ref in zip(layers, reference):
+        for p, q in zip(layer.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    leangraph.reset_all(graphed)
+    single = torch.compile(Scaled().cuda())
+    graphed_single = leangraph.make_graphed_callables(
+        single, (torch.randn(2, 4, device="cuda", requires_grad=True),)
+    )
+    graphed_single(torch.randn(2, 4, device="cuda", requires_grad=True)).sum().backward()
+    leangraph.reset_all(graphed_single)
