@@ -8,13 +8,10 @@ position), what was expected and what was got. Test names start with the entry's
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import pathlib
 import pickle
 import re
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,44 +19,15 @@ import torch
 
 import leangraph
 from leangraph import GraphedCallable, GraphResetError
+from helpers import NOTES, blocks, graphed_blocks, needs_notes, notes, raises, sample
 from leangraph.backends import CpuBackend
 from models import Block
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "errors.md"
-NOTES = sys.version_info >= (3, 11)  # exc.__notes__ / add_note
-needs_notes = pytest.mark.skipif(not NOTES, reason="exception notes need Python >= 3.11")
 
 # Two chunks of one layer, two microbatches: graph (chunk c, microbatch m) is at 2 (c-1) + m.
 ORDER = [1, 2, -2, -1, 1, 2, -2, -1]
 mgc = leangraph.make_graphed_callables
-
-
-@contextlib.contextmanager
-def raises(kind: type[BaseException], *parts: str) -> Iterator[pytest.ExceptionInfo]:
-    """Like ``pytest.raises(kind)``; also every part must appear, verbatim, in the message."""
-    with pytest.raises(kind) as info:
-        yield info
-    message = str(info.value)
-    for part in parts:
-        assert part in message, f"{part!r} not in message {message!r}"
-
-
-def notes(exc: BaseException) -> str:
-    return "\n".join(getattr(exc, "__notes__", ()))
-
-
-def sample(width: int = 4, requires_grad: bool = True) -> torch.Tensor:
-    return torch.randn(2, width, requires_grad=requires_grad)
-
-
-def blocks(count: int = 3, width: int = 4) -> tuple[Block, ...]:
-    torch.manual_seed(0)
-    return tuple(Block(width) for _ in range(count))
-
-
-def graphed_blocks(count: int = 3, **kwargs) -> tuple[torch.nn.Module, ...]:
-    layers = blocks(count)
-    return mgc(layers, tuple((sample(),) for _ in layers), **kwargs)
 
 
 def ordered_graphs() -> tuple[GraphedCallable, ...]:
@@ -77,8 +45,9 @@ def scale(x: torch.Tensor, *, factor: torch.Tensor) -> torch.Tensor:
 def test_catalogue_entries_each_have_a_test():
     ids = re.findall(r"^\| ([A-Z]\d+) \|", DOCS.read_text(), flags=re.MULTILINE)
     assert len(ids) == len(set(ids)) and len(ids) >= 30, ids
+    # Each entry's test lives in the test file of the module that raises it.
     here = pathlib.Path(__file__).resolve().parent
-    sources = (here / "test_errors.py").read_text() + (here / "test_cuda_faults.py").read_text()
+    sources = "".join(path.read_text() for path in sorted(here.glob("test_*.py")))
     missing = [i for i in ids if not re.search(rf"def test_{i.lower()}_", sources)]
     assert not missing, f"catalogue entries without a test: {missing}"
 

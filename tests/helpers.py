@@ -1,0 +1,45 @@
+"""Assertion helpers and small samples shared by the tests."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import leangraph
+from models import Block
+
+NOTES = sys.version_info >= (3, 11)  # exc.__notes__ / add_note
+needs_notes = pytest.mark.skipif(not NOTES, reason="exception notes need Python >= 3.11")
+mgc = leangraph.make_graphed_callables
+
+
+@contextlib.contextmanager
+def raises(kind: type[BaseException], *parts: str) -> Iterator[pytest.ExceptionInfo]:
+    """Like ``pytest.raises(kind)``; also every part must appear, verbatim, in the message."""
+    with pytest.raises(kind) as info:
+        yield info
+    message = str(info.value)
+    for part in parts:
+        assert part in message, f"{part!r} not in message {message!r}"
+
+
+def notes(exc: BaseException) -> str:
+    return "\n".join(getattr(exc, "__notes__", ()))
+
+
+def sample(width: int = 4, requires_grad: bool = True) -> torch.Tensor:
+    return torch.randn(2, width, requires_grad=requires_grad)
+
+
+def blocks(count: int = 3, width: int = 4) -> tuple[Block, ...]:
+    torch.manual_seed(0)
+    return tuple(Block(width) for _ in range(count))
+
+
+def graphed_blocks(count: int = 3, **kwargs) -> tuple[torch.nn.Module, ...]:
+    layers = blocks(count)
+    return mgc(layers, tuple((sample(),) for _ in layers), **kwargs)
