@@ -10,7 +10,7 @@ import torch
 
 import leangraph
 from models import Block, assert_histories_equal, train_both
-from test_warmup import MEGATRON_PP2_VP2_RANK0, ORDER, expected_alive
+from test_build_warmup import MEGATRON_PP2_VP2_RANK0, ORDER, expected_alive
 
 pytestmark = pytest.mark.cuda
 
