@@ -43,3 +43,7 @@ def blocks(count: int = 3, width: int = 4) -> tuple[Block, ...]:
 def graphed_blocks(count: int = 3, **kwargs) -> tuple[torch.nn.Module, ...]:
     layers = blocks(count)
     return mgc(layers, tuple((sample(),) for _ in layers), **kwargs)
+
+
+def scale(x: torch.Tensor, *, factor: torch.Tensor) -> torch.Tensor:
+    return x * factor
