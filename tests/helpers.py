@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from collections.abc import Iterator
 
@@ -47,3 +48,10 @@ def graphed_blocks(count: int = 3, **kwargs) -> tuple[torch.nn.Module, ...]:
 
 def scale(x: torch.Tensor, *, factor: torch.Tensor) -> torch.Tensor:
     return x * factor
+
+
+def three_graphs():
+    layers = tuple(Block(4) for _ in range(3))
+    reference = [copy.deepcopy(layer) for layer in layers]
+    samples = tuple((torch.randn(2, 4, requires_grad=True),) for _ in range(3))
+    return reference, leangraph.make_graphed_callables(layers, samples)
