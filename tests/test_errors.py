@@ -520,11 +520,3 @@ def test_l6_graphed_callables_cannot_be_copied_or_pickled():
         pickle.dumps(graphed[0].forward)
 
 
-def test_l7_reset_all_on_something_else():
-    graphed = graphed_blocks(1)
-    with raises(TypeError, "reset_all: entry 1 is a Linear, expected a GraphedCallable"):
-        leangraph.reset_all([graphed[0], torch.nn.Linear(2, 2)])
-    with raises(TypeError, "reset_all: entry 0 is a int"):
-        leangraph.reset_all(3)
-
-
