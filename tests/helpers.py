@@ -11,6 +11,12 @@ import pytest
 import torch
 
 import leangraph
+from leangraph._call import CaptureOptions, validate_call
+from leangraph.backends import CpuBackend
+from leangraph.buffers import plan_buffers
+from leangraph.build.builder import build_graphs
+from leangraph.hooks import normalize_hooks
+from leangraph.probe import probe
 from models import Block
 
 NOTES = sys.version_info >= (3, 11)  # exc.__notes__ / add_note
@@ -55,3 +61,24 @@ def three_graphs():
     reference = [copy.deepcopy(layer) for layer in layers]
     samples = tuple((torch.randn(2, 4, requires_grad=True),) for _ in range(3))
     return reference, leangraph.make_graphed_callables(layers, samples)
+
+
+def build_stage(callables, sample_args, *, order=None, num_layers_per_chunk=None,
+                share_buffers=True, num_warmup_iters=1, backend=None, **options):
+    """Validate, probe, plan the buffers and run the build stage on the CPU backend, as
+    ``make_graphed_callables`` does; the validated call and the build's result."""
+    call = validate_call(callables, sample_args, None, order, num_layers_per_chunk)
+    facts = probe(call)
+    buffer_plan = (
+        plan_buffers(call.plan, [f.inputs for f in facts], [f.outputs for f in facts],
+                     chainable=call.chainable())
+        if share_buffers else None
+    )
+    options = CaptureOptions(
+        num_warmup_iters=num_warmup_iters, allow_unused_input=False,
+        retain_graph_in_backward=False, share_buffers=share_buffers, debug_outputs=False,
+        check_memory=False, **options,
+    )
+    built = build_graphs(call, facts, buffer_plan, backend or CpuBackend(), options,
+                         hooks=normalize_hooks(None, call.callables), progress=None)
+    return call, built
