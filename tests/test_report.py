@@ -51,8 +51,3 @@ def test_plot_memory_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_capture_is_logged_on_the_leangraph_logger(caplog):
-    with caplog.at_level("INFO", logger="leangraph"):
-        _capture()
-    assert any(r.name == "leangraph" and "captured 12 graphs on cpu" in r.getMessage()
-               for r in caplog.records)
