@@ -95,13 +95,3 @@ def test_outputs_are_valid_until_backward_without_debug_mode():
     assert not torch.equal(first, reference[1](reference[0](x0)))
 
 
-def test_chained_input_must_be_the_previous_output():
-    torch.manual_seed(0)
-    layers = tuple(Block(8) for _ in range(2))
-    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(2))
-    graphed = leangraph.make_graphed_callables(layers, samples, order=[1, -1])
-    hidden = graphed[0](torch.randn(4, 8, requires_grad=True))
-    with pytest.raises(ValueError, match=r"graph \(chunk 1, microbatch 0, layer 1\) input 0 is "
-                                         r"the output buffer of graph \(chunk 1, microbatch 0, "
-                                         r"layer 0\)"):
-        graphed[1](hidden * 2)
