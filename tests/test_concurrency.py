@@ -4,7 +4,9 @@ A :class:`GraphedCallable` holds a lock around each forward replay, each backwar
 ``reset()``, so a reset either completes before a replay (which then raises GraphResetError
 before touching a buffer) or waits until the replay has returned complete results; never in
 between. The CPU backend reruns the module's forward (and differentiates it) on replay, so a
-module that blocks on an event the test controls holds a replay open mid-way.
+module that blocks on an event the test controls holds a replay open mid-way, and an argument
+that blocks while its metadata is checked holds a call before its replay begins. Only public
+behaviour orders the threads (no test touches the callable's lock).
 """
 
 from __future__ import annotations
@@ -136,19 +138,47 @@ def test_reset_waits_for_a_backward_replay():
         module(x)
 
 
+class Paused(torch.Tensor):
+    """A replay argument that holds the replay inside its argument checks (the first time its
+    ``requires_grad`` is read), before the replay takes the callable's lock."""
+
+    gate: Optional[tuple[threading.Event, threading.Event]] = None  # (entered, release)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        gate = cls.gate
+        if gate is not None and func == torch.Tensor.requires_grad.__get__:
+            cls.gate = None
+            gate[0].set()
+            assert gate[1].wait(TIMEOUT), "the test never released the gate"
+        return super().__torch_function__(func, types, args, kwargs)
+
+
 def test_a_reset_that_wins_the_race_makes_the_replay_raise():
+    """A reset that completes after a call began but before its replay took the lock: the
+    replay raises GraphResetError and runs nothing."""
     module, _ = _graphed()
-    x = torch.randn(2, 4, requires_grad=True)
-    module.forward._lock.acquire()  # hold the replay lock so the reset is ordered first
+    calls = []
+    module.linear.register_forward_pre_hook(lambda *args: calls.append(None))  # after capture
+    module(torch.randn(2, 4, requires_grad=True))  # a replay reruns the forward: it is seen
+    assert calls == [None]
+    calls.clear()
+    x = torch.randn(2, 4, requires_grad=True).as_subclass(Paused)
+    entered, release = threading.Event(), threading.Event()
+    Paused.gate = (entered, release)
     try:
-        resetter, _ = _in_thread(module.forward.reset)
-        resetter.join(WAIT)
-        assert resetter.is_alive()
+        owner, replay = _in_thread(lambda: module(x))
+        assert entered.wait(TIMEOUT), "the call never checked its argument"
+        module.forward.reset()  # does not wait: the call holds no lock yet
+        assert module.forward.is_reset
     finally:
-        module.forward._lock.release()
-    resetter.join(TIMEOUT)
-    with pytest.raises(GraphResetError):
-        module(x)
+        Paused.gate = None
+        release.set()
+    owner.join(TIMEOUT)
+    assert not owner.is_alive()
+    assert isinstance(replay.get("error"), GraphResetError), replay
+    assert "cannot replay its forward graph" in str(replay["error"])
+    assert calls == []  # the module's forward (which the CPU backend reruns) never ran
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.0005, 0.002])
