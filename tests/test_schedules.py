@@ -86,6 +86,7 @@ _ACTION_RE = re.compile(r"^(\d+)([A-Z_]+?)(\d*)$")
 @contextlib.contextmanager
 def _fake_process_group(rank: int, world_size: int) -> Iterator[None]:
     """A 'fake' process group, so that real PipelineStage objects can be built on CPU."""
+    # torch's fake process group has no public home: torch.testing._internal it is.
     fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
     if dist.is_initialized():
         pytest.skip("a process group is already initialized")
@@ -140,6 +141,8 @@ def _recorded_step(schedule, stage, m: int) -> list[str]:
     stage.forward_one_chunk, stage.backward_one_chunk = forward, backward
     for name in ("get_fwd_recv_ops", "get_fwd_send_ops", "get_bwd_recv_ops", "get_bwd_send_ops"):
         setattr(stage, name, lambda *args, **kwargs: [])
+    # torch's private step function is what is compared against (there is no public route to
+    # run it without real communication).
     stage._prepare_forward_infra = stage._prepare_backward_infra = lambda *a, **k: None
     schedule._step_microbatches([()] * m, [{}] * m, [torch.zeros(())] * m, None)
     return ran
@@ -680,10 +683,20 @@ def test_validate_order_accepts(order: list[int]) -> None:
     assert validate_order(order) is None
 
 
+def _scripted(actions_of_rank: dict[int, list]) -> type:
+    """A torch schedule class whose ``pipeline_order`` (what ``from_pipelining`` reads) is
+    ``actions_of_rank``, whatever stages it is given."""
+
+    class Scripted(pl.schedules.PipelineScheduleMulti):
+        def __init__(self, stages, n_microbatches, loss_fn=None, **kwargs) -> None:
+            # No super().__init__(): only the order is read, and the stages are stand-ins.
+            self.pipeline_order = actions_of_rank
+
+    return Scripted
+
+
 def test_actions_with_comms_are_mapped() -> None:
     # torch's comm-lowered list (SEND/RECV, REDUCE_GRAD, ...) maps to the same order.
-    from leangraph.schedules import _actions_to_order
-
     pp, m, rank = 4, 8, 1
     with _fake_process_group(rank, pp):
         stages = [_real_stage(rank + k * pp, 2 * pp) for k in range(2)]
@@ -696,25 +709,24 @@ def test_actions_with_comms_are_mapped() -> None:
     kinds = {a.computation_type.name for a in with_comms}
     assert {"SEND_F", "RECV_F", "SEND_B", "RECV_B", "REDUCE_GRAD"} <= kinds
     expected = from_pipelining(pl.ScheduleInterleaved1F1B, pp, m, rank, stages_per_rank=2)
-    assert _actions_to_order(with_comms, "ScheduleInterleaved1F1B", rank) == expected
+    scripted = _scripted({rank: with_comms})
+    assert from_pipelining(scripted, pp, m, rank, stages_per_rank=2) == expected
 
 
 @pytest.mark.skipif(not hasattr(pl.schedules, "OVERLAP_F_B"),
                     reason="this torch has no composite OVERLAP_F_B action")
 def test_overlap_actions_run_their_sub_actions_in_order() -> None:
-    from leangraph.schedules import _actions_to_order
-
+    # torch has no public way to build schedule actions: its private _Action it is.
     ts = pl.schedules
     overlap = ts._Action(-1, ts.OVERLAP_F_B, None, (ts._Action(5, ts.F, 0), ts._Action(1, ts.B, 0)))
     actions = [ts._Action(1, ts.F, 0), None, overlap, ts._Action(5, ts.B, 0)]
-    assert _actions_to_order(actions, "custom", 1) == [1, 2, -1, -2]
-    assert _actions_to_order([ts._Action(1, ts.F, 0), ts._Action(1, ts.I, 0),
-                              ts._Action(1, ts.W, 0)], "custom", 1) == [1, -1, -1.5]
+    assert from_pipelining(_scripted({1: actions}), 4, 1, 1, stages_per_rank=2) == [1, 2, -1, -2]
+    split = [ts._Action(1, ts.F, 0), ts._Action(1, ts.I, 0), ts._Action(1, ts.W, 0)]
+    assert from_pipelining(_scripted({1: split}), 4, 1, 1) == [1, -1, -1.5]
 
 
 def test_actions_without_an_order_entry_are_refused_naming_them() -> None:
-    from leangraph.schedules import _actions_to_order
-
+    # torch has no public way to build schedule actions: its private _Action it is.
     ts = pl.schedules
     forward = ts._Action(stage_index=1, computation_type=ts._ComputationType.FORWARD,
                          microbatch_index=0)  # by name: torch 2.4 orders the fields otherwise
@@ -726,9 +738,9 @@ def test_actions_without_an_order_entry_are_refused_naming_them() -> None:
         def __str__(self) -> str:
             return "1?0"
 
-    with pytest.raises(ValueError, match=r"custom, rank 1, step 1: action 1\?0 \(MYSTERY\) has "
-                                         r"no leangraph order entry"):
-        _actions_to_order([forward, Mystery()], "custom", 1)
+    with pytest.raises(ValueError, match=r"Scripted, rank 1, step 1: action 1\?0 \(MYSTERY\) "
+                                         r"has no leangraph order entry"):
+        from_pipelining(_scripted({1: [forward, Mystery()]}), 4, 1, 1)
 
 
 def test_max_in_flight_counts_a_split_backward_until_its_weight_step() -> None:
