@@ -563,7 +563,7 @@ def test_from_pipelining_fallback_for_torch_without_single_stage_pipeline_order(
         for pp, m in ((2, 4), (4, 4), (4, 7))
         for rank in range(pp)
     }
-    for cls in (pl.Schedule1F1B, pl.ScheduleGPipe):
+    for cls in (pl.Schedule1F1B, pl.ScheduleGPipe):  # an older torch: only privately
         monkeypatch.setattr(cls, "_get_pipeline_order", lambda self: None)
     for (cls, pp, m, rank), order in expected.items():
         assert from_pipelining(cls, pp, m, rank) == order
