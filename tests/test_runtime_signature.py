@@ -280,7 +280,8 @@ def test_a_positional_capture_refuses_keywords_naming_what_it_takes():
     x, y = sample(), sample()
     with raises(TypeError, "callable 0 (minus) takes 2 positional arguments as at capture, got 1"):
         graphed(x, y=y)
-    with raises(TypeError, "callable 0 (minus) takes keyword arguments [] as at capture, got ['z']"):
+    with raises(TypeError, "callable 0 (minus) takes keyword arguments [] as at capture, "
+                           "got ['z']"):
         graphed(x, y, z=y)
 
 
