@@ -42,7 +42,7 @@ Point to point, without deadlock:
   opened by one blocking exchange, in a fixed sequence, before training.
 
 Checks. Every rank trains three copies from the same initial weights on the same data: the
-whole stack in one process (``leangraph.local_pipeline.run_order``; this checks the message
+whole stack in one process (``leangraph.cli.local_pipeline.run_order``; this checks the message
 plumbing), the pipeline with eager blocks (a deep copy taken before capture), and the pipeline
 with graphed blocks. Losses (last stage) and parameters must be bitwise equal
 (``torch.equal``). They are on CPU and, at this size, on CUDA (2 x H200, fp32): the graphs
@@ -69,10 +69,10 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 import leangraph
-from leangraph.local_pipeline import run_order
+from leangraph.cli.local_pipeline import run_order
 from leangraph.order import Layout, Step, StepKind, parse_order
 from leangraph.schedules import gpipe, interleaved_1f1b
-from leangraph.workloads import BlockShape, TransformerBlock, make_blocks, sample_hidden
+from leangraph.cli.workloads import BlockShape, TransformerBlock, make_blocks, sample_hidden
 
 NUM_BLOCKS = 8
 VP_SIZE = 2

@@ -52,6 +52,10 @@ def graphed_blocks(count: int = 3, **kwargs) -> tuple[torch.nn.Module, ...]:
     return mgc(layers, tuple((sample(),) for _ in layers), **kwargs)
 
 
+class Opaque:
+    """Neither a tensor nor a constant a graph can hold."""
+
+
 def scale(x: torch.Tensor, *, factor: torch.Tensor) -> torch.Tensor:
     return x * factor
 
@@ -61,6 +65,14 @@ def three_graphs():
     reference = [copy.deepcopy(layer) for layer in layers]
     samples = tuple((torch.randn(2, 4, requires_grad=True),) for _ in range(3))
     return reference, leangraph.make_graphed_callables(layers, samples)
+
+
+def one_graph():
+    """One module graphed alone: its replays are the whole capture order."""
+    layer = Block(4)
+    reference = [copy.deepcopy(layer)]
+    graphed = leangraph.make_graphed_callables(layer, (torch.randn(2, 4, requires_grad=True),))
+    return reference, (graphed,)
 
 
 def build_stage(callables, sample_args, *, order=None, num_layers_per_chunk=None,

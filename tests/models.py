@@ -10,7 +10,7 @@ import torch
 from torch.distributed import pipelining
 
 import leangraph
-from leangraph.local_pipeline import run_order
+from leangraph.cli.local_pipeline import run_order
 from leangraph.order import Layout
 
 _ZERO_BUBBLE_NAMES = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
@@ -91,3 +91,15 @@ def assert_histories_equal(history, exact=True):
                 assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max()}"
             else:
                 torch.testing.assert_close(a, b)
+
+
+def replay_step(graphed, order, layers_per_chunk, inputs):
+    """One training step of ``graphed`` in ``order`` (the order it was captured in, which
+    replays must follow), chunk ``c + 1`` consuming chunk ``c``'s output; returns the step's
+    losses and the gradients of ``inputs`` (one per microbatch)."""
+    layout = Layout(tuple(layers_per_chunk), len(inputs))
+
+    def layer(chunk: int, microbatch: int, index: int):
+        return graphed[layout.graph_index(chunk, microbatch, index)]
+
+    return run_order(order, layers_per_chunk, layer, inputs, lambda out, m: out.float().sum())

@@ -16,6 +16,7 @@ import leangraph
 from helpers import NOTES, blocks, needs_notes, notes, sample
 from leangraph import GraphedCallable
 from leangraph.backends import CpuBackend
+from leangraph.order import parse_order
 from models import Block, assert_histories_equal, train_both
 
 ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
@@ -162,6 +163,17 @@ def _failing_call(layers, *, order=None, samples=None):
     return info.value
 
 
+def _capture_order(order, count: int) -> list[tuple[str, int]]:
+    """("F" | "B", graph) in the order the graphs must replay: the order's steps (one layer per
+    chunk here), or without one, every forward then every backward in reverse."""
+    if order is None:
+        return [("F", g) for g in range(count)] + [("B", g) for g in reversed(range(count))]
+    layout, steps = parse_order(order, num_callables=count // 2, num_samples=count)
+    return [
+        (step.kind.value, layout.graph_index(step.chunk, step.microbatch, 0)) for step in steps
+    ]
+
+
 def _works_again(layers, *, order=None, graphs: int | None = None):
     """Eager work and a new capture of the same modules succeed, equal to eager copies."""
     for layer in layers:
@@ -174,18 +186,23 @@ def _works_again(layers, *, order=None, graphs: int | None = None):
         p.grad = None
     count = graphs or len(layers)
     graphed = mgc(tuple(layers), tuple((sample(),) for _ in range(count)), order=order)
-    for index in range(count):
+    runs = {}
+    for kind, index in _capture_order(order, count):
         which = index if order is None else index // 2
-        x = torch.randn(2, 4, requires_grad=True)
-        x_ref = x.detach().clone().requires_grad_()
-        torch.manual_seed(index)
-        out = graphed[index](x)
-        torch.manual_seed(index)
-        ref = reference[which](x_ref)
-        assert torch.equal(out, ref)
-        out.backward(torch.ones_like(out))
-        ref.backward(torch.ones_like(ref))
-        assert torch.equal(x.grad, x_ref.grad)
+        if kind == "F":
+            x = torch.randn(2, 4, requires_grad=True)
+            x_ref = x.detach().clone().requires_grad_()
+            torch.manual_seed(index)
+            out = graphed[index](x)
+            torch.manual_seed(index)
+            ref = reference[which](x_ref)
+            assert torch.equal(out, ref)
+            runs[index] = (x, out, x_ref, ref)
+        else:
+            x, out, x_ref, ref = runs.pop(index)
+            out.backward(torch.ones_like(out))
+            ref.backward(torch.ones_like(ref))
+            assert torch.equal(x.grad, x_ref.grad)
     leangraph.reset_all(graphed)
 
 

@@ -36,8 +36,9 @@ class _Logged(torch.autograd.Function):
 
 class Tagged(torch.nn.Module):
     """``x * w``, logging ``F<tag>`` at its forward and ``B<tag>`` at its backward, where the
-    tag is the input's first value: each graph's sample holds its graph index, and capture
-    runs each graph on its static inputs holding its sample."""
+    tag is the input's row count less one: graph ``g``'s sample has ``g + 1`` rows, and capture
+    runs each graph on static inputs of its sample's shape (a shape, not a value: capture
+    cannot read tensor values on the host, W8)."""
 
     def __init__(self, log: list[str]) -> None:
         super().__init__()
@@ -45,7 +46,7 @@ class Tagged(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tag = int(x.detach()[0])
+        tag = x.shape[0] - 1
         self.log.append(f"F{tag}")
         return _Logged.apply(x * self.weight, self.log, tag)
 
@@ -53,7 +54,7 @@ class Tagged(torch.nn.Module):
 def _capture_log(count: int, graphs: int, **kwargs: Any) -> list[str]:
     """The callables' log with ``| <step>`` after every step, warm-up skipped."""
     log: list[str] = []
-    samples = tuple((torch.full((3,), float(g), requires_grad=True),) for g in range(graphs))
+    samples = tuple((torch.ones(g + 1, 3, requires_grad=True),) for g in range(graphs))
     mgc(tuple(Tagged(log) for _ in range(count)), samples, num_warmup_iters=0,
         progress=lambda event: log.append(f"| {event.step}"), **kwargs)
     return log
@@ -183,4 +184,4 @@ def test_a_layer_whose_input_differs_from_the_previous_output_is_not_chained():
     owned = graphed[2].static_tensors()
     assert len(owned) == 2  # its own input (no grad, like its sample) and its seed
     hidden = graphed[1](graphed[0](torch.randn(2, 4, requires_grad=True)))
-    graphed[2](hidden.detach()).sum().backward()  # any tensor of its key goes
+    graphed[3](graphed[2](hidden.detach())).sum().backward()  # any tensor of its key goes

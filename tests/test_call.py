@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import leangraph
-from helpers import blocks, raises, sample, scale
+from helpers import Opaque, blocks, raises, sample, scale
 from leangraph import GraphedCallable
 from leangraph._call import CaptureOptions, check_capturable, validate_call
 from models import Block
@@ -156,17 +156,23 @@ def test_v12_each_sample_args_entry_must_be_a_tuple():
 
 
 @pytest.mark.parametrize(
-    ("args", "got"),
+    ("sample_args", "sample_kwargs", "where"),
     [
-        ((sample(), 3), "int"),
-        ((sample(), 0.5), "float"),
-        (([sample(), None],), "NoneType"),
-        (({"x": sample(), "flag": True},), "bool"),
+        ((sample(), Opaque()), {}, "sample_args[1][1]"),
+        (([sample(), [1, Opaque()]],), {}, "sample_args[1][0][1][1]"),
+        ((sample(),), {"mask": Opaque()}, "sample_kwargs[1]['mask']"),
     ],
 )
-def test_v13_sample_leaves_must_be_tensors(args, got):
-    with raises(TypeError, "sample_args[1]: every argument leaf must be a tensor", f"got {got}"):
-        mgc((lambda x: x * 2, lambda *a: a), ((sample(),), args), allow_unused_input=True)
+def test_v13_sample_leaves_must_be_tensors_or_constants(sample_args, sample_kwargs, where):
+    with raises(
+        TypeError, f"{where}: an argument leaf must be a tensor or a constant", "got Opaque"
+    ):
+        mgc(
+            (lambda x: x * 2, lambda *a, **k: a[0]),
+            ((sample(),), sample_args),
+            sample_kwargs=({}, sample_kwargs),
+            allow_unused_input=True,
+        )
 
 
 def test_v14_sample_kwargs_count_and_type():
@@ -201,6 +207,14 @@ def test_v18_global_module_hooks_are_refused():
             mgc(Block(4), (sample(),))
     finally:
         handle.remove()
+
+
+def test_v19_callables_must_be_a_callable_or_a_tuple():
+    with raises(TypeError, "callables must be a callable or a tuple of callables, got a list",
+                "pass tuple(callables)"):
+        mgc(list(blocks(2)), ((sample(),), (sample(),)))
+    with raises(ValueError, "callables is empty"):
+        mgc((), ())
 
 
 # ------------------------------------------------------------------------- the Call record
@@ -238,8 +252,8 @@ def test_sample_lists_are_accepted_where_tuples_are_and_become_tuples():
     call = validate_call((Block(4), Block(4)), [[x], [y]], [{}, {}], None, None)
     assert call.samples == (((x,), {}), ((y,), {}))
     assert all(type(args) is tuple for args, _ in call.samples)
-    # As in torch, only a tuple is several callables: a list is one (uncallable) object.
-    with raises(TypeError, "callables[0] is a list, which is not callable"):
+    # As in torch, only a tuple is several callables: a list of callables is refused (V19).
+    with raises(TypeError, "callables must be a callable or a tuple of callables, got a list"):
         validate_call([Block(4)], ([x],), None, None, None)
 
 

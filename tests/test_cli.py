@@ -1,45 +1,342 @@
-"""The `leangraph` command line: every subcommand has --help, demo and plan run on the CPU."""
+"""The `leangraph` command line: help, version, its errors, plan and demo on the CPU, progress.
+
+Every user error must come out as one line on stderr with a non-zero status and no traceback
+(``--debug`` shows the traceback), found before any work: nothing is printed on stdout then.
+"""
 
 from __future__ import annotations
 
-import pytest
+import importlib.util
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
+import torch
+from torch import nn
+
+import leangraph
 from leangraph.cli import main, progress_bar
+from leangraph.cli.commands import UsageError
+from leangraph.cli.demo import DemoConfig, run_demo
+from leangraph.cli.phases import Phase, PhaseProgress, line_display, steps_per_pass
+from leangraph.cli.workloads import BlockShape
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_GPU = not torch.cuda.is_available()
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """main(argv) as the console script runs it: (exit status, stdout, stderr)."""
+    try:
+        status = main(argv)
+    except SystemExit as done:
+        status = int(done.code or 0)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_one_line(err: str, fragment: str, prog: str) -> None:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert lines[0].startswith(f"{prog}: error: "), lines[0]
+    assert fragment in lines[0], lines[0]
+
+
+# ---------------------------------------------------------------------- help and version
 
 
 @pytest.mark.parametrize("command", ["demo", "bench", "plan"])
-def test_every_subcommand_has_help(command, capsys):
-    with pytest.raises(SystemExit) as done:
-        main([command, "--help"])
-    assert done.value.code == 0
-    assert f"usage: leangraph {command}" in capsys.readouterr().out
+def test_every_subcommand_has_help_with_defaults_in_plain_text(command, capsys):
+    status, out, _ = run_cli([command, "--help"], capsys)
+    assert status == 0
+    assert f"usage: leangraph {command}" in out
+    assert "``" not in out  # plain text, no RST markup
+    assert "(default: " in out
+    assert "--debug" in out
 
 
-def test_demo_runs_on_the_cpu_and_says_so(capsys):
-    assert main(["demo", "--device", "cpu", "--steps", "2", "--microbatches", "2",
-                 "--hidden", "32", "--sequence", "8"]) == 0
-    out = capsys.readouterr().out
-    assert "CPU reference backend" in out and "graphed loss" in out
+@pytest.mark.parametrize("command", ["demo", "bench", "plan"])
+def test_every_option_says_what_it_does(command, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # long lines: an option's help starts on its line
+    _, out, _ = run_cli([command, "--help"], capsys)  # or, after a long name, on the next
+    lines = out.split("options:")[1].splitlines()[1:]
+    options = [i for i, line in enumerate(lines) if line.lstrip().startswith("-")]
+    assert len(options) >= 6
+    for i in options:
+        same_line = re.match(r"^\s+(-\w, )?--[\w-]+( \S+)?\s{2,}\S", lines[i])
+        next_line = i + 1 < len(lines) and re.match(r"^\s{8,}[^\s-]", lines[i + 1])
+        assert same_line or next_line, lines[i]
+
+
+def test_bench_help_gives_each_device_its_default(capsys):
+    _, out, _ = run_cli(["bench", "--help"], capsys)
+    assert "1024 on a GPU, 64 on the CPU" in " ".join(out.split())
+
+
+def test_top_level_help_is_plain_and_lists_the_commands(capsys):
+    status, out, _ = run_cli(["--help"], capsys)
+    assert status == 0 and "``" not in out
+    assert all(f"leangraph {c}" in out for c in ("demo", "plan", "bench"))
+
+
+def test_version(capsys):
+    status, out, _ = run_cli(["--version"], capsys)
+    assert status == 0
+    assert out.strip() == f"leangraph {leangraph.__version__} (torch {torch.__version__})"
+
+
+def _python_m_leangraph(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "leangraph", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_python_m_leangraph_runs_the_command_line():
+    done = _python_m_leangraph("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"leangraph {leangraph.__version__} ")
+    done = _python_m_leangraph("demo", "--microbatches", "3")
+    assert done.returncode == 2 and done.stdout == ""
+    assert_one_line(done.stderr, "--microbatches 3 must be a multiple of 2", "leangraph demo")
+
+
+# ------------------------------------------------------------------------- usage errors
+
+USAGE_ERRORS = [
+    ([], "leangraph", "the following arguments are required: COMMAND"),
+    (["demo", "--microbatches", "3"], "leangraph demo", "must be a multiple of 2"),
+    (["demo", "--steps", "0"], "leangraph demo", "argument --steps: must be at least 1, got 0"),
+    (["demo", "--steps", "two"], "leangraph demo", "expected an integer, got 'two'"),
+    (["demo", "--hidden", "30"], "leangraph demo", "--hidden 30 must be a multiple of 4"),
+    (["demo", "--bogus"], "leangraph demo", "unrecognized arguments: --bogus"),
+    (["demo", "--device", "tpu"], "leangraph demo", "invalid choice: 'tpu'"),
+    (["bench", "--methods", "foo"], "leangraph bench", "unknown method 'foo'; choose from"),
+    (["bench", "--methods", ","], "leangraph bench", "no method given"),
+    (["bench", "--methods", "eager,eager"], "leangraph bench", "a method is named twice"),
+    (["bench", "--device", "cpu", "--methods", "torch"], "leangraph bench",
+     "the torch method needs a CUDA GPU"),
+    (["bench", "--device", "cpu", "--plot", "t.png"], "leangraph bench",
+     "--plot: nothing to draw on the CPU"),
+    (["bench", "--device", "cpu", "--bars", "b.png"], "leangraph bench",
+     "--bars: nothing to draw on the CPU"),
+    (["bench", "--device", "cpu", "--json", "no-such-folder/b.json"], "leangraph bench",
+     "folder no-such-folder does not exist"),
+    (["bench", "--device", "cpu", "--json", "."], "leangraph bench", "is a folder"),
+    (["bench", "--device", "cpu", "--rank", "4"], "leangraph bench", "--rank 4 must be below --pp 4"),
+    (["bench", "--device", "cpu", "--microbatches", "6"], "leangraph bench",
+     "--microbatches 6 must be a multiple of --pp 4 with --vp 2"),
+    (["bench", "--device", "cpu", "--hidden", "102"], "leangraph bench",
+     "--hidden 102 must be a multiple of --heads 4"),
+    (["bench", "--rounds", "-1"], "leangraph bench", "argument --rounds: must be at least 0"),
+    (["plan", "--dtype", "fp8"], "leangraph plan", "invalid choice: 'fp8'"),
+    (["plan", "--vp", "2", "--microbatches", "2"], "leangraph plan",
+     "--microbatches 2 must be a multiple of --pp 4"),
+    (["plan", "--function", "no_such_module_xyz:make"], "leangraph plan",
+     "no module 'no_such_module_xyz' in the working folder"),
+    (["plan", "--function", "make"], "leangraph plan", "expected module:function"),
+    (["plan", "--function", "os:no_such_function"], "leangraph plan",
+     "module os has no attribute 'no_such_function'"),
+    (["plan", "--function", "os:sep"], "leangraph plan", "os.sep is a str, not a function"),
+    (["plan", "--function", "os:getcwd"], "leangraph plan",
+     "must return (callables, sample_args) or (callables, sample_args, dict"),
+    (["plan", "--pp", "2", "--hidden", "8", "--function", "os:getcwd"], "leangraph plan",
+     "--pp, --hidden: not used with --function"),
+]
+
+
+@pytest.mark.parametrize(("argv", "prog", "fragment"), USAGE_ERRORS,
+                         ids=[" ".join(a) or "no-command" for a, _, _ in USAGE_ERRORS])
+def test_a_usage_error_is_one_line_status_2_before_any_work(argv, prog, fragment, capsys,
+                                                           tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    status, out, err = run_cli(argv, capsys)
+    assert status == 2
+    assert out == ""  # refused before any work: no header, no table
+    assert_one_line(err, fragment, prog)
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the refusal on a machine without a GPU")
+def test_demo_on_cuda_without_a_gpu_says_so(capsys):
+    status, out, err = run_cli(["demo", "--device", "cuda"], capsys)
+    assert status == 2 and out == ""
+    assert_one_line(err, "--device cuda: torch sees no CUDA GPU here", "leangraph demo")
+
+
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_debug_shows_the_traceback_instead(where, capsys):
+    argv = ["demo", "--microbatches", "3"]
+    argv = [*argv, "--debug"] if where == "after" else ["--debug", *argv]
+    with pytest.raises(UsageError, match="must be a multiple of 2"):
+        main(argv)
+
+
+def test_debug_shows_the_traceback_from_a_real_process():
+    done = _python_m_leangraph("plan", "--function", "os:getcwd", "--debug")
+    assert done.returncode == 1  # an uncaught exception
+    assert "Traceback (most recent call last)" in done.stderr
+    assert "UsageError: --function os:getcwd: must return" in done.stderr
+
+
+# ------------------------------------------------------------------- plan --function
+
+
+def _write_module(folder: Path, name: str, body: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    (folder / f"{name}.py").write_text(body)
+    monkeypatch.chdir(folder)
+    monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+WORKLOAD = (
+    "import torch\n"
+    "def make():\n"
+    "    layers = tuple(torch.nn.Linear(16, 16, device='meta') for _ in range(2))\n"
+    "    samples = tuple((torch.empty(4, 16, device='meta', requires_grad=True),)\n"
+    "                    for _ in range(4))\n"
+    "    return layers, samples, {'order': [1, 1, -1, -1]}\n"
+)
+
+
+def test_plan_of_a_module_function_in_the_working_folder(tmp_path, monkeypatch, capsys):
+    _write_module(tmp_path, "lg_workload_here", WORKLOAD, monkeypatch)
+    assert importlib.util.find_spec("lg_workload_here") is None  # not importable by itself
+    path_before = list(sys.path)
+    status, out, err = run_cli(["plan", "--function", "lg_workload_here:make"], capsys)
+    assert status == 0, err
+    assert "memory plan of lg_workload_here:make" in out and "warm-up peak, lean" in out
+    assert sys.path == path_before  # the working folder was on it for the import only
+
+
+@pytest.mark.parametrize(("body", "fragment"), [
+    ("def make():\n    return 1 / 0\n", "it raised ZeroDivisionError: division by zero"),
+    ("raise RuntimeError('broken at import')\n", "raised RuntimeError: broken at import"),
+    ("import no_such_dependency_xyz\n", "importing lg_workload_bad: No module named"),
+])
+def test_a_failing_function_or_module_is_one_line_status_1(body, fragment, tmp_path,
+                                                          monkeypatch, capsys):
+    _write_module(tmp_path, "lg_workload_bad", body, monkeypatch)
+    status, out, err = run_cli(["plan", "--function", "lg_workload_bad:make"], capsys)
+    assert status == 1 and out == ""
+    assert_one_line(err, fragment, "leangraph plan")
+
+
+def test_a_workload_plan_memory_rejects_is_one_line_status_1(tmp_path, monkeypatch, capsys):
+    body = WORKLOAD.replace("range(4)", "range(3)")  # 3 samples for 2 layers x 2 microbatches
+    _write_module(tmp_path, "lg_workload_counts", body, monkeypatch)
+    status, _, err = run_cli(["plan", "--function", "lg_workload_counts:make"], capsys)
+    assert status == 1
+    assert_one_line(err, "ValueError: ", "leangraph plan")
+    assert "run again with --debug for the traceback" in err
 
 
 def test_plan_prints_a_plan_without_a_gpu(capsys):
-    assert main(["plan", "--microbatches", "8", "--hidden", "256", "--heads", "4",
-                 "--sequence", "128"]) == 0
-    out = capsys.readouterr().out
+    status, out, _ = run_cli(["plan", "--microbatches", "8", "--hidden", "256", "--heads", "4",
+                              "--sequence", "128"], capsys)
+    assert status == 0
     assert "computed on meta tensors" in out and "warm-up peak, lean" in out
+    assert "rank 0 of PP4 x VP2, 2 chunks x 4 blocks, 8 microbatches, hidden 256" in out
 
 
-def test_plan_of_a_module_function(tmp_path, monkeypatch, capsys):
-    (tmp_path / "my_workload.py").write_text(
-        "import torch\n"
-        "def make():\n"
-        "    layers = tuple(torch.nn.Linear(16, 16, device='meta') for _ in range(2))\n"
-        "    samples = tuple((torch.empty(4, 16, device='meta', requires_grad=True),)\n"
-        "                    for _ in range(4))\n"
-        "    return layers, samples, {'order': [1, 1, -1, -1]}\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert main(["plan", "--function", "my_workload:make"]) == 0
-    assert "memory plan of my_workload:make" in capsys.readouterr().out
+# ---------------------------------------------------------------------------------- demo
+
+
+def test_demo_runs_on_the_cpu_and_says_so(capsys):
+    status, out, err = run_cli(["demo", "--device", "cpu", "--steps", "2", "--microbatches", "2",
+                                "--hidden", "32", "--sequence", "8", "--no-progress"], capsys)
+    assert status == 0, err
+    assert "CPU reference backend" in out and "graphed loss" in out
+    assert err == ""  # --no-progress: nothing on stderr
+
+
+def test_demo_progress_names_each_phase_on_stderr(capsys):
+    status, _, err = run_cli(["demo", "--device", "cpu", "--steps", "2", "--microbatches", "2",
+                              "--hidden", "32", "--sequence", "8"], capsys)
+    assert status == 0
+    # 2 microbatches x 2 chunks x 2 layers = 8 graphs: 16 graph steps a pass.
+    assert err.splitlines() == [
+        "progress: eager reference training (2 steps)",
+        "progress: warm-up pass 1 of 3 (16 graph steps)",
+        "progress: warm-up pass 2 of 3 (16 graph steps)",
+        "progress: warm-up pass 3 of 3 (16 graph steps)",
+        "progress: capture (16 graph steps)",
+        "progress: graphed training (2 steps)",
+    ]
+
+
+def test_a_cpu_run_uses_one_thread_and_gives_torchs_count_back(capsys):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        status, _, _ = run_cli(["demo", "--device", "cpu", "--steps", "1", "--microbatches", "2",
+                                "--hidden", "32", "--sequence", "8", "--no-progress"], capsys)
+        assert status == 0 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------ progress
+
+
+def test_demo_phases_are_named_with_their_totals_up_front():
+    phases: list[Phase] = []
+    config = DemoConfig(steps=2, num_microbatches=2, shape=BlockShape(hidden=16, sequence=4),
+                        device="cpu")
+    run_demo(config, progress=PhaseProgress(phases.append))
+    firsts = [p for i, p in enumerate(phases) if i == 0 or phases[i - 1].name != p.name]
+    assert [(p.name, p.done, p.total) for p in firsts] == [
+        ("eager reference training", 0, 2),
+        ("warm-up pass 1 of 3", 0, 16),
+        ("warm-up pass 2 of 3", 0, 16),
+        ("warm-up pass 3 of 3", 0, 16),
+        ("capture", 0, 16),
+        ("graphed training", 0, 2),
+    ]
+    lasts = [p for i, p in enumerate(phases) if i + 1 == len(phases) or phases[i + 1].name != p.name]
+    assert all(p.done == p.total for p in lasts), lasts
+    capture = [p for p in phases if p.name == "capture"]
+    assert [p.done for p in capture] == list(range(17))
+    assert capture[1].detail == "forward of graph (chunk 1, microbatch 0, layer 0)"
+    assert capture[-1].count() == "16/16 graph steps"
+
+
+def _capture_events(progress: PhaseProgress | list) -> None:
+    torch.manual_seed(0)
+    layers = (nn.Linear(8, 8), nn.Linear(8, 8))
+    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(4))
+    callback = progress.append if isinstance(progress, list) else progress
+    leangraph.reset_all(leangraph.make_graphed_callables(
+        layers, samples, order=[1, 1, -1, -1], num_warmup_iters=2, progress=callback))
+
+
+def test_without_expectations_events_name_their_own_phase():
+    phases: list[Phase] = []
+    _capture_events(PhaseProgress(phases.append))
+    names = list(dict.fromkeys(p.name for p in phases))
+    assert names == ["warm-up pass 1", "warm-up pass 2", "capture"]
+    assert phases[-1].count() == "24/24 graph steps"  # counted over the whole call
+
+
+def test_steps_per_pass_counts_each_entry_s_layers():
+    assert steps_per_pass([1, 1, -1, -1], [2]) == 8
+    assert steps_per_pass([1, 2, -2, -1], [1, 3]) == 8
+
+
+def test_line_display_writes_one_line_per_phase():
+    stream = io.StringIO()
+    progress = PhaseProgress(line_display(stream))
+    progress.expect_capture(warmup_passes=2, steps_per_pass=8, memory_check=True, prefix="x: ")
+    _capture_events(progress)
+    assert stream.getvalue().splitlines() == [
+        "progress: x: memory check (one forward per layer)",
+        "progress: x: warm-up pass 1 of 2 (8 graph steps)",
+        "progress: x: warm-up pass 2 of 2 (8 graph steps)",
+        "progress: x: capture (8 graph steps)",
+    ]
 
 
 def test_progress_bar_is_off_without_a_terminal():
@@ -48,12 +345,27 @@ def test_progress_bar_is_off_without_a_terminal():
 
 
 def test_progress_bar_follows_events_on_a_terminal(monkeypatch):
-    import sys
-
-    from leangraph.progress import ProgressEvent
-
+    pytest.importorskip("rich")
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
-    with progress_bar(True) as callback:
-        assert callback is not None
-        for done in range(1, 4):
-            callback(ProgressEvent("capture", done, 3, None, f"graph {done}"))  # type: ignore[arg-type]
+    with progress_bar(True) as bar:
+        assert isinstance(bar, PhaseProgress)
+        bar.expect_capture(warmup_passes=2, steps_per_pass=8, memory_check=False)
+        _capture_events(bar)
+
+
+# --------------------------------------------------------------------------------- docs
+
+
+def _documented_errors() -> list[tuple[list[str], str]]:
+    """The ``$ leangraph ...`` lines of docs/quickstart.md and the line printed after each."""
+    lines = (ROOT / "docs" / "quickstart.md").read_text(encoding="utf-8").splitlines()
+    return [(lines[i].split()[2:], lines[i + 1]) for i in range(len(lines) - 1)
+            if lines[i].startswith("$ leangraph ")]
+
+
+def test_the_quickstart_shows_the_errors_the_cli_prints(capsys):
+    examples = _documented_errors()
+    assert len(examples) >= 2
+    for argv, expected in examples:
+        _, _, err = run_cli(argv, capsys)
+        assert err.strip() == expected, argv

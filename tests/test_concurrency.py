@@ -3,15 +3,17 @@
 A :class:`GraphedCallable` holds a lock around each forward replay, each backward replay and
 ``reset()``, so a reset either completes before a replay (which then raises GraphResetError
 before touching a buffer) or waits until the replay has returned complete results; never in
-between. The CPU backend reruns the module's forward (and differentiates it) on replay, so a
-module that blocks on an event the test controls holds a replay open mid-way, and an argument
-that blocks while its metadata is checked holds a call before its replay begins. Only public
-behaviour orders the threads (no test touches the callable's lock).
+between. The CPU backend replays the aten calls recorded at capture, custom operators
+included (not the module's Python code), so a module calling an operator that blocks on an event
+the test controls holds a replay open mid-way, and an argument that blocks while its metadata
+is checked holds a call before its replay begins. Only public behaviour orders the threads (no
+test touches the callable's lock).
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Callable, Optional
 
 import pytest
@@ -24,18 +26,31 @@ TIMEOUT = 10.0  # only reached if something deadlocks
 WAIT = 0.05  # how long a reset must demonstrably keep waiting
 
 
+# An operator whose kernel passes its module's gate: the trace records and replays it.
+_GATES: weakref.WeakValueDictionary[int, Gated] = weakref.WeakValueDictionary()
+_LIBRARY = torch.library.Library("leangraph_tests", "FRAGMENT")
+_LIBRARY.define("gate(Tensor x, int owner, str where) -> Tensor")
+
+
+def _gate_kernel(x: torch.Tensor, owner: int, where: str) -> torch.Tensor:
+    _GATES[owner].pass_gate(where)
+    return x.clone()
+
+
+_LIBRARY.impl("gate", _gate_kernel, "CPU")
+
+
 class _Hold(torch.autograd.Function):
-    """Identity whose backward blocks while its owner holds the backward gate."""
+    """Identity whose forward and backward pass the owner's gate (each blocks when armed)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, owner: Gated) -> torch.Tensor:
-        ctx.owner = owner
-        return x.clone()
+        ctx.owner = id(owner)
+        return torch.ops.leangraph_tests.gate(x, id(owner), "forward")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.owner.pass_gate("backward")
-        return grad * 1.0, None
+        return torch.ops.leangraph_tests.gate(grad, ctx.owner, "backward"), None
 
 
 class Gated(torch.nn.Module):
@@ -47,17 +62,18 @@ class Gated(torch.nn.Module):
         self.armed: Optional[str] = None  # "forward" or "backward": block there once
         self.entered = threading.Event()
         self.release = threading.Event()
+        self.passed: list[str] = []  # where the gate was passed, in order
+        _GATES[id(self)] = self
 
     def pass_gate(self, where: str) -> None:
+        self.passed.append(where)
         if self.armed == where:
             self.armed = None
             self.entered.set()
             assert self.release.wait(TIMEOUT), "the test never released the gate"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.linear(x)
-        self.pass_gate("forward")
-        return torch.tanh(_Hold.apply(hidden, self))  # computed after the gate
+        return torch.tanh(_Hold.apply(self.linear(x), self))  # tanh: after the gate
 
 
 def _graphed() -> tuple[Gated, Gated]:
@@ -158,11 +174,10 @@ def test_a_reset_that_wins_the_race_makes_the_replay_raise():
     """A reset that completes after a call began but before its replay took the lock: the
     replay raises GraphResetError and runs nothing."""
     module, _ = _graphed()
-    calls = []
-    module.linear.register_forward_pre_hook(lambda *args: calls.append(None))  # after capture
-    module(torch.randn(2, 4, requires_grad=True))  # a replay reruns the forward: it is seen
-    assert calls == [None]
-    calls.clear()
+    module.passed.clear()
+    module(torch.randn(2, 4, requires_grad=True))  # a replay runs the recorded gate: it is seen
+    assert module.passed == ["forward"]
+    module.passed.clear()
     x = torch.randn(2, 4, requires_grad=True).as_subclass(Paused)
     entered, release = threading.Event(), threading.Event()
     Paused.gate = (entered, release)
@@ -178,7 +193,7 @@ def test_a_reset_that_wins_the_race_makes_the_replay_raise():
     assert not owner.is_alive()
     assert isinstance(replay.get("error"), GraphResetError), replay
     assert "cannot replay its forward graph" in str(replay["error"])
-    assert calls == []  # the module's forward (which the CPU backend reruns) never ran
+    assert module.passed == []  # the replay ran none of its recorded operators
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.0005, 0.002])

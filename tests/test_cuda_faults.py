@@ -122,21 +122,21 @@ def test_w6_failure_on_cuda_leaves_nothing_broken(where):
     # Without the memory check, which runs each callable once more before warm-up.
     text = _fails_cleanly(layers, check_memory=False)
     if NOTES:
-        kind = "B" if in_backward else "F"
         assert f"raised during {phase} of callable 1 (Faulty)" in text, text
-        assert f"({kind} c1 m0 l1)" in text, text
+        where = "its one forward before warm-up" if phase == "the probe" else (
+            f"({'B' if in_backward else 'F'} c1 m0 l1)")
+        assert where in text, text
     _works_again(layers)
 
 
 def test_w6_failure_at_the_first_forward_leaves_nothing_broken():
-    """With the memory check on (the default), whichever runs the callable first, the check
-    or warm-up, a failure there leaves nothing broken either."""
+    """With the memory check on (the default), the probe runs the callable first; a failure
+    there leaves nothing broken either."""
     _prime()
     layers = _faulty_stack(fail_at=1)
     text = _fails_cleanly(layers)
     if NOTES:
-        assert ("leangraph: raised during the memory check (check_memory=True)" in text
-                or "raised during warm-up of callable 1 (Faulty)" in text), text
+        assert "leangraph: raised during the probe of callable 1 (Faulty)" in text, text
     _works_again(layers)
 
 

@@ -1,16 +1,17 @@
-"""Lifecycle as a state machine (hypothesis, CPU backend): random sequences of forward replays,
-backwards, resets (repeated ones included), ``reset_all`` and optimizer steps over three graphed
-callables, checked against eager copies of the same modules.
+"""Lifecycle as a state machine (hypothesis, CPU backend): random sequences of forward replays
+(with and without grad), backwards, replays out of capture order, resets (repeated ones
+included), ``reset_all`` and optimizer steps over three graphed callables, checked against
+eager copies of the same modules.
 
 Invariants: a reset callable rejects calls, and backwards of outputs it produced before the
 reset, with :class:`GraphResetError`; every other callable produces exactly (``torch.equal``)
 what its eager copy produces, outputs and gradients; parameters and their ``.grad`` always
 equal the eager copies'; nothing that was not reset reports being reset.
 
-Sequences stay legal by construction: each callable runs the backward of a forward replay
-before its next forward replay with grad (forward replays without grad are free), and outputs
-are read right after the call that produced them. On the CPU backend each graphed callable
-replays independently of the others, so any interleaving across callables is legal.
+Replays follow the capture order (forwards 0, 1, 2, then backwards 2, 1, 0) with the steps
+that cannot come passed over: the backward of a forward replayed without grad, every step of
+a reset callable; a pass may start over once nothing is in flight. The machine keeps its own
+model of that order; a replay the model says is out of order must raise and change nothing.
 """
 
 from __future__ import annotations
@@ -86,44 +87,58 @@ class Lifecycle(RuleBasedStateMachine):
         assert all(isinstance(g, GraphedCallable) for g in self.graphs)
         self.is_reset = [False] * COUNT
         self.pending: list[Optional[Pending]] = [None] * COUNT
+        self.next = 0  # position in STEPS
         self.stale: list[Pending] = []  # outputs produced before their callable's reset
 
-    def idle(self) -> list[int]:
-        return [i for i in range(COUNT) if self.pending[i] is None]
+    STEPS = [("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 1), ("B", 0)]
 
-    def busy(self) -> list[int]:
-        return [i for i in range(COUNT) if self.pending[i] is not None]
+    def expected(self) -> tuple[str, int] | None:
+        """The next replay the capture order allows, steps that cannot come passed over."""
+        for _ in range(len(self.STEPS)):
+            kind, i = self.STEPS[self.next]
+            if not self.is_reset[i] and (kind == "F" or self.pending[i] is not None):
+                return kind, i
+            self.next = (self.next + 1) % len(self.STEPS)
+        return None  # everything was reset
+
+    def advance(self) -> None:
+        self.next = (self.next + 1) % len(self.STEPS)
 
     # ------------------------------------------------------------------------- rules
 
-    @precondition(lambda self: self.idle())
-    @rule(data=st.data(), seed=seeds, grad=st.booleans())
-    def forward(self, data: st.DataObject, seed: int, grad: bool) -> None:
-        i = data.draw(st.sampled_from(self.idle()), label="callable")
-        x = _tensor(seed)  # requires grad as captured, also for replays without grad
-        x_ref = x.detach().clone().requires_grad_()
-        if self.is_reset[i]:
-            with pytest.raises(GraphResetError, match="cannot call"):
-                self.graphed[i](x)
-            return
-        with torch.set_grad_enabled(grad):
-            out = self.graphed[i](x)
-            ref = self.eager[i](x_ref)
-        assert torch.equal(out, ref)
-        assert out.requires_grad == grad
-        if grad:
-            self.pending[i] = Pending(out, ref, x, x_ref)
+    @precondition(lambda self: self.expected() is not None)
+    @rule(seed=seeds, grad=st.booleans())
+    def replay_next(self, seed: int, grad: bool) -> None:
+        step = self.expected()
+        assert step is not None
+        kind, i = step
+        if kind == "F":
+            x = _tensor(seed)  # requires grad as captured, also for replays without grad
+            x_ref = x.detach().clone().requires_grad_()
+            with torch.set_grad_enabled(grad):
+                out = self.graphed[i](x)
+                ref = self.eager[i](x_ref)
+            assert torch.equal(out, ref)
+            assert out.requires_grad == grad
+            self.pending[i] = Pending(out, ref, x, x_ref) if grad else None
+        else:
+            pending, self.pending[i] = self.pending[i], None
+            assert pending is not None
+            grad_out = _tensor(seed, requires_grad=False)
+            pending.out.backward(grad_out)
+            pending.ref.backward(grad_out)
+            assert torch.equal(pending.x.grad, pending.x_ref.grad)
+        self.advance()
 
-    @precondition(lambda self: self.busy())
-    @rule(data=st.data(), seed=seeds)
-    def backward(self, data: st.DataObject, seed: int) -> None:
-        i = data.draw(st.sampled_from(self.busy()), label="callable")
-        pending, self.pending[i] = self.pending[i], None
-        assert pending is not None and not self.is_reset[i]
-        grad = _tensor(seed, requires_grad=False)
-        pending.out.backward(grad)
-        pending.ref.backward(grad)
-        assert torch.equal(pending.x.grad, pending.x_ref.grad)
+    @rule(i=st.integers(0, COUNT - 1), seed=seeds)
+    def forward_out_of_order(self, i: int, seed: int) -> None:
+        if self.is_reset[i] or self.expected() == ("F", i):
+            return
+        if self.STEPS[0] == ("F", i) and all(p is None for p in self.pending):
+            return  # nothing in flight: a pass may start over, so this replay is legal
+        message = "still await" if self.pending[i] is not None else "out of capture order"
+        with pytest.raises(RuntimeError, match=message):
+            self.graphed[i](_tensor(seed))
 
     @rule(i=st.integers(0, COUNT - 1))
     def reset(self, i: int) -> None:
@@ -148,7 +163,7 @@ class Lifecycle(RuleBasedStateMachine):
             stale.out.backward(_tensor(seed, requires_grad=False))
         assert stale.x.grad is None  # nothing flowed anywhere
 
-    @precondition(lambda self: not self.busy())
+    @precondition(lambda self: all(p is None for p in self.pending))
     @rule(lr=st.sampled_from([0.5, 0.1]), clear=st.booleans())
     def optimizer_step(self, lr: float, clear: bool) -> None:
         """Update parameters in place (graphs read them at replay), then maybe clear grads."""

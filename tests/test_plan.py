@@ -1,6 +1,6 @@
 """The liveness plan (``leangraph.plan``): the order expanded into per-graph steps with births
 and deaths, and the one fold of what is alive (``live_during``, ``live_after``, ``lifetimes``,
-``max_live``), checked against sequences worked out by hand."""
+``max_live``, ``max_live_per_chunk``), checked against sequences worked out by hand."""
 
 from leangraph.order import StepKind, parse_order
 from leangraph.plan import build_plan, build_unordered_plan
@@ -123,3 +123,15 @@ def test_unordered_plan_lives_and_lifetimes():
     assert plan.max_live(plan.capture) == 3
     assert plan.lifetimes([True] * 3) == ((0, 5), (1, 4), (2, 3))
     assert [s.kind for s in plan.capture] == [StepKind.FORWARD] * 3 + [StepKind.BACKWARD] * 3
+
+
+def test_max_live_per_chunk_counts_each_chunks_graphs_at_its_own_peak():
+    # Chunk 1 (two layers) peaks at 2 microbatches while chunk 2 is idle, then chunk 2 (one
+    # layer) at 2 while chunk 1 is empty: per chunk 4 and 2 graphs, together never more than 4.
+    order = [1, 1, -1, -1, 2, 2, -2, -2]
+    layout, steps = parse_order(order, num_callables=3, num_samples=6, num_layers_per_chunk=[2, 1])
+    plan = build_plan(layout, steps)
+    assert plan.max_live_per_chunk(plan.capture) == (4, 2)
+    assert plan.max_live(plan.capture) == 4
+    assert plan.max_live_per_chunk(plan.capture[:1]) == (1, 0)
+    assert plan.max_live_per_chunk(()) == (0, 0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import leangraph
-from helpers import raises, sample
+from helpers import Opaque, raises, sample
 from leangraph._call import validate_call
 from leangraph.buffers import BufferKey
 from leangraph.probe import probe
@@ -110,14 +110,17 @@ def test_probe_runs_the_callables_inside_the_given_context():
 
 
 def test_an_output_that_is_not_a_tensor_is_refused_naming_the_callable():
-    with pytest.raises(TypeError, match=r"callable 0 \(.*<lambda>\): output 1 must be a tensor, got int"):
-        _facts(lambda x: (x, 3), (torch.randn(3),))
+    with pytest.raises(TypeError, match=r"callable 0 \(.*<lambda>\): output 1 must be a tensor"):
+        _facts(lambda x: (x, object()), (torch.randn(3),))
 
 
-def test_w3_outputs_must_be_tensors():
+def test_w3_outputs_must_be_tensors_or_constants():
     with raises(
         TypeError,
-        "callable 0 (test_w3_outputs_must_be_tensors.<locals>.<lambda>): "
-        "output 1 must be a tensor, got int",
+        "callable 0 (test_w3_outputs_must_be_tensors_or_constants.<locals>.<lambda>): "
+        "output 1 must be a tensor or a constant",
+        "got Opaque",
     ):
-        mgc((lambda x: (x * 2, 3),), ((sample(),),))
+        mgc((lambda x: (x * 2, Opaque()),), ((sample(),),))
+    with raises(TypeError, "outputs hold no tensor; a graph must return at least one"):
+        mgc((lambda x: (None, 3),), ((sample(),),))

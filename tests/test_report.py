@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 import torch
 
 import leangraph
@@ -44,10 +47,30 @@ def test_memory_report_lists_every_callable_and_counts_shared_buffers_once():
     assert all(c.is_reset for c in leangraph.memory_report(graphed).callables)
 
 
-def test_plot_memory_writes_a_png(tmp_path):
-    report = leangraph.memory_report(_capture())
-    extra = [leangraph.report.TimelinePoint("replay", "F c1 m0 l0", "x", 0)]
-    path = leangraph.plot_memory(report.with_points(extra), tmp_path / "timeline.png")
+def _as_measured(report: leangraph.MemoryReport) -> leangraph.MemoryReport:
+    """``report`` given the byte figures a CUDA call measures (plausible, made up)."""
+    mib = 1024 * 1024
+    points = tuple(replace(p, allocated_bytes=(100 + 10 * (i % 5)) * mib)
+                   for i, p in enumerate(report.timeline))
+    record = replace(report.record, device="cuda:0", baseline_bytes=100 * mib,
+                     warmup_peak_bytes=150 * mib, capture_peak_bytes=160 * mib)
+    return replace(report, record=record, timeline=points)
+
+
+def test_plot_memory_writes_a_png_with_references_and_notes(tmp_path):
+    report = _as_measured(leangraph.memory_report(_capture()))
+    extra = [leangraph.report.TimelinePoint("replay", "F c1 m0 l0", "x", 120 * 1024 * 1024)]
+    path = leangraph.plot_memory(report.with_points(extra), tmp_path / "timeline.png",
+                                 title="t", references={"eager step peak": 170 * 1024 * 1024},
+                                 phase_notes={"replay": "first step"})
+    assert path == tmp_path / "timeline.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_memory_refuses_a_report_that_measured_nothing(tmp_path):
+    report = leangraph.memory_report(_capture())  # the CPU backend measures no bytes
+    with pytest.raises(ValueError, match="call on cpu measured no memory"):
+        leangraph.plot_memory(report, tmp_path / "timeline.png")
+    with pytest.raises(ValueError, match="no timeline to plot"):
+        leangraph.plot_memory(replace(_as_measured(report), timeline=()), tmp_path / "t.png")
+    assert not any(tmp_path.iterdir())

@@ -10,7 +10,7 @@ import copy
 import torch
 
 import leangraph
-from helpers import three_graphs
+from helpers import one_graph, three_graphs
 from leangraph.runtime.grads import copies
 from leangraph.runtime.pending import PendingBackwards
 from models import Block, assert_histories_equal, train_both
@@ -30,8 +30,14 @@ def test_several_microbatches_in_one_backward_pass_accumulate_exactly():
     layers = tuple(Block(8) for _ in range(2))
     reference = copy.deepcopy(layers)
     samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(6))
+    # One backward pass over the summed losses runs the microbatches' backwards newest
+    # first (autograd runs the latest-made node first): the order must say so, with steps
+    # that name their microbatch.
+    forward, backward = leangraph.StepKind.FORWARD, leangraph.StepKind.BACKWARD
+    order = [leangraph.Step(forward, 1, m) for m in range(3)]
+    order += [leangraph.Step(backward, 1, m) for m in reversed(range(3))]
     graphed = leangraph.make_graphed_callables(
-        layers, samples, order=[1, 1, 1, -1, -1, -1], num_layers_per_chunk=2
+        layers, samples, order=order, num_layers_per_chunk=2
     )
     for _ in range(3):
         xs = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
@@ -79,7 +85,7 @@ def test_one_microbatch_per_backward_pass_hands_autograd_views(monkeypatch):
 def test_returned_parameter_grads_do_not_alias_static_buffers():
     # A .grad aliasing the backward graph's gradient buffer would be overwritten by the next
     # replay and then have that view added to itself: twice eager's gradient.
-    reference, graphed = three_graphs()
+    reference, graphed = one_graph()
     for step in range(3):
         x = torch.randn(2, 4, requires_grad=True)
         graphed[0](x).sum().backward()
@@ -91,7 +97,7 @@ def test_returned_parameter_grads_do_not_alias_static_buffers():
 
 
 def test_leaf_input_grads_are_fresh_tensors():
-    reference, graphed = three_graphs()
+    reference, graphed = one_graph()
     x1, x2 = torch.randn(2, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True)
     graphed[0](x1).square().sum().backward()
     first = x1.grad.clone()
@@ -103,7 +109,7 @@ def test_leaf_input_grads_are_fresh_tensors():
 
 
 def test_a_parameter_grad_set_to_none_gets_a_fresh_tensor_each_time():
-    reference, graphed = three_graphs()
+    reference, graphed = one_graph()
     layer, twin = graphed[0], reference[0]
     kept = []
     for _ in range(2):
@@ -120,7 +126,7 @@ def test_a_parameter_grad_set_to_none_gets_a_fresh_tensor_each_time():
 
 
 def test_an_existing_parameter_grad_is_added_to_in_place():
-    reference, graphed = three_graphs()
+    reference, graphed = one_graph()
     layer, twin = graphed[0], reference[0]
     for p, q in zip(layer.parameters(), twin.parameters()):
         p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from .leaves import is_constant
 from .order import parse_order
 from .plan import Plan, build_plan, build_unordered_plan
 
@@ -89,6 +90,13 @@ def validate_call(
         ValueError: for a malformed order, counts that do not match, tensors on several
             devices.
     """
+    if isinstance(callables, list):
+        raise TypeError(
+            "callables must be a callable or a tuple of callables, got a list; pass "
+            "tuple(callables) (torch.cuda.make_graphed_callables takes a tuple too)"
+        )
+    if isinstance(callables, tuple) and not callables:
+        raise ValueError("callables is empty; pass at least one callable to graph")
     single = not isinstance(callables, tuple)
     if single:
         callables = (callables,)
@@ -144,14 +152,24 @@ def _normalize_samples(sample_args: Any, sample_kwargs: Any, count: int) -> tupl
             )
         if not isinstance(kwargs, dict):
             raise TypeError(f"sample_kwargs[{index}] must be a dict, got {type(kwargs).__name__}")
-        for leaf in pytree.tree_leaves((tuple(args), kwargs)):
-            if not isinstance(leaf, torch.Tensor):
-                raise TypeError(
-                    f"sample_args[{index}]: every argument leaf must be a tensor, got "
-                    f"{type(leaf).__name__}"
-                )
+        _check_leaves(index, tuple(args), kwargs)
         samples.append((tuple(args), dict(kwargs)))
     return tuple(samples)
+
+
+def _check_leaves(index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Every leaf is a tensor or a constant the graph can capture (see ``leaves``)."""
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor) or is_constant(leaf):
+            continue
+        group, *rest = path
+        where = "sample_args" if group == pytree.SequenceKey(0) else "sample_kwargs"
+        raise TypeError(
+            f"{where}[{index}]{''.join(str(key) for key in rest)}: an argument leaf must be a "
+            f"tensor or a constant (None, bool, int, float, str, dtype, device, enum), got "
+            f"{type(leaf).__name__}; graphs replay tensors, and capture other leaves as "
+            "constants compared at every replay"
+        )
 
 
 def _common_device(samples: Sequence[Sample], callables: Sequence[Any]) -> torch.device:
@@ -172,9 +190,11 @@ def _device_owners(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for index, (args, kwargs) in enumerate(samples):
         for tensor in pytree.tree_leaves(args):
-            yield f"sample_args[{index}]", tensor
+            if isinstance(tensor, torch.Tensor):
+                yield f"sample_args[{index}]", tensor
         for tensor in pytree.tree_leaves(kwargs):
-            yield f"sample_kwargs[{index}]", tensor
+            if isinstance(tensor, torch.Tensor):
+                yield f"sample_kwargs[{index}]", tensor
     for index, fn in enumerate(callables):
         if isinstance(fn, torch.nn.Module):
             for name, param in fn.named_parameters():
@@ -251,6 +271,16 @@ def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[An
             raise ValueError(
                 f"callables[{index}] ({type(fn).__name__}): {where} has {', '.join(hooks)}, "
                 "which graphs cannot replay; remove them before capture"
+            )
+    for name, param in fn.named_parameters():
+        if (
+            param._backward_hooks
+        ):  # torch keeps Tensor.register_hook's hooks here, publicly unlisted
+            raise ValueError(
+                f"callables[{index}] ({type(fn).__name__}): parameter {name!r} has a tensor hook "
+                "(register_hook); the captured backward would run it and autograd would run it "
+                "again when it accumulates the gradient, so it would act twice. Remove it "
+                "before capture (register_post_accumulate_grad_hook hooks are fine)"
             )
     for name, buffer in fn.named_buffers():
         if buffer.requires_grad:

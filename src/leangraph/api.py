@@ -22,13 +22,16 @@ from ._restore import SavedState
 from .backends import GraphBackend, make_backend
 from .buffers import BufferPlan, plan_buffers
 from .build.builder import Built, build_graphs
+from .build.record import GraphRecord
 from .hooks import CaptureHooks, normalize_hooks
 from .memory import available_bytes, check_fits, memory_plan_of
+from .order import StepKind
 from .probe import GraphFacts, probe
 from .progress import ProgressCallback
 from .result import GraphedSet
 from .runtime.graphed import GraphedCallable
 from .runtime.pending import PendingBackwards
+from .runtime.sequence import ReplaySequence
 
 __all__ = ["make_graphed_callables"]
 
@@ -221,8 +224,13 @@ def _hand_back(call: Call, built: Built, options: CaptureOptions) -> Any:
     get it as their ``forward``; torch's return form."""
     graphed_set = GraphedSet(built.capture, single=call.single)
     pending = PendingBackwards(len(built.records))
+    sequence = ReplaySequence(
+        _replay_steps(call, built.records),
+        [record.label for record in built.records],
+        pending.awaits,
+    )
     members = [
-        GraphedCallable(record, graphed_set, pending, debug_outputs=options.debug_outputs)
+        GraphedCallable(record, graphed_set, pending, sequence, debug_outputs=options.debug_outputs)
         for record in built.records
     ]
     entries: list[Any] = []
@@ -235,3 +243,13 @@ def _hand_back(call: Call, built: Built, options: CaptureOptions) -> Any:
             entries.append(member)
     graphed_set.adopt(entries, members)
     return graphed_set.returned()
+
+
+def _replay_steps(call: Call, records: Sequence[GraphRecord]) -> list[tuple[int, StepKind]]:
+    """The replays one pass runs, in capture order: every forward, and the backward and
+    weight steps of graphs that have a backward."""
+    return [
+        (step.graph, step.kind)
+        for step in call.plan.capture
+        if step.kind is StepKind.FORWARD or records[step.graph].has_backward
+    ]

@@ -253,6 +253,69 @@ def _check_weight_steps(
             )
 
 
+def _is_explicit(order: Sequence[object]) -> bool:
+    """Whether ``order`` is :class:`Step` records (else chunk ids); refuse non-lists and mixes."""
+    if isinstance(order, (str, bytes)) or not isinstance(order, Sequence):
+        raise ValueError(f"order must be a list of chunk ids, got {type(order).__name__}")
+    if not order:
+        raise ValueError("order is empty")
+    explicit = [isinstance(entry, Step) for entry in order]
+    if any(explicit) and not all(explicit):
+        raise ValueError(
+            f"order[{explicit.index(not explicit[0])}]: an order is either all chunk ids or all "
+            "leangraph.order.Step records, not a mix"
+        )
+    return all(explicit)
+
+
+def _num_chunks(used: int, num_layers_per_chunk: int | Sequence[int] | None) -> int:
+    """The model's chunks: one per ``num_layers_per_chunk`` entry, else those the order uses."""
+    if isinstance(num_layers_per_chunk, Sequence):
+        return len(num_layers_per_chunk)
+    return used
+
+
+def _order_steps(
+    order: Sequence[object], num_layers_per_chunk: int | Sequence[int] | None
+) -> tuple[list[Step], int]:
+    """One :class:`Step` per entry of ``order``, and the number of chunks of the model."""
+    if _is_explicit(order):
+        steps = _explicit_steps(order)  # type: ignore[arg-type]
+        num_chunks = _num_chunks(max(step.chunk for step in steps), num_layers_per_chunk)
+        bad = next((step for step in steps if step.chunk > num_chunks), None)
+        if bad is not None:
+            raise ValueError(
+                f"order[{bad.position}] = {bad}: unknown chunk {bad.chunk}, the model "
+                f"has {num_chunks} chunks"
+            )
+        return steps, num_chunks
+    entries = [_entry(position, entry) for position, entry in enumerate(order)]
+    num_chunks = _num_chunks(max(chunk for _, chunk in entries), num_layers_per_chunk)
+    return _count_steps(order, entries, num_chunks), num_chunks
+
+
+def _per_chunk(steps: Sequence[Step], kind: StepKind, num_chunks: int) -> list[int]:
+    """How many steps of ``kind`` each chunk runs (entry ``c - 1`` for chunk ``c``)."""
+    return [
+        sum(1 for s in steps if s.kind is kind and s.chunk == c) for c in range(1, num_chunks + 1)
+    ]
+
+
+def _check_counts(forwards: Sequence[int], backwards: Sequence[int]) -> None:
+    """Every chunk runs every microbatch, and every forward has its backward."""
+    for chunk, (fwd, bwd) in enumerate(zip(forwards, backwards), start=1):
+        if fwd != forwards[0]:
+            raise ValueError(
+                f"order runs {fwd} forwards of chunk {chunk} but {forwards[0]} of chunk 1; "
+                "every chunk must run every microbatch"
+            )
+        if bwd != fwd:
+            raise ValueError(
+                f"order runs {fwd} forwards but {bwd} backwards of chunk {chunk}; "
+                "every forward needs its backward"
+            )
+
+
 def parse_order(
     order: Sequence[object],
     *,
@@ -279,52 +342,10 @@ def parse_order(
         ValueError: naming the position and entry of the first malformed entry, or the counts
             that do not match.
     """
-    if isinstance(order, (str, bytes)) or not isinstance(order, Sequence):
-        raise ValueError(f"order must be a list of chunk ids, got {type(order).__name__}")
-    if not order:
-        raise ValueError("order is empty")
-    explicit = [isinstance(entry, Step) for entry in order]
-    if any(explicit) and not all(explicit):
-        raise ValueError(
-            f"order[{explicit.index(not explicit[0])}]: an order is either all chunk ids or all "
-            "leangraph.order.Step records, not a mix"
-        )
-    if all(explicit):
-        steps = _explicit_steps(order)  # type: ignore[arg-type]
-        num_chunks = max(step.chunk for step in steps)
-    else:
-        entries = [_entry(position, entry) for position, entry in enumerate(order)]
-        num_chunks = max(chunk for _, chunk in entries)
-    if isinstance(num_layers_per_chunk, Sequence):
-        num_chunks = len(num_layers_per_chunk)
-    if not all(explicit):
-        steps = _count_steps(order, entries, num_chunks)
-    elif max(step.chunk for step in steps) > num_chunks:
-        bad = next(step for step in steps if step.chunk > num_chunks)
-        raise ValueError(
-            f"order[{bad.position}] = {bad}: unknown chunk {bad.chunk}, the model "
-            f"has {num_chunks} chunks"
-        )
-    forwards = [
-        sum(1 for s in steps if s.kind is StepKind.FORWARD and s.chunk == c)
-        for c in range(1, num_chunks + 1)
-    ]
-    backwards = [
-        sum(1 for s in steps if s.kind is StepKind.BACKWARD and s.chunk == c)
-        for c in range(1, num_chunks + 1)
-    ]
-    for chunk in range(1, num_chunks + 1):
-        fwd, bwd = forwards[chunk - 1], backwards[chunk - 1]
-        if fwd != forwards[0]:
-            raise ValueError(
-                f"order runs {fwd} forwards of chunk {chunk} but {forwards[0]} of chunk 1; "
-                "every chunk must run every microbatch"
-            )
-        if bwd != fwd:
-            raise ValueError(
-                f"order runs {fwd} forwards but {bwd} backwards of chunk {chunk}; "
-                "every forward needs its backward"
-            )
+    steps, num_chunks = _order_steps(order, num_layers_per_chunk)
+    forwards = _per_chunk(steps, StepKind.FORWARD, num_chunks)
+    backwards = _per_chunk(steps, StepKind.BACKWARD, num_chunks)
+    _check_counts(forwards, backwards)
     layers = _resolve_layers(num_layers_per_chunk, num_chunks, num_callables)
     if any(s.kind is StepKind.WEIGHT for s in steps):
         _check_weight_steps(steps, backwards, layers)

@@ -99,6 +99,21 @@ class Plan:
         """Most graphs with live forward outputs at once during ``steps``."""
         return max((len(s) for s in self.live_after(steps)), default=0)
 
+    def max_live_per_chunk(self, steps: Sequence[GraphStep]) -> tuple[int, ...]:
+        """Most graphs of each chunk with live forward outputs at once during ``steps``.
+
+        Entry ``c - 1`` is chunk ``c``'s maximum. Chunks may peak at different steps, so the
+        entries can sum to more than :meth:`max_live`.
+        """
+        chunk_of = [self.layout.graph_id(g).chunk - 1 for g in range(self.layout.num_graphs)]
+        peaks = [0] * self.layout.num_chunks
+        for live in self.live_after(steps):
+            counts = [0] * self.layout.num_chunks
+            for graph in live:
+                counts[chunk_of[graph]] += 1
+            peaks = [max(peak, count) for peak, count in zip(peaks, counts)]
+        return tuple(peaks)
+
 
 def _graph_step(
     layout: Layout,

@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 from ._call import Call, Sample
 from .buffers import BufferKey
 from .errors import phase_note
+from .leaves import LeafTemplate, is_constant
 
 __all__ = ["GraphFacts", "LayerMemory", "probe"]
 
@@ -70,14 +71,16 @@ class GraphFacts:
     """What one graph's probe forward showed; shared by graphs of one callable and signature.
 
     Attributes:
-        memory: The byte counts and buffer keys of the forward.
+        memory: The byte counts and buffer keys of the forward (tensor outputs only).
         output_tree: The pytree structure of what the callable returned.
+        output_template: Its leaves: a slot per tensor, the constants as returned.
         trains: Per parameter of the callable (``named_parameters`` order), whether it
             requires grad, so the graphs differentiate it.
     """
 
     memory: LayerMemory
     output_tree: pytree.TreeSpec
+    output_template: LeafTemplate
     trains: tuple[bool, ...]
 
     @property
@@ -168,9 +171,15 @@ def _bytes(storages: dict[int, int], keys: Iterable[int]) -> int:
 
 
 def _signature(fn: Any, sample: Sample) -> tuple[Any, ...]:
-    """What makes two graphs' facts equal: the callable and the samples' metadata."""
+    """What makes two graphs' facts equal: the callable, the samples' metadata and
+    constants."""
     leaves, tree = pytree.tree_flatten(sample)
-    meta = tuple((tuple(t.shape), t.dtype, str(t.device), t.requires_grad) for t in leaves)
+    meta = tuple(
+        (tuple(t.shape), t.dtype, str(t.device), t.requires_grad)
+        if isinstance(t, torch.Tensor)
+        else (type(t), repr(t))
+        for t in leaves
+    )
     return id(fn), str(tree), meta
 
 
@@ -192,7 +201,7 @@ class _Packed:
 @contextlib.contextmanager
 def _run_forward(
     fn: Any,
-    inputs: list[torch.Tensor],
+    inputs: list[Any],
     tree: pytree.TreeSpec,
     around_forward: Callable[[], AbstractContextManager[Any]],
 ) -> Iterator[tuple[Any, list[torch.Tensor]]]:
@@ -232,19 +241,39 @@ def _measure(
 ) -> GraphFacts:
     """Probe one forward of ``fn`` on ``sample``; see :class:`GraphFacts`."""
     leaves, tree = pytree.tree_flatten(sample)
-    inputs = [t.detach().requires_grad_(t.requires_grad) for t in leaves]
+    call_leaves = [
+        t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+        for t in leaves
+    ]
+    inputs = [t for t in call_leaves if isinstance(t, torch.Tensor)]
     params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
     buffers = list(fn.buffers()) if isinstance(fn, torch.nn.Module) else []
-    with _run_forward(fn, inputs, tree, around_forward) as (returned, saved_tensors):
-        outputs, output_tree = pytree.tree_flatten(returned)
-        for index, out in enumerate(outputs):
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(
-                    f"{label}: output {index} must be a tensor, got {type(out).__name__}"
-                )
+    with _run_forward(fn, call_leaves, tree, around_forward) as (returned, saved_tensors):
+        output_leaves, output_tree = pytree.tree_flatten(returned)
+        template = output_template(label, output_leaves)
+        outputs = [t for t in output_leaves if isinstance(t, torch.Tensor)]
         memory = _layer_memory(inputs, params, buffers, outputs, saved_tensors)
     named = fn.named_parameters() if isinstance(fn, torch.nn.Module) else ()
-    return GraphFacts(memory, output_tree, tuple(p.requires_grad for _, p in named))
+    return GraphFacts(memory, output_tree, template, tuple(p.requires_grad for _, p in named))
+
+
+def output_template(label: str, leaves: Sequence[Any]) -> LeafTemplate:
+    """The template of a callable's output leaves: tensors, and constants it returns as
+    they were (Megatron-core's ``(hidden, None)``).
+
+    Raises:
+        TypeError: for a leaf that is neither, or outputs without a tensor.
+    """
+    for index, leaf in enumerate(leaves):
+        if not (isinstance(leaf, torch.Tensor) or is_constant(leaf)):
+            raise TypeError(
+                f"{label}: output {index} must be a tensor or a constant (None, bool, int, "
+                f"float, str, ...), got {type(leaf).__name__}"
+            )
+    template = LeafTemplate.of(leaves)
+    if template.num_tensors == 0:
+        raise TypeError(f"{label}: outputs hold no tensor; a graph must return at least one")
+    return template
 
 
 def _layer_memory(

@@ -1,9 +1,19 @@
 """A CPU reference backend that emulates CUDA-graph semantics.
 
-It exists so that ordering, liveness, buffer reuse and lifecycle are tested without a GPU. A
-"graph" is the recorded body, rerun on replay; what matters is that it behaves like a CUDA
-graph where the engine can observe it:
+It exists so that ordering, liveness, buffer reuse and lifecycle are tested without a GPU, and
+so that a callable that a CUDA graph would replay differently from eager fails here too. A
+"graph" is a trace: the aten calls the capture body made, recorded below autograd (for a
+backward body, the calls the autograd engine made) and replayed without the body's Python
+code (see :mod:`._cpu_trace`). It behaves like a CUDA graph where the engine or the callable
+can observe it:
 
+* only the recorded calls replay: Python in the callable (a branch, a ``print``, a counter)
+  runs once, at capture; a host read of tensor values during capture (``.item()``,
+  ``bool(tensor)``, printing a tensor, an output shape that depends on values) raises;
+* tensors the trace did not create (inputs, parameters, gradient seeds, closed-over tensors)
+  are read at their memory as it is at replay; random ops draw fresh numbers from the CPU
+  generator at every replay, as a CUDA graph advances its Philox offset, and a backward uses
+  the mask of the forward replay it differentiates;
 * outputs and gradients live in static buffers that every replay overwrites in place;
 * capture computes nothing the caller may rely on (static buffers are filled with NaN, as
   CUDA capture leaves them uninitialised);
@@ -12,15 +22,21 @@ graph where the engine can observe it:
 * static buffers come from an emulated pool: a buffer the engine disowns goes back to a free
   list and is handed to the next capture that needs one of the same shape, as the CUDA
   caching allocator reuses freed pool blocks, so later replays overwrite it.
+
+It does not emulate the pool for intermediates (each replay allocates its own and keeps what
+the backward reads until that backward), nor tell host tensors from device ones (every CPU
+tensor counts as device memory: its ops replay, its value reads are refused).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from ._cpu_trace import StorageTable, Trace, record
 from .base import BackwardBody, CapturedOutputs, ForwardBody
 
 __all__ = ["CpuBackend", "CpuGraphPair"]
@@ -36,42 +52,55 @@ def _copy_into(static: Sequence[torch.Tensor | None], fresh: Sequence[torch.Tens
 
 
 class CpuGraphPair:
-    """Forward and backward "graphs" that rerun their bodies into static buffers.
+    """Forward and backward "graphs": traces recorded at capture, replayed into static buffers.
 
-    The backward part is ``"backward"`` (a full or input-gradient backward) and, for
-    zero-bubble orders, ``"weight"`` (the deferred weight-gradient backward).
+    The parts are ``"forward"``, then ``"backward"`` (a full or input-gradient backward) and,
+    for zero-bubble orders, ``"weight"`` (the deferred weight-gradient backward), each a
+    :class:`Trace`. A part reads the tensors of the parts before it as their last replays left
+    them; the pair holds those (``_saved``, by part) from a forward replay until the backward
+    that consumes them, as autograd holds saved tensors.
     """
 
     def __init__(self, backend: CpuBackend) -> None:
         self._backend = backend
-        self._forward_body: ForwardBody | None = None
+        self._parts: list[str] = []
+        self._traces: list[Trace] = []
+        # Until the last backward part is captured: the forward's outputs with their
+        # autograd history (the backward bodies differentiate them) and the parts' tables.
         self._live_outputs: Sequence[torch.Tensor] | None = None
+        self._tables: list[StorageTable] = []
         self._static_outputs: tuple[torch.Tensor, ...] = ()
-        self._grad_bodies: dict[str, BackwardBody] = {}
         self._static_grads: dict[str, tuple[torch.Tensor | None, ...]] = {}
         self._retain: dict[str, bool] = {}
-        self._grad_enabled = True
+        self._differentiable = False
+        self._saved: dict[int, dict[int, torch.Tensor]] | None = None
 
     def capture_forward(self, body: ForwardBody) -> CapturedOutputs:
-        # Replays run inside an autograd Function (grad disabled); like a CUDA graph they
-        # must redo what capture did, so the capture-time grad mode is kept for them.
-        self._grad_enabled = torch.is_grad_enabled()
-        outputs = tuple(body())
-        self._forward_body = body
-        self._keep_for_backward(outputs)
+        values, trace, table = self._backend.record(body, earlier=())
+        outputs = tuple(v for v in values if v is not None)
+        if len(outputs) != len(values):  # the trace's results and the buffers pair up by index
+            raise TypeError("a forward body must return tensors only, got None")
+        self._parts, self._traces = ["forward"], [trace]
+        self._differentiable = any(o.requires_grad for o in outputs)
+        self._live_outputs = outputs if self._differentiable else None
+        self._tables = [table] if self._differentiable else []
         self._static_outputs = tuple(self._backend.poisoned_like(o) for o in outputs)
         return CapturedOutputs(self._static_outputs, tuple(o.requires_grad for o in outputs))
 
     def _capture_grads(
         self, part: str, body: BackwardBody, retain_graph: bool
     ) -> tuple[torch.Tensor | None, ...]:
-        if self._live_outputs is None:
+        outputs = self._live_outputs
+        if outputs is None:
             raise RuntimeError(f"{part} captured before its forward")
-        grads = tuple(body(self._live_outputs))
-        self._grad_bodies[part] = body
+        grads, trace, table = self._backend.record(lambda: body(outputs), earlier=self._tables)
+        self._parts.append(part)
+        self._traces.append(trace)
         self._retain[part] = retain_graph
-        if not retain_graph:
-            self._live_outputs = None
+        if retain_graph:
+            self._tables.append(table)
+        else:
+            self.release_saved()
         static = tuple(None if g is None else self._backend.poisoned_like(g) for g in grads)
         self._static_grads[part] = static
         return static
@@ -88,28 +117,34 @@ class CpuGraphPair:
 
     def release_saved(self) -> None:
         self._live_outputs = None
+        self._tables = []
 
     def replay_forward(self) -> None:
-        if self._forward_body is None:
+        if not self._traces:
             raise RuntimeError("forward graph was reset or never captured")
-        with torch.set_grad_enabled(self._grad_enabled):
-            outputs = tuple(self._forward_body())
+        outputs, exports = self._traces[0].replay({})
         _copy_into(self._static_outputs, outputs)
-        self._keep_for_backward(outputs)
-
-    def _keep_for_backward(self, outputs: tuple[torch.Tensor, ...]) -> None:
-        """Hold the autograd graph of ``outputs`` only if a backward can differentiate it."""
-        self._live_outputs = outputs if any(o.requires_grad for o in outputs) else None
+        # What the backward parts read of this replay; the previous replay's is dropped.
+        self._saved = {0: exports} if self._differentiable else None
 
     def _replay_grads(self, part: str) -> None:
-        body = self._grad_bodies.get(part)
-        if body is None:
+        if part not in self._parts:
             raise RuntimeError(f"{part} graph was reset or never captured")
-        if self._live_outputs is None:
+        index = self._parts.index(part)
+        saved = self._saved
+        if saved is None:
             raise RuntimeError(f"{part} replayed with no forward replay to differentiate")
-        grads = body(self._live_outputs)
+        trace = self._traces[index]
+        missing = trace.parts_read - saved.keys()
+        if missing:
+            names = ", ".join(self._parts[p] for p in sorted(missing))
+            raise RuntimeError(f"{part} replayed before {names}, whose tensors it reads")
+        grads, exports = trace.replay(saved)
+        for later in [p for p in saved if p >= index]:
+            del saved[later]  # what a replay of this or a later part left before is stale now
+        saved[index] = exports
         if not self._retain[part]:
-            self._live_outputs = None
+            self._saved = None
         _copy_into(self._static_grads[part], grads)
 
     def replay_backward(self) -> None:
@@ -119,10 +154,11 @@ class CpuGraphPair:
         self._replay_grads("weight")
 
     def reset(self) -> None:
-        self._forward_body = None
-        self._live_outputs = None
+        self._parts = []
+        self._traces = []
+        self.release_saved()
+        self._saved = None
         self._static_outputs = ()
-        self._grad_bodies.clear()
         self._static_grads.clear()
 
 
@@ -133,6 +169,9 @@ class CpuBackend:
 
     def __init__(self) -> None:
         self._free: dict[_PoolKey, list[torch.Tensor]] = {}
+        # Storages the traces of this capture session created, by any pair: a trace reading
+        # one of another pair's is refused (its replay could not follow that tensor).
+        self._traced: set[StorageWeakRef] = set()
 
     @contextmanager
     def warmup(self) -> Iterator[None]:
@@ -140,7 +179,18 @@ class CpuBackend:
 
     @contextmanager
     def capture_session(self) -> Iterator[None]:
-        yield
+        try:
+            yield
+        finally:
+            self._traced.clear()
+
+    def record(
+        self, body: Callable[[], Sequence[torch.Tensor | None]], *, earlier: Sequence[StorageTable]
+    ) -> tuple[tuple[torch.Tensor | None, ...], Trace, StorageTable]:
+        """Run ``body`` once and record it as a trace (see :func:`._cpu_trace.record`)."""
+        values, trace, table = record(body, earlier=earlier, foreign=self._traced)
+        self._traced.update(table.storages)
+        return values, trace, table
 
     def new_pair(self) -> CpuGraphPair:
         return CpuGraphPair(self)
@@ -168,3 +218,4 @@ class CpuBackend:
 
     def teardown(self) -> None:
         self._free.clear()
+        self._traced.clear()

@@ -8,9 +8,12 @@ the exception propagates.
 
 from __future__ import annotations
 
+import functools
+import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -119,7 +122,10 @@ def graph_sources(
     for graph in range(call.plan.layout.num_graphs):
         fn = call.callable_of(graph)
         leaves, tree = pytree.tree_flatten(call.samples[graph])
-        samples = _static_leaves(leaves, seen, copy_repeats=not options.share_buffers)
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        samples = _static_leaves(tensors, seen, copy_repeats=not options.share_buffers)
+        given = iter(samples)
+        call_leaves = [next(given) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         named = tuple(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else ()
         label = call.label(graph)
         sources.append(
@@ -129,7 +135,7 @@ def graph_sources(
                 graph_id=call.plan.layout.graph_id(graph) if call.plan.ordered else None,
                 fn=fn.forward if isinstance(fn, torch.nn.Module) else fn,
                 samples=samples,
-                signature=CallSignature(label, samples, tree),
+                signature=CallSignature(label, call_leaves, tree),
                 params=tuple(p for _, p in named),
                 param_names=tuple(n for n, _ in named),
                 facts=facts[graph],
@@ -145,12 +151,25 @@ def graph_sources(
 
 
 def _binding(fn: object) -> ModuleBinding | None:
-    """How a module graphed without an order falls back to eager outside its mode."""
+    """How a module graphed without an order falls back to eager outside its mode.
+
+    A module's own ``forward`` method is held weakly (it holds the module, which will hold
+    the graphed callable). A ``torch.compile``d module's ``forward`` is a function set on the
+    instance, closing over the wrapped module only, so it is held as it is.
+    """
     if not isinstance(fn, torch.nn.Module):
         return None
-    return ModuleBinding(
-        module=weakref.ref(fn), eager_forward=weakref.WeakMethod(fn.forward), training=fn.training
-    )
+    forward = fn.forward
+    eager: Callable[[], Callable[..., Any] | None]
+    if isinstance(forward, types.MethodType):
+        eager = weakref.WeakMethod(forward)
+    else:
+        eager = functools.partial(_itself, forward)
+    return ModuleBinding(module=weakref.ref(fn), eager_forward=eager, training=fn.training)
+
+
+def _itself(value: Callable[..., Any]) -> Callable[..., Any]:
+    return value
 
 
 def _static_leaves(

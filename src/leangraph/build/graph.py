@@ -18,7 +18,7 @@ from ..backends.base import GraphBackend, GraphPair
 from ..buffers import BufferKey, same_buffer
 from ..hooks import CaptureHooks
 from ..order import GraphId, StepKind
-from ..probe import GraphFacts
+from ..probe import GraphFacts, output_template
 from ..runtime.signature import CallSignature
 from .record import GraphRecord, ModuleBinding, ParameterSharing
 
@@ -79,18 +79,21 @@ class GraphBuilder:
     def _run(self, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Run the callable on ``leaves``; its outputs must look as the probe saw them."""
         args, kwargs = self.source.signature.unflatten(leaves)
-        outputs, tree = pytree.tree_flatten(self.source.fn(*args, **kwargs))
-        for index, leaf in enumerate(outputs):
-            if not isinstance(leaf, torch.Tensor):
-                raise TypeError(
-                    f"{self.label}: output {index} must be a tensor, got {type(leaf).__name__}"
-                )
+        output_leaves, tree = pytree.tree_flatten(self.source.fn(*args, **kwargs))
         expected = self.source.facts
         if tree != expected.output_tree:
             raise RuntimeError(
                 f"{self.label}: outputs changed structure between runs: "
                 f"{expected.output_tree} then {tree}"
             )
+        template = output_template(self.label, output_leaves)
+        if template != expected.output_template:
+            raise RuntimeError(
+                f"{self.label}: outputs changed their constants or which leaves are tensors "
+                f"between runs: {list(expected.output_template.leaves)} then "
+                f"{list(template.leaves)}"
+            )
+        outputs = [leaf for leaf in output_leaves if isinstance(leaf, torch.Tensor)]
         keys = tuple(BufferKey.of(o) for o in outputs)
         if keys != expected.outputs:
             raise RuntimeError(
@@ -110,7 +113,8 @@ class GraphBuilder:
         args, kwargs = self.source.signature.unflatten(leaves)
         hooks.run("forward_pre", args, kwargs)
         outputs = run()
-        output = pytree.tree_unflatten(list(outputs), self.source.facts.output_tree)
+        facts = self.source.facts
+        output = pytree.tree_unflatten(facts.output_template.fill(outputs), facts.output_tree)
         hooks.run("forward", args, kwargs, output)
         return outputs
 
@@ -213,12 +217,9 @@ class GraphBuilder:
     def _grad_body(
         self, targets: Callable[[], tuple[torch.Tensor, ...]], retain: bool
     ) -> Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor | None]]:
-        """A backward body differentiating the outputs w.r.t. ``targets()``.
-
-        Targets are looked up at run time: the CPU backend reruns the body against forward
-        replays made on the static inputs as they are then, where a parameter frozen since
-        capture gets None (a CUDA graph still computes its gradient; autograd drops it).
-        """
+        """A backward body differentiating the outputs w.r.t. ``targets()`` (looked up when
+        the body runs, at capture). A backend records what it runs; a parameter frozen after
+        capture still gets its gradient computed at replay, and autograd drops it."""
         seeds = [g for g in self._static_grad_outputs if g is not None]
 
         def body(outputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor | None]:
@@ -317,6 +318,7 @@ class GraphBuilder:
             chained_from=self._chained_from or (None,) * len(self._static_inputs),
             static_outputs=self._static_outputs,
             output_tree=source.facts.output_tree,
+            output_template=source.facts.output_template,
             output_requires_grad=self._output_requires_grad,
             static_grad_outputs=self._static_grad_outputs,
             static_grads=self._static_grads,

@@ -11,6 +11,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..backends.base import GraphPair
+from ..leaves import LeafTemplate
 from ..order import GraphId
 from ..runtime.signature import CallSignature
 
@@ -22,7 +23,7 @@ class ModuleBinding:
     """How a module's graphed ``forward`` falls back to eager outside its training mode."""
 
     module: weakref.ref[torch.nn.Module]
-    eager_forward: weakref.WeakMethod[Callable[..., Any]]
+    eager_forward: Callable[[], Callable[..., Any] | None]  # None once the module is gone
     training: bool
 
 
@@ -54,6 +55,7 @@ class GraphRecord:
         chained_from: Per input leaf, the label of the graph whose output buffer it is.
         static_outputs: One static buffer per output leaf (tensor outputs only).
         output_tree: The structure the outputs are returned in.
+        output_template: The output leaves: a slot per static output, constants in place.
         output_requires_grad: Per output, whether it needs a gradient.
         static_grad_outputs: Per output, the seed buffer its incoming gradient is copied into.
         static_grads: The backward graph's gradients: inputs that require grad, then (for a
@@ -76,6 +78,7 @@ class GraphRecord:
     chained_from: tuple[str | None, ...]
     static_outputs: tuple[torch.Tensor, ...]
     output_tree: pytree.TreeSpec
+    output_template: LeafTemplate
     output_requires_grad: tuple[bool, ...]
     static_grad_outputs: tuple[torch.Tensor | None, ...]
     static_grads: tuple[torch.Tensor | None, ...]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -21,11 +22,12 @@ from torch.utils import _pytree as pytree
 from ..buffers import same_buffer
 from ..build.record import GraphRecord
 from ..errors import GraphResetError
-from ..order import GraphId
+from ..order import GraphId, StepKind
 from ..result import GraphedSet
 from .grads import GradRouting
 from .guard import OutputGuard
 from .pending import BackwardToken, PendingBackwards
+from .sequence import ReplaySequence
 from .weight import WeightStep
 
 __all__ = ["GraphedCallable"]
@@ -57,6 +59,7 @@ class GraphedCallable:
         record: GraphRecord,
         graphed_set: GraphedSet,
         pending: PendingBackwards,
+        sequence: ReplaySequence,
         *,
         debug_outputs: bool,
     ) -> None:
@@ -66,9 +69,12 @@ class GraphedCallable:
         self._index = record.index
         self._set = graphed_set
         self._pending = pending
+        self._sequence = sequence
         self._lock = threading.RLock()
         self._state = _State.READY
         self._signature = record.signature
+        self._specs = record.signature.specs
+        self._warned: set[str] = set()  # inputs already warned about, by name
         self._single_output = record.output_tree.is_leaf()
         self._frozen_params = tuple(
             (name, p)
@@ -77,6 +83,7 @@ class GraphedCallable:
         )
         self._grads: GradRouting | None = GradRouting(record, pending)
         self._weight = WeightStep(record) if record.split_backward else None
+        self._autograd_params = self._params_for_autograd(record)
         self._debug_outputs = debug_outputs
         self._guard: OutputGuard | None = None
         self._forward_generation = 0
@@ -134,12 +141,16 @@ class GraphedCallable:
         leaves = self._signature.bind(args, kwargs)
         self._check_frozen_params()
         clone_grads = tuple(t.requires_grad and t.grad_fn is None for t in leaves)
+        if any(t.requires_grad and not s.requires_grad for t, s in zip(leaves, self._specs)):
+            self._warn_ungraded(leaves)
         token = BackwardToken()
-        outputs = _Replay.apply(self, clone_grads, token, *leaves, *record.params)
+        outputs = _Replay.apply(self, clone_grads, token, *leaves, *self._autograd_params)
         del token  # from here on only the replay's autograd node (if any) keeps it alive
+        if record.has_backward and not any(o.requires_grad for o in outputs):
+            self._sequence.without_backward(self._index)  # grad mode off: no backward comes
         if self._single_output:
             return outputs[0]
-        return pytree.tree_unflatten(list(outputs), record.output_tree)
+        return pytree.tree_unflatten(record.output_template.fill(outputs), record.output_tree)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
@@ -165,9 +176,10 @@ class GraphedCallable:
     def backward_dw(self) -> None:
         """Run the deferred weight-gradient step of the last backward (zero-bubble orders).
 
-        Replays the weight-gradient graph and accumulates into each parameter's ``.grad`` as
-        autograd would (``.grad`` set to a fresh tensor when None, else added to in place);
-        parameter ``post_accumulate_grad`` hooks do not run. Call it at the schedule's W step,
+        Replays the weight-gradient graph and accumulates into each parameter's ``.grad``
+        through autograd (``.grad`` set to a fresh tensor when None, else added to in place),
+        so parameter ``post_accumulate_grad`` hooks run once each, as in eager's weight step
+        (DDP-style gradient-ready hooks among them). Call it at the schedule's W step,
         after the backward through this callable's outputs (which computed input gradients
         only) and before its next forward replay.
 
@@ -183,6 +195,8 @@ class GraphedCallable:
                     f"{self._label}: backward_dw() needs an order with -(c + 0.5) weight "
                     "steps; this callable's backward computes weight gradients itself"
                 )
+            self._weight.require_due()
+            self._sequence.expect(self._index, StepKind.WEIGHT)
             self._weight.run()
             if self._guard is not None:
                 self._guard.invalidate(f"the weight step of {self._label} ran")
@@ -194,6 +208,7 @@ class GraphedCallable:
         if record is not None:
             record.pair.reset()
             self._pending.clear(self._index)
+            self._sequence.drop(self._index)
         self._grads = None
         self._weight = None
         self._frozen_params = ()
@@ -221,6 +236,33 @@ class GraphedCallable:
                     "requires_grad=True; capture again to train it"
                 )
 
+    @staticmethod
+    def _params_for_autograd(record: GraphRecord) -> tuple[torch.Tensor, ...]:
+        """What a replay's autograd node takes besides the inputs: the parameters, whose
+        gradients it returns. A split backward returns none (the weight step delivers them),
+        and autograd would still run their accumulators, and their post-accumulate-grad hooks,
+        with no gradient; an empty leaf that requires grad stands in for them, so the outputs
+        require grad exactly when eager's would."""
+        if not record.split_backward:
+            return record.params
+        if not record.trained_params():
+            return ()
+        device = record.static_outputs[0].device
+        return (torch.empty(0, device=device, requires_grad=True),)
+
+    def _warn_ungraded(self, leaves: Sequence[torch.Tensor]) -> None:
+        """An input that requires grad only at replay gets no gradient from the backward
+        graph (torch's drop-in accepts it the same way): say so once per input."""
+        for leaf, spec in zip(leaves, self._specs):
+            if leaf.requires_grad and not spec.requires_grad and spec.name not in self._warned:
+                self._warned.add(spec.name)
+                warnings.warn(
+                    f"{self._label} {spec.name} requires grad at replay but did not at capture: "
+                    "the backward graph computes no gradient for it, so it gets none; capture "
+                    "with a sample that requires grad to train through it",
+                    stacklevel=3,
+                )
+
     def _check_no_pending_backward(self, record: GraphRecord) -> None:
         """Refuse a forward replay that would overwrite activations a backward still needs."""
         if self._weight is not None:
@@ -241,16 +283,10 @@ class GraphedCallable:
         with self._lock:
             record = self._require_ready("replay its forward graph")
             self._check_no_pending_backward(record)
-            for index, (static, value) in enumerate(zip(record.static_inputs, inputs)):
-                if same_buffer(static, value):
-                    continue
-                source = record.chained_from[index]
-                if source is not None:
-                    raise ValueError(
-                        f"{self._label} input {index} is the output buffer of {source} "
-                        "(chained layers share it); pass that graph's output itself, got another "
-                        "tensor. Capture with share_buffers=False to feed layers anything"
-                    )
+            copies = self._inputs_to_copy(record, inputs)
+            # Checked before anything is copied: static inputs may be shared with other graphs.
+            self._sequence.expect(self._index, StepKind.FORWARD, may_repeat=record.retain_graph)
+            for static, value in copies:
                 static.copy_(value)
             record.pair.replay_forward()
             self._forward_generation += 1
@@ -263,6 +299,25 @@ class GraphedCallable:
                 self._guard = OutputGuard(self._label, self._forward_generation)
                 outputs = tuple(self._guard.wrap(o) for o in outputs)
             return outputs
+
+    def _inputs_to_copy(
+        self, record: GraphRecord, inputs: Sequence[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (static buffer, value) pairs a forward replay copies: every input that is not
+        its buffer already. A chained input must be the previous layer's output itself."""
+        copies = []
+        for index, (static, value) in enumerate(zip(record.static_inputs, inputs)):
+            if same_buffer(static, value):
+                continue
+            source = record.chained_from[index]
+            if source is not None:
+                raise ValueError(
+                    f"{self._label} input {index} is the output buffer of {source} "
+                    "(chained layers share it); pass that graph's output itself, got another "
+                    "tensor. Capture with share_buffers=False to feed layers anything"
+                )
+            copies.append((static, value))
+        return copies
 
     def _replay_backward(
         self, grads: Sequence[torch.Tensor], generation: int, clone_inputs: Sequence[bool]
@@ -278,9 +333,12 @@ class GraphedCallable:
                 )
             if generation == self._backward_generation and not record.retain_graph:
                 raise RuntimeError(
-                    f"{self._label}: second backward through forward replay {generation}; "
-                    "capture with retain_graph_in_backward=True to allow it"
+                    f"{self._label}: second backward through forward replay {generation}: "
+                    "each forward replay's backward runs once, as eager autograd's does unless "
+                    "asked to retain the graph; to replay a backward more than once per "
+                    "forward, capture with retain_graph_in_backward=True"
                 )
+            self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
             for static, grad in zip(record.static_grad_outputs, grads):
                 if static is not None and not same_buffer(static, grad):
                     static.copy_(grad)
@@ -293,7 +351,10 @@ class GraphedCallable:
             elif self._guard is not None:
                 self._guard.invalidate(f"the backward of {self._label} ran")
             assert self._grads is not None
-            return self._grads.scatter(clone_inputs)
+            routed = self._grads.scatter(clone_inputs)
+            if self._weight is not None:  # no parameter gradient: the stand-in gets none
+                routed = routed[: len(clone_inputs)] + (None,) * len(self._autograd_params)
+            return routed
 
 
 class _Replay(torch.autograd.Function):

@@ -2,11 +2,14 @@
 
 A :class:`CallSignature` is made once from the sample arguments. :meth:`CallSignature.bind`
 turns a replay's ``(args, kwargs)`` into tensor leaves in capture order, or raises naming the
-callable, what was captured and what was got. Nothing is cast, broadcast or moved.
+callable, what was captured and what was got. Non-tensor leaves are constants of the graph and
+must equal their capture values. Nothing is broadcast or moved; a dtype is converted only
+where the conversion is exact (an fp16 input into an fp32 buffer).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +17,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["CallSignature", "TensorSpec"]
+from ..leaves import TENSOR, LeafTemplate, leaf_names, same_constant
+
+__all__ = ["CallSignature", "TensorSpec", "converts_exactly"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,55 +37,91 @@ class TensorSpec:
         return cls(name, tuple(tensor.shape), tensor.dtype, tensor.device, tensor.requires_grad)
 
     def check(self, owner: str, value: object) -> torch.Tensor:
-        """Return ``value`` if it matches this spec, else raise naming ``owner``."""
+        """Return ``value`` if a replay may copy it into this spec's static buffer, else
+        raise naming ``owner``.
+
+        A dtype that converts exactly into the buffer's is accepted (fp16 or bf16 into fp32,
+        under autocast say); a lossy one (fp32 into bf16) is not. ``requires_grad`` may
+        differ: an input that requires grad only at replay gets no gradient (the caller
+        warns), one that no longer does simply gets none.
+        """
         if not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"{owner} {self.name} must be a tensor as at capture, got {type(value).__name__}"
             )
-        if value.dtype != self.dtype:
-            raise TypeError(f"{owner} {self.name} must keep dtype {self.dtype}, got {value.dtype}")
+        if value.dtype != self.dtype and not converts_exactly(value.dtype, self.dtype):
+            raise TypeError(
+                f"{owner} {self.name} must keep dtype {self.dtype} (or one that converts to it "
+                f"exactly), got {value.dtype}"
+            )
         if tuple(value.shape) != self.shape:
             raise ValueError(
                 f"{owner} {self.name} must keep shape {self.shape}, got {tuple(value.shape)}"
             )
         if value.device != self.device:
             raise ValueError(f"{owner} {self.name} must stay on {self.device}, got {value.device}")
-        if value.requires_grad != self.requires_grad:
-            raise ValueError(
-                f"{owner} {self.name} must have requires_grad={self.requires_grad} as at "
-                f"capture, got requires_grad={value.requires_grad}"
-            )
         return value
 
 
+def converts_exactly(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether every value of dtype ``source`` is exactly representable in ``target``."""
+    if source == torch.bool:
+        return True
+    if source.is_complex or target.is_complex:
+        return source.is_complex == target.is_complex and source.itemsize <= target.itemsize
+    if target.is_floating_point:
+        have = torch.finfo(target)
+        if source.is_floating_point:
+            need = torch.finfo(source)
+            return (
+                have.eps <= need.eps  # as many significand bits
+                and have.max >= need.max
+                and have.tiny * have.eps <= need.tiny * need.eps  # subnormals included
+            )
+        # An integer converts exactly if its largest magnitude fits the significand.
+        digits = round(-math.log2(have.eps)) + 1
+        integer = torch.iinfo(source)
+        return max(integer.max, -integer.min) <= 2**digits
+    if source.is_floating_point:
+        return False
+    have_int, need_int = torch.iinfo(target), torch.iinfo(source)
+    return have_int.min <= need_int.min and have_int.max >= need_int.max
+
+
 class CallSignature:
-    """The structure (``tree``, of ``(args, kwargs)``) and tensor specs of a captured call.
+    """The structure (``tree``, of ``(args, kwargs)``), tensor specs and constants of a
+    captured call.
 
     Args:
         owner: How errors name the callable.
-        samples: The sample call's tensor leaves.
+        leaves: The sample call's leaves: tensors, and the constants between them.
         tree: The sample call's pytree structure, as ``(args, kwargs)``.
     """
 
-    def __init__(self, owner: str, samples: Sequence[torch.Tensor], tree: pytree.TreeSpec):
+    def __init__(self, owner: str, leaves: Sequence[Any], tree: pytree.TreeSpec):
         self.owner = owner
         self.tree = tree
-        sample_call = pytree.tree_unflatten(list(samples), tree)
+        self.template = LeafTemplate.of(leaves)
+        sample_call = pytree.tree_unflatten(list(leaves), tree)
+        names = leaf_names(sample_call)
         self.specs = tuple(
-            TensorSpec.of(name, t) for name, t in zip(_leaf_names(sample_call), samples)
+            TensorSpec.of(name, t) for name, t in zip(names, leaves) if isinstance(t, torch.Tensor)
         )
+        self._constants = tuple((names[i], i, value) for i, value in self.template.constants())
         self._kwarg_names = tuple(sample_call[1])
         # Tensors passed positionally, the usual call: binding then skips the pytree walk.
         self._positional_arity = (
-            len(samples) if tree == pytree.tree_structure((tuple(samples), {})) else None
+            len(leaves)
+            if self.template.all_tensors and tree == pytree.tree_structure((tuple(leaves), {}))
+            else None
         )
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """The tensor leaves of a replay's arguments, checked against the captured ones.
 
         Raises:
-            TypeError, ValueError: if they differ in structure, keys, dtype, shape, device or
-                ``requires_grad``, naming the argument.
+            TypeError, ValueError: if they differ in structure, keys, constants, dtype (beyond
+                an exact conversion), shape or device, naming the argument.
         """
         if (
             not kwargs
@@ -90,11 +131,24 @@ class CallSignature:
             leaves: list[Any] = list(args)  # what pytree gives here, without its walk
         else:
             leaves = self._structured_leaves(args, kwargs)
+            self._check_constants(leaves)
+            leaves = [leaf for i, leaf in enumerate(leaves) if self.template.leaves[i] is TENSOR]
         return [spec.check(self.owner, leaf) for spec, leaf in zip(self.specs, leaves)]
 
-    def unflatten(self, leaves: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """``(args, kwargs)`` of the captured structure over ``leaves``."""
-        args, kwargs = pytree.tree_unflatten(list(leaves), self.tree)
+    def _check_constants(self, leaves: Sequence[Any]) -> None:
+        for name, position, value in self._constants:
+            got = leaves[position]
+            if not same_constant(got, value):
+                shown = "a tensor" if isinstance(got, torch.Tensor) else repr(got)
+                raise ValueError(
+                    f"{self.owner} {name} must be the constant {value!r} it was at capture, "
+                    f"got {shown}; graphs replay the kernels that constant chose, so capture "
+                    "another graph for another value"
+                )
+
+    def unflatten(self, tensors: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` of the captured structure over ``tensors``, constants in place."""
+        args, kwargs = pytree.tree_unflatten(self.template.fill(tensors), self.tree)
         return args, kwargs
 
     def _structured_leaves(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -134,21 +188,6 @@ class CallSignature:
             f"{self.owner}: arguments must keep their structure from capture ({self.tree}), "
             f"got {tree}"
         )
-
-
-def _leaf_names(tree: Any) -> list[str]:
-    """Readable names for the tensor leaves of ``(args, kwargs)``."""
-    names = []
-    for path, _ in pytree.tree_flatten_with_path(tree)[0]:
-        group, head, *rest = path
-        suffix = "".join(str(k) for k in rest)
-        if isinstance(group, pytree.SequenceKey) and group.idx == 0:  # positional arguments
-            assert isinstance(head, pytree.SequenceKey)
-            names.append(f"input {head.idx}{suffix}")
-        else:
-            assert isinstance(head, pytree.MappingKey)
-            names.append(f"kwarg {head.key!r}{suffix}")
-    return names
 
 
 def _describe(value: Any) -> str:

@@ -2,11 +2,14 @@
 
 With an order that has ``-(c + 0.5)`` entries, a graph's backward replay computes input
 gradients only and leaves its weight step pending; :meth:`WeightStep.run` (reached through
-``GraphedCallable.backward_dw``) replays the weight-gradient graph and accumulates into the
-parameters' ``.grad`` as autograd would.
+``GraphedCallable.backward_dw``) replays the weight-gradient graph and hands the gradients to
+autograd, which accumulates them into the parameters' ``.grad`` and runs their
+post-accumulate-grad hooks as in eager's weight step.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -38,25 +41,46 @@ class WeightStep:
                 "the activations this replay would overwrite"
             )
 
+    def require_due(self) -> None:
+        """Raise ``RuntimeError`` if no backward awaits its weight step."""
+        if self._pending is None:
+            raise RuntimeError(
+                f"{self._label}: backward_dw() called with no backward awaiting its weight "
+                "step; run the backward through this callable's outputs first"
+            )
+
     def run(self) -> None:
         """Replay the weight-gradient graph and accumulate into each parameter's ``.grad``.
 
         Raises:
             RuntimeError: if no backward awaits its weight step.
         """
-        if self._pending is None:
-            raise RuntimeError(
-                f"{self._label}: backward_dw() called with no backward awaiting its weight "
-                "step; run the backward through this callable's outputs first"
-            )
+        self.require_due()
         if self._grads:
             self._pair.replay_weight()
         self._pending = None
-        with torch.no_grad():
-            for param, grad in zip(self._params, self._grads):
-                if grad is None:
-                    continue
-                if param.grad is None:
-                    param.grad = grad.clone()
-                else:
-                    param.grad.add_(grad)
+        pairs = [(p, g) for p, g in zip(self._params, self._grads) if g is not None]
+        if not pairs:
+            return
+        # Hand the gradients to autograd, which accumulates them as it does in eager's weight
+        # step: .grad set (to a copy: the buffer is overwritten by the next replay) when None,
+        # else added in place, and each parameter's post-accumulate-grad hooks run once.
+        params = [p for p, _ in pairs]
+        grads = [g.clone() if p.grad is None else g.detach() for p, g in pairs]
+        with torch.enable_grad():
+            handle = _AccumulateWeights.apply(tuple(grads), *params)
+        torch.autograd.backward(handle)
+
+
+class _AccumulateWeights(torch.autograd.Function):
+    """A node whose backward delivers given gradients to its parameters' accumulators."""
+
+    @staticmethod
+    def forward(ctx: Any, grads: tuple[torch.Tensor, ...], *params: torch.Tensor) -> torch.Tensor:
+        ctx.grads = grads
+        return torch.zeros((), device=params[0].device)
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads, ctx.grads = ctx.grads, ()
+        return (None, *grads)

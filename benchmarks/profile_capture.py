@@ -2,8 +2,8 @@
 ``make_graphed_callables`` on the launch-bound benchmark workload, after one untimed call of
 each so per-process set-up (cuBLAS handles, kernel loading) is paid already.
 
-The graphs are built as in ``capture_phases.py``.
-Usage: PYTHONPATH=src python3 scripts/profile_capture.py
+The graphs are built as the bench builds them (``leangraph.cli.bench.capture_method``).
+Usage: PYTHONPATH=src python3 benchmarks/profile_capture.py
 """
 
 from __future__ import annotations
@@ -12,24 +12,24 @@ import cProfile
 import io
 import pstats
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from capture_phases import WORKLOADS, graph_blocks
 
-from leangraph.workloads import make_blocks
-
-SHAPE, MICROBATCHES = WORKLOADS["launch-bound"]
+from leangraph.cli.bench import LAUNCH_BOUND, BenchWorkload, capture_method
 
 
-def graphed_by(method: str, **options: object):
-    def run() -> object:
-        blocks = make_blocks(8, SHAPE, "cuda")
-        return graph_blocks(method, blocks, SHAPE, MICROBATCHES, **options)
+def graphed_by(work: BenchWorkload, method: str, **options: Any) -> Callable[[], None]:
+    """One capture of ``method`` over a fresh copy of the blocks, its graphs freed after."""
+
+    def run() -> None:
+        capture_method(work, method, **options).release()
 
     return run
 
 
-def profile(name: str, run) -> None:
+def profile(name: str, run: Callable[[], None]) -> None:
     run()  # untimed
     torch.cuda.synchronize()
     profiler = cProfile.Profile()
@@ -47,7 +47,12 @@ def profile(name: str, run) -> None:
     print("\n".join(line for line in text.getvalue().splitlines() if line.strip()))
 
 
+def main() -> None:
+    work = BenchWorkload(LAUNCH_BOUND)
+    profile("torch", graphed_by(work, "torch"))
+    profile("leangraph, check_memory=False", graphed_by(work, "leangraph", check_memory=False))
+    profile("leangraph, check_memory=True", graphed_by(work, "leangraph", check_memory=True))
+
+
 if __name__ == "__main__":
-    profile("torch", graphed_by("torch"))
-    profile("leangraph, check_memory=False", graphed_by("leangraph", check_memory=False))
-    profile("leangraph, check_memory=True", graphed_by("leangraph", check_memory=True))
+    main()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call (device time is scarce): the CUDA and two-GPU test
-# suites, then `make demo`. Usage on a GPU machine: scripts/verify_cuda.sh [OUTDIR]
+# suites, then `make demo`. Usage on a GPU machine: benchmarks/verify_cuda.sh [OUTDIR]
 set -uo pipefail
 out=${1:-${OUT:-verify-out}}
 mkdir -p "$out"

@@ -8,7 +8,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["BlockShape", "TransformerBlock", "hidden_batches", "make_blocks", "sample_hidden"]
+__all__ = [
+    "BlockShape",
+    "TransformerBlock",
+    "hidden_batches",
+    "make_blocks",
+    "plural",
+    "sample_hidden",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,3 +83,8 @@ def hidden_batches(
         )
         for _ in range(count)
     ]
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 block``, ``4 blocks``: how the tools count things in their output."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"

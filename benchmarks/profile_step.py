@@ -4,52 +4,32 @@ the launch-bound benchmark workload (hidden 256, sequence 128, 8 microbatches), 
 Per round and method it prints the median and minimum of 30 synchronised steps and the host
 time per step of 30 unsynchronised ones (equal to the synchronised time when the host is the
 bottleneck), then a cProfile of 20 steps of each.
-Usage: PYTHONPATH=src python3 scripts/profile_step.py
+Usage: PYTHONPATH=src python3 benchmarks/profile_step.py
 """
 
 from __future__ import annotations
 
-import copy
 import cProfile
 import io
 import pstats
 import statistics
 import time
-from typing import Any
 
 import torch
 
-from leangraph import bench
-from leangraph.workloads import BlockShape
-
-SHAPE = BlockShape(hidden=256, heads=4, sequence=128, dtype=torch.bfloat16)
-
-
-def graph_both(
-    config: bench.BenchConfig, untimed_steps: int
-) -> tuple[Any, dict[str, tuple[Any, list[Any]]]]:
-    """The bench workload of ``config``, and per method (torch, leangraph) its layer lookup and
-    blocks (a copy each), after ``untimed_steps`` steps (first replays, lazy set-up)."""
-    work = bench._Workload(config)
-    graphed = {}
-    for name, capture in [("torch", bench._torch_capture(work)),
-                          ("leangraph", bench._leangraph_capture(work, None))]:
-        blocks = copy.deepcopy(work.blocks)
-        graphed[name] = (capture(blocks), blocks)
-        for _ in range(untimed_steps):
-            work.step(*graphed[name])
-    return work, graphed
+from leangraph.cli.bench import LAUNCH_BOUND, BenchWorkload, graph_methods
 
 
 def main() -> None:
-    work, graphed = graph_both(bench.BenchConfig(num_microbatches=8, shape=SHAPE), 1)
+    work = BenchWorkload(LAUNCH_BOUND)
+    graphed = graph_methods(work, untimed_steps=1)
 
     def synchronised(name: str) -> tuple[float, float]:
         times = []
         for _ in range(30):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            work.step(*graphed[name])
+            work.step(graphed[name].lookup, graphed[name].blocks)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         return statistics.median(times) * 1e3, min(times) * 1e3
@@ -58,7 +38,7 @@ def main() -> None:
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(30):
-            work.step(*graphed[name])
+            work.step(graphed[name].lookup, graphed[name].blocks)
         elapsed = time.perf_counter() - start
         torch.cuda.synchronize()
         return elapsed / 30 * 1e3
@@ -66,13 +46,15 @@ def main() -> None:
     for round_index in range(3):
         for name in graphed:
             median, least = synchronised(name)
-            print(f"round {round_index} {name:<9} step median {median:.2f} ms, min {least:.2f} "
-                  f"ms; host per step {host(name):.2f} ms")
+            print(
+                f"round {round_index} {name:<9} step median {median:.2f} ms, min {least:.2f} "
+                f"ms; host per step {host(name):.2f} ms"
+            )
     for name in graphed:
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(20):
-            work.step(*graphed[name])
+            work.step(graphed[name].lookup, graphed[name].blocks)
         torch.cuda.synchronize()
         profiler.disable()
         text = io.StringIO()

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The benchmark runs quoted in docs/benchmarks.md, on one GPU. Usage: scripts/bench_h200.sh OUTDIR
+# The benchmark runs quoted in docs/benchmarks.md, on one GPU. Usage: benchmarks/bench_h200.sh OUTDIR
 # Each run then captures and times torch and leangraph again, in turn, 5 times (--rounds).
 set -euo pipefail
 out=${1:-bench-out}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-run() { python3 -m leangraph.cli bench --no-progress --rounds 5 "$@"; }
+run() { python3 -m leangraph bench --no-progress --rounds 5 "$@"; }
 for m in 16 32; do
   echo "== workload: rank 0 of PP4/VP2, 2 chunks x 4 blocks, hidden 1024, seq 2048, bf16, $m microbatches"
   run --pp 4 --vp 2 --rank 0 --microbatches "$m" --layers 4 --hidden 1024 --heads 16 \

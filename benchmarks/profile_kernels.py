@@ -4,7 +4,7 @@
 Prints each method's total self device time per step (graph kernels count twice: under the
 replay and by kernel) and its 22 largest entries. Equal totals
 mean the graphs do the same GPU work, so a step-time difference is idle time between launches.
-Usage: PYTHONPATH=src python3 scripts/profile_kernels.py
+Usage: PYTHONPATH=src python3 benchmarks/profile_kernels.py
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from profile_step import graph_both
 from torch.profiler import ProfilerActivity, profile
 
-from leangraph import bench
+from leangraph.cli.bench import BenchConfig, BenchWorkload, graph_methods
 
 
 def _self_device_us(event: Any) -> float:
@@ -25,19 +24,21 @@ def _self_device_us(event: Any) -> float:
 
 
 def main() -> None:
-    work, graphed = graph_both(bench.BenchConfig(num_microbatches=16), 2)
-    for name, (lookup, blocks) in graphed.items():
+    work = BenchWorkload(BenchConfig(num_microbatches=16))
+    for name, captured in graph_methods(work, untimed_steps=2).items():
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(2):
-                work.step(lookup, blocks)
+                work.step(captured.lookup, captured.blocks)
             torch.cuda.synchronize()
         events = [e for e in prof.key_averages() if _self_device_us(e) > 0]
         total = sum(_self_device_us(e) for e in events)
         print(f"== {name}: self device time per step {total / 2 / 1e3:.2f} ms")
         for event in sorted(events, key=_self_device_us, reverse=True)[:22]:
-            print(f"{event.key[:70]:<70} calls/step {event.count / 2:>6.0f}  "
-                  f"ms/step {_self_device_us(event) / 2 / 1e3:8.3f}")
+            print(
+                f"{event.key[:70]:<70} calls/step {event.count / 2:>6.0f}  "
+                f"ms/step {_self_device_us(event) / 2 / 1e3:8.3f}"
+            )
 
 
 if __name__ == "__main__":

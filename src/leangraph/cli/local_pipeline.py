@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .order import StepKind, parse_order
+from leangraph.order import StepKind, parse_order
 
 __all__ = ["LayerLookup", "LossFn", "StepResult", "run_order"]
 

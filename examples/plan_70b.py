@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python scripts/plan_70b.py
+    python examples/plan_70b.py
 
 The run: Llama-3-70B (80 layers, hidden 8192, 64 query heads and 8 KV heads of 128, SwiGLU FFN
 28672, RMSNorm, RoPE, no dropout), bf16, sequence 8192, micro-batch 1, global batch 256 on 64
@@ -46,7 +46,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn import functional as F
 
-from leangraph.memory import MemoryPlan, format_bytes, plan_memory
+from leangraph import MemoryPlan, plan_memory
+from leangraph.memory import format_bytes
 from leangraph.schedules import interleaved_1f1b, max_in_flight
 
 GiB = 1024**3

@@ -6,24 +6,20 @@ For each method and round it prints: *before capture* (from the call to the firs
 ``capture_begin``: argument handling, leangraph's memory check, warm-up), *capture* (first
 ``capture_begin`` to the end of the call), of which *in capture_end* (graph instantiation), and
 the number of graphs, and how many segments the allocator took from the device (cudaMalloc)
-before the first capture. Usage: PYTHONPATH=src python3 scripts/capture_phases.py
+before the first capture. Usage: PYTHONPATH=src python3 benchmarks/capture_phases.py
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 
 import torch
 
-import leangraph
-from leangraph.schedules import interleaved_1f1b
-from leangraph.workloads import BlockShape, make_blocks, sample_hidden
+from leangraph.cli.bench import LAUNCH_BOUND, BenchConfig, BenchWorkload, capture_method
 
-WORKLOADS = {
-    "16 microbatches": (BlockShape(hidden=1024, heads=16, sequence=2048, dtype=torch.bfloat16), 16),
-    "launch-bound": (BlockShape(hidden=256, heads=4, sequence=128, dtype=torch.bfloat16), 8),
-}
+WORKLOADS = {"16 microbatches": BenchConfig(num_microbatches=16), "launch-bound": LAUNCH_BOUND}
 
 
 def _segments() -> int:
@@ -63,71 +59,54 @@ class Clock:
         torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.capture_end = self._restore
 
 
-def graph_blocks(
-    method: str, blocks: list[torch.nn.Module], shape: BlockShape, microbatches: int,
-    **options: object,
-) -> object:
-    """Graph the 2 chunks x 4 blocks of rank 0 of PP4/VP2 with torch (one wrapper module per
-    graph over the shared blocks: torch graphs each module once) or with leangraph."""
-    graphs = 8 * microbatches
-    if method == "torch":
-        wrappers = tuple(
-            torch.nn.Sequential(blocks[(g // (4 * microbatches)) * 4 + g % 4])
-            for g in range(graphs)
-        )
-        return torch.cuda.make_graphed_callables(
-            wrappers, tuple((sample_hidden(shape, "cuda"),) for _ in wrappers)
-        )
-    sample = sample_hidden(shape, "cuda")
-    return leangraph.make_graphed_callables(
-        tuple(blocks), tuple((sample,) for _ in range(graphs)),
-        order=interleaved_1f1b(4, 2, 0, microbatches), num_layers_per_chunk=4, **options,
-    )
-
-
-def call(
-    method: str, shape: BlockShape, microbatches: int
-) -> tuple[float, float, float, int, int]:
-    blocks = make_blocks(8, shape, "cuda")
+def call(method: str, work: BenchWorkload) -> tuple[float, float, float, int, int]:
+    """One ``make_graphed_callables`` call of ``method`` (the bench's capture, on a fresh copy
+    of the workload's blocks): before capture, capture, in capture_end, graphs, cudaMalloc."""
     torch.cuda.synchronize()
     if method == "leangraph, cache pre-filled":
         # One segment as large as warm-up's peak, freed into the cache: warm-up then splits
         # its blocks from it instead of asking the device for each.
         del_me = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
         del del_me
+    blocks = copy.deepcopy(work.blocks)  # outside the clock, as in the bench
     clock = Clock()
     segments = _segments()
     start = time.perf_counter()
     try:
-        result = graph_blocks("torch" if method == "torch" else "leangraph", blocks, shape,
-                              microbatches)
+        captured = capture_method(work, "torch" if method == "torch" else "leangraph", blocks)
         torch.cuda.synchronize()
         end = time.perf_counter()
     finally:
         clock.close()
-    assert clock.first_begin is not None and clock.segments_before is not None
-    if method != "torch":
-        leangraph.reset_all(result)
-    del result
+    if clock.first_begin is None or clock.segments_before is None:
+        raise RuntimeError(f"{method}: make_graphed_callables captured no graph")
+    captured.release()
+    del captured, blocks
     torch.cuda.empty_cache()
     mallocs = clock.segments_before - segments
     return clock.first_begin - start, end - clock.first_begin, clock.in_end, clock.graphs, mallocs
 
 
-if __name__ == "__main__":
-    for name, (shape, microbatches) in WORKLOADS.items():
-        call("torch", shape, microbatches)  # untimed: per-process set-up
-        call("leangraph", shape, microbatches)
+def main() -> None:
+    for name, config in WORKLOADS.items():
+        work = BenchWorkload(config)
+        call("torch", work)  # untimed: per-process set-up
+        call("leangraph", work)
         methods = ["torch", "leangraph", "leangraph, cache pre-filled"]
         rows: dict[str, list[tuple[float, float, float, int, int]]] = {m: [] for m in methods}
         for round_index in range(4):
             for method in methods[round_index % 3 :] + methods[: round_index % 3]:
-                rows[method].append(call(method, shape, microbatches))
+                rows[method].append(call(method, work))
         print(f"== {name} (4 rounds, medians, seconds)")
         for method, values in rows.items():
-            before, capture, in_end, graphs, mallocs = (
-                statistics.median(v) for v in zip(*values)
+            before, capture, in_end, graphs, mallocs = (statistics.median(v) for v in zip(*values))
+            print(
+                f"{method:<28} before capture {before:.3f}  capture {capture:.3f}  "
+                f"in capture_end {in_end:.3f}  graphs {graphs:.0f}  "
+                f"cudaMalloc before capture {mallocs:.0f}"
             )
-            print(f"{method:<28} before capture {before:.3f}  capture {capture:.3f}  "
-                  f"in capture_end {in_end:.3f}  graphs {graphs:.0f}  "
-                  f"cudaMalloc before capture {mallocs:.0f}")
+        del work
+
+
+if __name__ == "__main__":
+    main()

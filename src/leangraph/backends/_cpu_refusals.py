@@ -1,0 +1,138 @@
+"""What the CPU backend refuses to capture, because a CUDA graph could not replay it either.
+
+A CUDA graph replays kernels, never the host code that launched them, and stream capture
+refuses a host sync outright (``cudaErrorStreamCaptureUnsupported``: "operation not permitted
+when stream is capturing"). The CPU backend's trace replays recorded aten calls the same way,
+so where the host *reads* a tensor's values during capture it refuses, with the reason, rather
+than let a replay silently keep what the capture read.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["check_host_read", "host_read_error", "may_read_host", "refusal"]
+
+_aten = torch.ops.aten
+
+_SCALAR_READS = frozenset({_aten._local_scalar_dense.default, _aten.item.default})
+
+# Indexing ops whose output shape depends on tensor values only through a boolean mask.
+_MASK_INDEXING = frozenset(
+    {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default}
+    | {_aten._index_put_impl_.default}
+)
+
+_SYNC = (
+    "CUDA stream capture refuses the host sync it needs too ('operation not permitted when "
+    "stream is capturing')"
+)
+
+# Tensor methods that read values on the host without an aten call (printing runs with
+# dispatch modes disabled; tolist and numpy read the memory directly).
+_HOST_METHODS: dict[Any, str] = {
+    torch.Tensor.__repr__: "printing a tensor (its values)",
+    torch.Tensor.__format__: "formatting a tensor (its values)",
+    torch.Tensor.tolist: "Tensor.tolist()",
+    torch.Tensor.numpy: "Tensor.numpy()",
+    torch.Tensor.__array__: "converting a tensor to a NumPy array",
+}
+
+
+def refusal(what: str, why: str) -> RuntimeError:
+    """The error for something a capture on the CPU backend cannot record faithfully."""
+    return RuntimeError(f"the CPU backend cannot capture {what}{user_site()}: {why}")
+
+
+def _value_read(what: str) -> RuntimeError:
+    return refusal(
+        what,
+        "it reads a tensor's values on the host, and a replay reruns only the recorded "
+        "kernels, so the value (and whatever Python decided from it) would stay as at "
+        f"capture; {_SYNC}. Read it outside the graphed callable, or keep it on the device "
+        "(torch.where instead of an if)",
+    )
+
+
+def may_read_host(func: torch._ops.OpOverload) -> bool:
+    """Whether :func:`check_host_read` may refuse ``func`` (for some arguments)."""
+    tags = func.tags
+    return (
+        func in _SCALAR_READS
+        or func in _MASK_INDEXING
+        or torch.Tag.data_dependent_output in tags
+        or torch.Tag.dynamic_output_shape in tags
+    )
+
+
+def check_host_read(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: Any) -> None:
+    """Raise if ``func`` reads tensor values on the host or sizes its output by them."""
+    tags = func.tags
+    if func in _SCALAR_READS:
+        raise _value_read(
+            "Tensor.item(), or bool(), int() or float() of a tensor (aten._local_scalar_dense)"
+        )
+    if torch.Tag.data_dependent_output in tags:
+        raise _value_read(f"{func}, which returns a value computed from tensor values")
+    if func in _MASK_INDEXING:
+        if any(_is_mask(i) for i in _indices(args, kwargs)):
+            raise _shape_read(f"indexing with a boolean mask ({func})")
+        return
+    if torch.Tag.dynamic_output_shape in tags and not _sized_by_argument(func, args, kwargs):
+        raise _shape_read(f"{func}")
+
+
+def _shape_read(what: str) -> RuntimeError:
+    return refusal(
+        what,
+        "its output's shape depends on tensor values, which the host must read to allocate "
+        f"it; a replay keeps the shape the capture found; {_SYNC}. Use a fixed-size form "
+        "(torch.where(mask, x, 0), nonzero_static, repeat_interleave with output_size)",
+    )
+
+
+def _indices(args: tuple[Any, ...], kwargs: Any) -> list[Any]:
+    indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+    return list(indices) if isinstance(indices, (list, tuple)) else []
+
+
+def _is_mask(index: Any) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+
+
+def _sized_by_argument(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: Any) -> bool:
+    """Whether a dynamic-shape op got its output size as an argument (no value read)."""
+    if func is _aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is not None
+    return False
+
+
+def host_read_error(func: Any) -> RuntimeError | None:
+    """The refusal for a tensor method that reads values on the host, else None."""
+    what = _HOST_METHODS.get(func)
+    return None if what is None else _value_read(what)
+
+
+_TORCH_DIR = str(Path(torch.__file__).parent)
+_LEANGRAPH_DIR = str(Path(__file__).resolve().parents[1])
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"]
+
+
+def _library_frame(filename: str) -> bool:
+    if filename.startswith((_TORCH_DIR, _LEANGRAPH_DIR)):
+        return True
+    return filename.startswith(_STDLIB_DIR) and "site-packages" not in filename
+
+
+def user_site() -> str:
+    """' at FILE:LINE in FUNCTION' for the innermost frame outside torch, leangraph and the
+    standard library: where in the user's code the refused thing happened ('' if none)."""
+    for frame in reversed(traceback.extract_stack()):
+        if not _library_frame(frame.filename):
+            return f" at {frame.filename}:{frame.lineno} in {frame.name}"
+    return ""

@@ -1,0 +1,776 @@
+"""``leangraph bench``: eager vs ``torch.cuda.make_graphed_callables`` vs leangraph, one process.
+
+One pipeline rank's layers (Megatron interleaved 1F1B order of that rank) are trained for a
+step three ways, each from the same initial weights and on the same data, one after the other
+with the allocator emptied in between. For every method the figures are taken relative to the
+memory held when that method starts (weights and data included there, so "above the weights"):
+
+* ``step_peak``: peak allocated during one training step (for graphed methods, peak
+  *reserved*, since graphs write pool blocks the allocator counts as free);
+* ``capture_peak``: peak allocated during warm-up plus capture;
+* ``held``: reserved right after capture;
+* times: capture wall time and the median step time; with ``rounds`` the graphed methods
+  are then captured and timed again, in turn, that many times (median and spread).
+
+torch's callables are listed in the schedule's forward order (its best case: it captures all
+forwards in that order, then all backwards in reverse). Its graphs are then replayed in the
+pipeline order, which its contract does not cover; the loss check says whether that held.
+
+The evidence scripts of ``benchmarks/`` build on the same pieces: :class:`BenchWorkload` (the
+workload and its training step), :func:`capture_torch`, :func:`capture_leangraph` and
+:func:`capture_method` (one graphed method over a copy of the blocks), :func:`graph_methods`,
+:data:`LAUNCH_BOUND`.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from leangraph import (
+    GraphedCallable,
+    make_graphed_callables,
+    memory_report,
+    plot_memory,
+    reset_all,
+)
+from leangraph.order import Layout, StepKind, parse_order
+from leangraph.progress import ProgressCallback
+from leangraph.report import MemoryReport, TimelinePoint
+from leangraph.schedules import interleaved_1f1b
+
+from .local_pipeline import LayerLookup, run_order
+from .phases import PhaseProgress, steps_per_pass
+from .workloads import (
+    BlockShape,
+    TransformerBlock,
+    hidden_batches,
+    make_blocks,
+    plural,
+    sample_hidden,
+)
+
+__all__ = [
+    "GRAPHED_METHODS",
+    "LAUNCH_BOUND",
+    "METHODS",
+    "BenchConfig",
+    "BenchResult",
+    "BenchWorkload",
+    "Captured",
+    "MethodResult",
+    "RoundTimes",
+    "capture_leangraph",
+    "capture_method",
+    "capture_torch",
+    "format_table",
+    "graph_methods",
+    "plot_bars",
+    "plot_timeline",
+    "run_bench",
+    "timeline_references",
+]
+
+MIB = 1024 * 1024
+
+METHODS = ("eager", "torch", "leangraph")
+"""Every method the bench knows, in the order it runs them."""
+GRAPHED_METHODS = ("torch", "leangraph")
+"""The methods that capture graphs (and so have capture figures and timing rounds)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """The workload: one rank of a pp x vp interleaved pipeline of transformer blocks."""
+
+    pp_size: int = 4
+    vp_size: int = 2
+    rank: int = 0
+    num_microbatches: int = 16
+    layers_per_chunk: int = 4
+    shape: BlockShape = field(
+        default_factory=lambda: BlockShape(
+            hidden=1024, heads=16, sequence=2048, dtype=torch.bfloat16
+        )
+    )
+    steps: int = 5
+    warmup_iters: int = 3
+    methods: tuple[str, ...] = ("eager", "torch", "leangraph")
+    device: str = "cuda"
+    rounds: int = 0  # extra rounds timing the graphed methods in turn (see RoundTimes)
+
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.methods if name not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+        if "torch" in self.methods and not self.device.startswith("cuda"):
+            raise ValueError(
+                "the torch method needs a CUDA device (torch.cuda.make_graphed_callables)"
+            )
+
+
+LAUNCH_BOUND = BenchConfig(
+    num_microbatches=8,
+    shape=BlockShape(hidden=256, heads=4, sequence=128, dtype=torch.bfloat16),
+    steps=50,
+)
+"""The launch-bound workload of ``docs/benchmarks.md``: small blocks, host-bound steps."""
+
+
+@dataclass
+class MethodResult:
+    """Figures of one method; bytes relative to its start, None where not applicable."""
+
+    name: str
+    step_peak_bytes: int | None = None
+    capture_peak_bytes: int | None = None
+    held_bytes: int | None = None
+    capture_seconds: float | None = None
+    step_seconds: float | None = None
+    memory_check_seconds: float | None = None  # part of capture_seconds (leangraph)
+    start_allocated_bytes: int | None = None  # allocated at the start: the zero of the above
+    losses: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RoundTimes:
+    """Capture and step times of one graphed method over the timing rounds.
+
+    One capture per method says little about a difference of a few percent: on a shared host
+    it drifts by more than that between runs. Each round captures every graphed method afresh
+    from the same initial blocks and times its steps, the methods taking turns to go first.
+    """
+
+    capture_seconds: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+
+    @staticmethod
+    def spread(values: list[float], scale: float = 1.0) -> str:
+        """``median [min-max]`` of ``values`` times ``scale``."""
+        low, mid, high = (scale * v for v in (min(values), statistics.median(values), max(values)))
+        return f"{mid:.3g} [{low:.3g}-{high:.3g}]"
+
+
+@dataclass
+class BenchResult:
+    """All methods' figures, with the config and whether losses agree with eager's."""
+
+    config: dict[str, Any]
+    methods: dict[str, MethodResult]
+    losses_agree: dict[str, bool]
+    report: MemoryReport | None = None
+    rounds: dict[str, RoundTimes] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data (the memory report's timeline included) for ``json.dump``."""
+        data: dict[str, Any] = {
+            "config": self.config,
+            "losses_agree": self.losses_agree,
+            "methods": {name: asdict(m) for name, m in self.methods.items()},
+            "ratios_to_eager_step_peak": {
+                name: {
+                    f: self.ratio(name, f)
+                    for f in ("step_peak_bytes", "capture_peak_bytes", "held_bytes")
+                }
+                for name in self.methods
+            },
+        }
+        if self.rounds:
+            data["rounds"] = {name: asdict(times) for name, times in self.rounds.items()}
+        if self.report is not None:
+            data["leangraph_timeline"] = [asdict(p) for p in self.report.timeline]
+        return data
+
+    def ratio(self, method: str, figure: str) -> float | None:
+        """``figure`` of ``method`` over the eager step peak."""
+        eager = self.methods.get("eager")
+        value = getattr(self.methods.get(method), figure, None) if method in self.methods else None
+        if eager is None or not eager.step_peak_bytes or value is None:
+            return None
+        return float(value) / eager.step_peak_bytes
+
+
+class _Meter:
+    """Peak and current memory relative to where it was created (CUDA), else None."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self.allocated: int | None = None
+        self.reserved = 0
+        gc.collect()  # the previous method's graphs may sit in reference cycles
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            self.allocated = torch.cuda.memory_allocated()
+            self.reserved = torch.cuda.memory_reserved()
+
+    def restart_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_allocated(self) -> int | None:
+        if self.allocated is None:
+            return None
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - self.allocated
+
+    def peak_reserved(self) -> int | None:
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_reserved() - self.reserved
+
+    def held(self) -> int | None:
+        return torch.cuda.memory_reserved() - self.reserved if self.cuda else None
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class BenchWorkload:
+    """Order, layout, data and the initial blocks every method starts from.
+
+    Every method graphs or runs a copy of ``blocks``, so all start from the same weights;
+    ``inputs`` and ``targets`` hold one tensor per microbatch (fixed seed).
+    """
+
+    def __init__(self, config: BenchConfig) -> None:
+        self.config = config
+        self.order = interleaved_1f1b(
+            config.pp_size, config.vp_size, config.rank, config.num_microbatches
+        )
+        self.layers_per_chunk = [config.layers_per_chunk] * config.vp_size
+        self.layout = Layout(tuple(self.layers_per_chunk), config.num_microbatches)
+        self.blocks = make_blocks(self.layout.num_callables, config.shape, config.device)
+        gen = torch.Generator().manual_seed(1)
+        count = config.num_microbatches
+        self.inputs = hidden_batches(config.shape, count, config.device, gen)
+        self.targets = hidden_batches(config.shape, count, config.device, gen)
+
+    def sample(self) -> tuple[torch.Tensor]:
+        """A fresh sample argument tuple of one graph (a random activation)."""
+        return (sample_hidden(self.config.shape, self.config.device),)
+
+    def step(self, lookup: LayerLookup, blocks: list[TransformerBlock]) -> list[float]:
+        """One training step in the order (gradients of ``blocks`` zeroed first); the losses."""
+        for block in blocks:
+            block.zero_grad(set_to_none=True)
+        result = run_order(
+            self.order,
+            self.layers_per_chunk,
+            lookup,
+            self.inputs,
+            lambda out, m: torch.nn.functional.mse_loss(out.float(), self.targets[m].float()),
+        )
+        return [float(loss) for loss in result.losses]
+
+    def timed_steps(
+        self,
+        lookup: LayerLookup,
+        blocks: list[TransformerBlock],
+        on_step: Callable[[int], None] | None = None,
+    ) -> tuple[list[float], float]:
+        """One untimed step, then ``config.steps`` timed ones: its losses, the median time.
+
+        ``on_step`` is called with the number of steps done after each (1 to ``steps + 1``).
+        """
+        losses = self.step(lookup, blocks)  # not timed: first replays, lazy inits
+        times = []
+        for done in range(1, self.config.steps + 1):
+            if on_step is not None:
+                on_step(done)
+            _sync(self.config.device)
+            start = time.perf_counter()
+            self.step(lookup, blocks)
+            _sync(self.config.device)
+            times.append(time.perf_counter() - start)
+        if on_step is not None:
+            on_step(self.config.steps + 1)
+        return losses, statistics.median(times)
+
+    def eager_lookup(self, blocks: list[TransformerBlock]) -> LayerLookup:
+        """What to run per (chunk, microbatch, layer) eagerly: the layer's block itself."""
+        return lambda c, m, l: blocks[self.layout.callable_index(c, l)]
+
+
+@dataclass(frozen=True)
+class Captured:
+    """One graphed method's result over its own copy of the blocks.
+
+    ``lookup`` gives what to run for (chunk, microbatch, layer); ``graphed`` is leangraph's
+    result (None for torch), for ``memory_report``. The graphs alias their own static
+    buffers until :meth:`release` (leangraph) or until the object is dropped (torch).
+    """
+
+    lookup: LayerLookup
+    blocks: list[TransformerBlock]
+    graphed: tuple[GraphedCallable, ...] | None = None
+
+    def release(self) -> None:
+        """Free leangraph's graphs now (``reset_all``); torch's go with the last reference."""
+        if self.graphed is not None:
+            reset_all(self.graphed)
+
+
+def _forward_positions(work: BenchWorkload) -> dict[tuple[int, int, int], int]:
+    """(chunk, microbatch, layer) -> position in the schedule's forward order."""
+    _, steps = parse_order(
+        work.order,
+        num_callables=work.layout.num_callables,
+        num_samples=work.layout.num_graphs,
+        num_layers_per_chunk=work.layers_per_chunk,
+    )
+    positions: dict[tuple[int, int, int], int] = {}
+    for step in steps:
+        if step.kind is StepKind.FORWARD:
+            for layer in range(work.layers_per_chunk[step.chunk - 1]):
+                positions[(step.chunk, step.microbatch, layer)] = len(positions)
+    return positions
+
+
+class _SharedParams(torch.nn.Module):
+    """A distinct module per graph over one block's parameters (torch graphs modules once)."""
+
+    def __init__(self, block: TransformerBlock) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+def capture_torch(work: BenchWorkload, blocks: list[TransformerBlock]) -> Captured:
+    """Graph ``blocks`` with ``torch.cuda.make_graphed_callables`` (CUDA only).
+
+    One wrapper module per graph, listed in the schedule's forward order (torch's best case:
+    it captures every forward in that order, then every backward in reverse).
+    """
+    positions = _forward_positions(work)
+    by_position = sorted(positions.items(), key=lambda item: item[1])
+    wrappers = [
+        _SharedParams(blocks[work.layout.callable_index(c, l)]) for (c, _, l), _ in by_position
+    ]
+    graphed = torch.cuda.make_graphed_callables(
+        tuple(wrappers),
+        tuple(work.sample() for _ in wrappers),
+        num_warmup_iters=work.config.warmup_iters,
+    )
+    modules = cast(tuple[torch.nn.Module, ...], graphed)  # a tuple of modules in, modules out
+    return Captured(lambda c, m, l: modules[positions[(c, m, l)]], blocks)
+
+
+def capture_leangraph(
+    work: BenchWorkload,
+    blocks: list[TransformerBlock],
+    *,
+    progress: ProgressCallback | None = None,
+    **options: Any,
+) -> Captured:
+    """Graph ``blocks`` with ``leangraph.make_graphed_callables`` in the workload's order.
+
+    ``options`` go to ``make_graphed_callables`` as they are (``check_memory=False``, say).
+    """
+    sample = work.sample()  # one sample for every graph: leangraph copies what it needs
+    graphed = make_graphed_callables(
+        tuple(blocks),
+        tuple(sample for _ in range(work.layout.num_graphs)),
+        order=work.order,
+        num_layers_per_chunk=work.layers_per_chunk,
+        num_warmup_iters=work.config.warmup_iters,
+        progress=progress,
+        **options,
+    )
+    return Captured(lambda c, m, l: graphed[work.layout.graph_index(c, m, l)], blocks, graphed)
+
+
+def capture_method(
+    work: BenchWorkload,
+    name: str,
+    blocks: list[TransformerBlock] | None = None,
+    *,
+    progress: ProgressCallback | None = None,
+    **options: Any,
+) -> Captured:
+    """Graph ``blocks`` (default: a fresh copy of the workload's initial blocks) with ``name``.
+
+    ``progress`` and ``options`` go to leangraph's ``make_graphed_callables``; torch takes
+    neither.
+
+    Raises:
+        ValueError: for a name outside :data:`GRAPHED_METHODS`, or options given to torch.
+    """
+    if name not in GRAPHED_METHODS:
+        raise ValueError(f"no graphed method {name!r}; choose from {', '.join(GRAPHED_METHODS)}")
+    if name == "torch" and (options or progress is not None):
+        raise ValueError(f"the torch method takes no options, got {sorted(options) or 'progress'}")
+    blocks = copy.deepcopy(work.blocks) if blocks is None else blocks
+    if name == "torch":
+        return capture_torch(work, blocks)
+    return capture_leangraph(work, blocks, progress=progress, **options)
+
+
+def graph_methods(
+    work: BenchWorkload, names: tuple[str, ...] = GRAPHED_METHODS, *, untimed_steps: int = 0
+) -> dict[str, Captured]:
+    """Capture each of ``names`` on its own copy of the blocks, in turn, each followed by
+    ``untimed_steps`` training steps (first replays, lazy set-up) before the next capture."""
+    graphed = {}
+    for name in names:
+        graphed[name] = captured = capture_method(work, name)
+        for _ in range(untimed_steps):
+            work.step(captured.lookup, captured.blocks)
+    return graphed
+
+
+def _sampling_replay(
+    captured: Captured, layout: Layout, points: list[TimelinePoint]
+) -> LayerLookup:
+    """``captured.lookup`` that appends allocated memory after each forward replay."""
+    assert captured.graphed is not None  # only leangraph's graphs have labels to name
+
+    def lookup(c: int, m: int, l: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        graph = captured.graphed[layout.graph_index(c, m, l)]  # type: ignore[index]
+
+        def sampled(x: torch.Tensor) -> torch.Tensor:
+            out = graph(x)
+            allocated = torch.cuda.memory_allocated() if x.is_cuda else 0
+            points.append(TimelinePoint("replay", f"F c{c} m{m} l{l}", graph.label, allocated))
+            return out
+
+        return sampled
+
+    return lookup
+
+
+def _training_phase(
+    progress: PhaseProgress | None, name: str, config: BenchConfig, measured: int
+) -> Callable[[int], None] | None:
+    """Show phase ``name``: ``measured`` steps read for memory, then :meth:`timed_steps`'
+    untimed and timed ones; the callback it returns counts those of ``timed_steps``."""
+    if progress is None:
+        return None
+    progress.begin(name, measured + 1 + config.steps, "steps")
+    return lambda done: progress.advance(measured + done)
+
+
+def _bench_eager(work: BenchWorkload, progress: PhaseProgress | None) -> MethodResult:
+    blocks = copy.deepcopy(work.blocks)
+    on_step = _training_phase(progress, "eager: training", work.config, measured=1)
+    meter = _Meter(work.config.device)
+    lookup = work.eager_lookup(blocks)
+    losses = work.step(lookup, blocks)
+    result = MethodResult(
+        "eager",
+        step_peak_bytes=meter.peak_allocated(),
+        start_allocated_bytes=meter.allocated,
+        losses=losses,
+    )
+    _, result.step_seconds = work.timed_steps(lookup, blocks, on_step)
+    return result
+
+
+def _leangraph_figures(result: MethodResult, report: MemoryReport, meter: _Meter) -> None:
+    """Peak and memory-check time from leangraph's own record (it restarts the allocator's
+    peak counter per phase, so the meter's peak would miss warm-up)."""
+    record = report.record
+    if record.warmup_peak_bytes is not None and meter.allocated is not None:
+        peak = max(record.warmup_peak_bytes, record.capture_peak_bytes or 0)
+        result.capture_peak_bytes = peak - meter.allocated
+    result.memory_check_seconds = (result.capture_seconds or 0.0) - (
+        record.warmup_seconds + record.capture_seconds
+    )
+
+
+def _announce_capture(work: BenchWorkload, name: str, progress: PhaseProgress | None) -> None:
+    """Show the capture phase of ``name`` before it starts (leangraph's then counts steps)."""
+    if progress is None:
+        return
+    if name == "torch":
+        progress.begin("torch: capture (torch.cuda.make_graphed_callables, warm-up included)")
+    else:
+        progress.expect_capture(
+            prefix="leangraph: ",
+            warmup_passes=work.config.warmup_iters,
+            steps_per_pass=steps_per_pass(work.order, work.layers_per_chunk),
+            memory_check=work.config.device.startswith("cuda"),
+        )
+
+
+def _bench_graphed(
+    work: BenchWorkload, name: str, progress: PhaseProgress | None
+) -> tuple[MethodResult, MemoryReport | None]:
+    blocks = copy.deepcopy(work.blocks)
+    _announce_capture(work, name, progress)
+    meter = _Meter(work.config.device)
+    start = time.perf_counter()
+    captured = capture_method(
+        work, name, blocks, progress=progress if name == "leangraph" else None
+    )
+    _sync(work.config.device)
+    result = MethodResult(
+        name,
+        capture_seconds=time.perf_counter() - start,
+        capture_peak_bytes=meter.peak_allocated(),
+        held_bytes=meter.held(),
+        start_allocated_bytes=meter.allocated,
+    )
+    report = None if captured.graphed is None else memory_report(captured.graphed)
+    if report is not None:
+        _leangraph_figures(result, report, meter)
+    on_step = _training_phase(progress, f"{name}: training", work.config, measured=1)
+    meter.restart_peak()
+    replay: list[TimelinePoint] = []
+    first = captured.lookup if report is None else _sampling_replay(captured, work.layout, replay)
+    result.losses = work.step(first, captured.blocks)
+    result.step_peak_bytes = meter.peak_reserved()
+    _, result.step_seconds = work.timed_steps(captured.lookup, captured.blocks, on_step)
+    captured.release()
+    return result, None if report is None else report.with_points(replay)
+
+
+def _agree(reference: list[float], losses: list[float], dtype: torch.dtype) -> bool:
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    return len(reference) == len(losses) and all(
+        abs(a - b) <= tolerance * max(1.0, abs(a)) for a, b in zip(reference, losses)
+    )
+
+
+def run_bench(config: BenchConfig, progress: PhaseProgress | None = None) -> BenchResult:
+    """Run the configured methods one after the other; see the module docstring.
+
+    ``progress`` hears of each phase (a method's capture, leangraph's memory check, warm-up
+    passes and capture step by step, each method's training steps, the timing rounds).
+    """
+    work = BenchWorkload(config)
+    methods: dict[str, MethodResult] = {}
+    report: MemoryReport | None = None
+    for name in config.methods:
+        if name == "eager":
+            methods[name] = _bench_eager(work, progress)
+        else:
+            methods[name], method_report = _bench_graphed(work, name, progress)
+            report = method_report or report
+        _sync(config.device)
+    reference = methods["eager"].losses if "eager" in methods else []
+    agree = {
+        name: _agree(reference, m.losses, config.shape.dtype)
+        for name, m in methods.items()
+        if name != "eager" and reference
+    }
+    settings = asdict(config)
+    settings["shape"] = {**asdict(config.shape), "dtype": str(config.shape.dtype)}
+    rounds = _run_rounds(work, progress) if config.rounds else {}
+    return BenchResult(settings, methods, agree, report=report, rounds=rounds)
+
+
+def _run_rounds(work: BenchWorkload, progress: PhaseProgress | None) -> dict[str, RoundTimes]:
+    """``config.rounds`` rounds of capture plus timed steps per graphed method; see
+    :class:`RoundTimes`. Progress names each round's captures but does not count their steps:
+    those captures are timed."""
+    config = work.config
+    names = [name for name in config.methods if name in GRAPHED_METHODS]
+    times = {name: RoundTimes() for name in names}
+    for round_index in range(config.rounds):
+        first = round_index % len(names) if names else 0
+        for name in names[first:] + names[:first]:
+            where = f"timing round {round_index + 1} of {config.rounds}: {name}"
+            if progress is not None:
+                progress.begin(f"{where} capture")
+            blocks = copy.deepcopy(work.blocks)
+            _Meter(config.device)  # collect, synchronise and empty the cache first
+            start = time.perf_counter()
+            captured = capture_method(work, name, blocks)
+            _sync(config.device)
+            times[name].capture_seconds.append(time.perf_counter() - start)
+            on_step = _training_phase(progress, f"{where} training", config, measured=0)
+            times[name].step_seconds.append(
+                work.timed_steps(captured.lookup, captured.blocks, on_step)[1]
+            )
+            captured.release()
+            del captured, blocks
+    return times
+
+
+def format_table(result: BenchResult) -> str:
+    """The result as a fixed-width table, MiB and ratios to the eager step peak."""
+
+    def mib(value: int | None) -> str:
+        return "-" if value is None else f"{value / MIB:.0f}"
+
+    def ratio(name: str, figure: str) -> str:
+        value = result.ratio(name, figure)
+        return "" if value is None else f" ({value:.2f}x)"
+
+    def secs(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.1f}"
+
+    header = (
+        f"{'method':<10} {'step peak MiB':>20} {'warm-up+capture peak MiB':>26} "
+        f"{'held after capture MiB':>24} {'capture s':>9} {'step ms':>8} {'loss':>6}"
+    )
+    lines = [header, "-" * len(header)]
+    for name, m in result.methods.items():
+        verdict = result.losses_agree.get(name)
+        agree = "ref" if verdict is None else ("ok" if verdict else "DIFF")
+        lines.append(
+            f"{name:<10} {mib(m.step_peak_bytes) + ratio(name, 'step_peak_bytes'):>20} "
+            f"{mib(m.capture_peak_bytes) + ratio(name, 'capture_peak_bytes'):>26} "
+            f"{mib(m.held_bytes) + ratio(name, 'held_bytes'):>24} "
+            f"{'-' if m.capture_seconds is None else f'{m.capture_seconds:.2f}':>9} "
+            f"{secs(m.step_seconds):>8} {agree:>6}"
+        )
+    if result.rounds:
+        count = len(next(iter(result.rounds.values())).capture_seconds)
+        lines += [
+            "",
+            f"{count} rounds, median [min-max]:",
+            f"{'method':<10} {'capture s':>24} {'step ms':>24}",
+        ]
+        for name, t in result.rounds.items():
+            lines.append(
+                f"{name:<10} {RoundTimes.spread(t.capture_seconds):>24} "
+                f"{RoundTimes.spread(t.step_seconds, 1000):>24}"
+            )
+    return "\n".join(lines)
+
+
+REPLAY_NOTE = (
+    "forwards of the first graphed step;\n"
+    "the rise is gradients and losses\n"
+    "allocated outside the graphs"
+)
+"""What the replay part of the bench's timeline shows: replays allocate nothing, so the
+rise is the step's own tensors (parameter gradients, losses, chunk-1 input gradients)."""
+
+
+def _workload_title(result: BenchResult) -> str:
+    c = result.config
+    shape = c["shape"]
+    dtype = str(shape["dtype"]).replace("torch.", "")
+    chunks = f"{plural(c['vp_size'], 'chunk')} x {plural(c['layers_per_chunk'], 'block')}"
+    return (
+        f"rank {c['rank']} of PP{c['pp_size']}/VP{c['vp_size']}, {c['num_microbatches']} "
+        f"microbatches, {chunks}, hidden {shape['hidden']}, sequence {shape['sequence']}, {dtype}"
+    )
+
+
+def timeline_references(result: BenchResult) -> dict[str, int]:
+    """The other methods' peaks on leangraph's timeline scale (absolute allocated bytes).
+
+    Each method's figures are above the memory held when it started (the same weights and
+    data for all), so leangraph's start plus eager's step peak is where an eager step would
+    reach on leangraph's timeline; likewise torch's warm-up+capture peak.
+    """
+    leangraph_start = getattr(result.methods.get("leangraph"), "start_allocated_bytes", None)
+    if leangraph_start is None:
+        return {}
+    levels = {
+        "eager step peak (the limit)": ("eager", "step_peak_bytes"),
+        "torch warm-up+capture peak": ("torch", "capture_peak_bytes"),
+    }
+    references = {}
+    for label, (method, figure) in levels.items():
+        value = getattr(result.methods.get(method), figure, None)
+        if value is not None:
+            references[label] = leangraph_start + value
+    return references
+
+
+def plot_timeline(result: BenchResult, path: str | Path) -> Path:
+    """leangraph's memory timeline (warm-up, capture, the first graphed step) with eager's
+    step peak and torch's capture peak drawn across it; see :func:`leangraph.plot_memory`.
+
+    Raises:
+        ValueError: when leangraph did not run, or nothing was measured (the CPU backend).
+    """
+    if result.report is None:
+        raise ValueError("the bench has no leangraph timeline: leangraph was not among its methods")
+    return plot_memory(
+        result.report,
+        path,
+        title=f"leangraph memory timeline\n{_workload_title(result)}",
+        references=timeline_references(result),
+        phase_notes={"replay": REPLAY_NOTE},
+    )
+
+
+_BAR_FIGURES = (
+    ("step peak", "step_peak_bytes", "#4d9de0"),
+    ("warm-up+capture peak", "capture_peak_bytes", "#f2c14e"),
+    ("held after capture", "held_bytes", "#5fad56"),
+)
+
+
+def _bar_labels(result: BenchResult, names: list[str], figure: str) -> tuple[list[str], list[str]]:
+    """Per method, the label inside its bar (MiB, and the ratio to eager's step peak under it)
+    and the one above it (``n/a`` where the method has no such figure, as eager's capture)."""
+    inside, above = [], []
+    for name in names:
+        value = getattr(result.methods[name], figure)
+        ratio = result.ratio(name, figure)
+        text = "" if value is None else f"{value / MIB:.0f}"
+        inside.append(text if ratio is None or value is None else f"{text}\n{ratio:.2f}x")
+        above.append("n/a" if value is None else "")
+    return inside, above
+
+
+def plot_bars(result: BenchResult, path: str | Path) -> Path:
+    """Bar chart of each method's step peak, warm-up+capture peak and memory held after
+    capture, in MiB above the weights and data, each bar labelled with its value and its
+    ratio to eager's step peak (needs matplotlib).
+
+    Raises:
+        ValueError: when no method has a memory figure (a CPU run measures none).
+    """
+    names = list(result.methods)
+    if all(getattr(result.methods[n], f[1]) is None for n in names for f in _BAR_FIGURES):
+        raise ValueError("no method has a memory figure (a CPU run measures none): nothing to draw")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    width = 0.8 / len(_BAR_FIGURES)
+    tallest = 0.0
+    for i, (title, figure, colour) in enumerate(_BAR_FIGURES):
+        heights = [(getattr(result.methods[n], figure) or 0) / MIB for n in names]
+        tallest = max(tallest, *heights)
+        bars = ax.bar(
+            [x + i * width for x in range(len(names))], heights, width, label=title, color=colour
+        )
+        inside, above = _bar_labels(result, names, figure)
+        ax.bar_label(bars, labels=inside, label_type="center", fontsize=8)
+        ax.bar_label(bars, labels=above, padding=2, fontsize=8)
+    eager = result.methods.get("eager")
+    if eager is not None and eager.step_peak_bytes:
+        ax.axhline(
+            eager.step_peak_bytes / MIB,
+            color="#c0392b",
+            linestyle=":",
+            label="eager step peak (the limit)",
+        )
+    ax.set_xticks([x + width for x in range(len(names))], names)
+    ax.set_ylim(0, 1.1 * tallest)
+    ax.set_ylabel("MiB above weights and data")
+    ax.set_title(
+        f"Memory per method (ratios to eager's step peak)\n{_workload_title(result)}", fontsize=10
+    )
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=4, frameon=False, fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -1,0 +1,714 @@
+"""The ``leangraph`` command line: ``demo``, ``bench`` and ``plan``.
+
+Every argument is checked before any work starts. A user error is one line on stderr (what
+was wrong and what to do) with exit status 2; a run that fails is one line with status 1; a
+Python traceback only with ``--debug``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+import leangraph
+from leangraph.schedules import interleaved_1f1b
+
+from .bench import (
+    METHODS,
+    BenchConfig,
+    BenchResult,
+    format_table,
+    plot_bars,
+    plot_timeline,
+    run_bench,
+)
+from .demo import DemoConfig, DemoResult, run_demo
+from .phases import phase_display, progress_bar
+from .workloads import BlockShape, make_blocks, plural, sample_hidden
+
+__all__ = ["CommandError", "UsageError", "build_parser", "main", "progress_bar"]
+
+MIB = 1024 * 1024
+
+DESCRIPTION = """\
+leangraph: memory-lean CUDA-graph capture for pipeline-parallel PyTorch training.
+
+  leangraph demo    capture a small transformer stack, train it eagerly and graphed, compare
+  leangraph plan    print the memory plan of a pipeline rank (meta tensors: no GPU needed)
+  leangraph bench   eager vs torch.cuda.make_graphed_callables vs leangraph on one rank
+
+Without a GPU, demo and bench run on leangraph's CPU reference backend (no memory figures)."""
+
+EPILOG = """\
+A wrong argument is reported in one line with exit status 2, a failed run with status 1;
+--debug shows the Python traceback instead. leangraph COMMAND --help lists each command's
+options and their defaults."""
+
+
+class CommandError(Exception):
+    """An error the command line reports as one line on stderr, with exit ``status``."""
+
+    status = 1
+
+
+class UsageError(CommandError):
+    """A wrong or inapplicable argument (exit status 2), found before any work starts."""
+
+    status = 2
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, plus ``(default: X)`` for every option with a fixed default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        fixed = not any(action.default is unset for unset in (None, False, argparse.SUPPRESS))
+        if fixed and action.option_strings and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+class _TableHelpFormatter(_HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The top-level help: its description (a table of the commands) kept as written."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (what was wrong, where to look), status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ------------------------------------------------------------------------------ arguments
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """One pipeline rank of transformer blocks, as ``plan`` and ``bench`` describe it: rank
+    ``rank`` of a ``pp`` x ``vp`` interleaved 1F1B pipeline, ``layers`` blocks per chunk."""
+
+    pp: int = 4
+    vp: int = 2
+    rank: int = 0
+    microbatches: int = 16
+    layers: int = 4
+    hidden: int = 1024
+    heads: int = 16
+    sequence: int = 2048
+    micro_batch: int = 1
+    dtype: str = "bf16"
+
+    def describe(self) -> str:
+        """``rank 0 of PP4 x VP2, 2 chunks x 4 blocks, hidden 1024, ...``."""
+        chunks = f"{plural(self.vp, 'chunk')} x {plural(self.layers, 'block')}"
+        return (
+            f"rank {self.rank} of PP{self.pp} x VP{self.vp}, {chunks}, {self.microbatches} "
+            f"microbatches, hidden {self.hidden}, {self.heads} heads, sequence {self.sequence}, "
+            f"micro-batch {self.micro_batch}, {self.dtype}"
+        )
+
+
+GPU_WORKLOAD = Workload()
+"""``plan``'s workload, and ``bench``'s on a GPU (the workload of docs/benchmarks.md)."""
+CPU_WORKLOAD = Workload(microbatches=8, layers=2, hidden=64, heads=4, sequence=32, dtype="fp32")
+"""``bench``'s workload on the CPU backend: the same schedule, small enough for seconds."""
+
+_WORKLOAD_HELP = {
+    "pp": "pipeline-parallel size: the number of ranks",
+    "vp": "virtual pipeline size: model chunks per rank",
+    "rank": "the pipeline rank whose order runs",
+    "microbatches": "microbatches per training step; a multiple of --pp when --vp > 1",
+    "layers": "transformer blocks per chunk",
+    "hidden": "hidden size; a multiple of --heads",
+    "heads": "attention heads",
+    "sequence": "tokens per microbatch",
+    "micro_batch": "sequences per microbatch",
+    "dtype": "parameter and activation dtype",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_workload_options(
+    parser: argparse.ArgumentParser, defaults: Workload, cpu: Workload | None = None
+) -> None:
+    """The flags of a :class:`Workload`. They default to None, so that a command can tell a
+    flag given from one left out; the help says the default (per device with ``cpu``)."""
+    for item in fields(Workload):
+        default, on_cpu = getattr(defaults, item.name), getattr(cpu or defaults, item.name)
+        shown = f"{default}" if default == on_cpu else f"{default} on a GPU, {on_cpu} on the CPU"
+        help_text = f"{_WORKLOAD_HELP[item.name]} (default: {shown})"
+        if item.name == "dtype":
+            parser.add_argument("--dtype", choices=sorted(_DTYPES), help=help_text)
+        else:
+            minimum = 0 if item.name == "rank" else 1
+            parser.add_argument(_flag(item.name), type=_count(minimum), metavar="N", help=help_text)
+
+
+def _workload_given(args: argparse.Namespace) -> list[str]:
+    """The workload flags given on the command line."""
+    return [_flag(f.name) for f in fields(Workload) if getattr(args, f.name) is not None]
+
+
+def _workload(args: argparse.Namespace, defaults: Workload) -> Workload:
+    """The workload of ``args``, checked: ``defaults`` where a flag was left out."""
+    given = {f.name: getattr(args, f.name) for f in fields(Workload)}
+    work = replace(defaults, **{k: v for k, v in given.items() if v is not None})
+    if work.rank >= work.pp:
+        raise UsageError(
+            f"--rank {work.rank} must be below --pp {work.pp} (ranks 0 to {work.pp - 1})"
+        )
+    if work.hidden % work.heads:
+        raise UsageError(f"--hidden {work.hidden} must be a multiple of --heads {work.heads}")
+    if work.vp > 1 and work.microbatches % work.pp:
+        raise UsageError(
+            f"--microbatches {work.microbatches} must be a multiple of --pp {work.pp} with "
+            f"--vp {work.vp} (Megatron-LM's interleaved 1F1B runs microbatches in groups of pp)"
+        )
+    _order_of(work)  # any rule the schedule has beyond these
+    return work
+
+
+def _order_of(work: Workload) -> list[int]:
+    try:
+        return interleaved_1f1b(work.pp, work.vp, work.rank, work.microbatches)
+    except ValueError as exc:
+        raise UsageError(f"no interleaved 1F1B order for this workload: {exc}") from exc
+
+
+def _shape(work: Workload) -> BlockShape:
+    return BlockShape(
+        hidden=work.hidden,
+        heads=work.heads,
+        sequence=work.sequence,
+        micro_batch=work.micro_batch,
+        dtype=_DTYPES[work.dtype],
+    )
+
+
+def _device(requested: str | None) -> str:
+    """``requested``, checked against this machine; None: cuda when torch sees a GPU."""
+    if requested is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError(
+            "--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False); "
+            "use --device cpu, or leave --device out to use a GPU only when there is one"
+        )
+    return requested
+
+
+@contextlib.contextmanager
+def _intra_op_threads(requested: int | None, device: str) -> Iterator[None]:
+    """torch's intra-op thread count for the run, restored after it (``main`` may run inside
+    a longer process, such as a test session)."""
+    count = requested if requested is not None else (1 if device == "cpu" else None)
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _output_file(path: str | None, flag: str) -> None:
+    """Refuse an output path whose folder does not exist, before any work."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"{flag} {path}: is a folder; give a file name")
+    if not target.resolve().parent.is_dir():
+        raise UsageError(f"{flag} {path}: folder {target.parent} does not exist; create it first")
+
+
+def _needs_matplotlib(flag: str) -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(
+            f"{flag} draws with matplotlib, which is not installed: pip install 'leangraph[plot]'"
+        )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else ""
+    return line + (" [...]" if "\n" in text else "")
+
+
+# ----------------------------------------------------------------------------------- demo
+
+
+def _demo(args: argparse.Namespace) -> int:
+    device = _device(args.device)
+    base = DemoConfig()
+    if args.hidden % base.shape.heads:
+        raise UsageError(
+            f"--hidden {args.hidden} must be a multiple of {base.shape.heads} (the demo's "
+            "attention heads)"
+        )
+    if args.microbatches % base.pp_size:
+        raise UsageError(
+            f"--microbatches {args.microbatches} must be a multiple of {base.pp_size}: the demo "
+            f"runs rank 0 of a {base.pp_size}-rank pipeline with {base.vp_size} chunks per rank, "
+            "whose interleaved 1F1B order takes microbatches in groups of the rank count"
+        )
+    config = replace(
+        base,
+        steps=args.steps,
+        num_microbatches=args.microbatches,
+        shape=BlockShape(hidden=args.hidden, sequence=args.sequence),
+        device=device,
+    )
+    _order_of(Workload(pp=config.pp_size, vp=config.vp_size, microbatches=config.num_microbatches))
+    with _intra_op_threads(args.threads, device), phase_display(not args.no_progress) as progress:
+        result = run_demo(config, progress=progress)
+    _print_demo(config, result, "--device cpu" if args.device == "cpu" else "No GPU found")
+    worst = max(abs(e - g) for e, g in zip(result.eager_losses, result.graphed_losses))
+    tolerance = 1e-5 * max(1.0, max(result.eager_losses))
+    if worst > tolerance:
+        raise CommandError(
+            f"graphed and eager losses differ by up to {worst:.2e}, above the tolerance "
+            f"{tolerance:.2e}"
+        )
+    return 0
+
+
+def _print_demo(config: DemoConfig, result: DemoResult, why_cpu: str) -> None:
+    if result.device == "cpu":
+        print(
+            f"{why_cpu}: running on leangraph's CPU reference backend (graph semantics "
+            "emulated on the CPU)."
+        )
+    print(
+        f"device: {result.device}; interleaved 1F1B order of rank {config.rank} "
+        f"(pp={config.pp_size}, vp={config.vp_size}, {config.num_microbatches} microbatches):"
+    )
+    print(f"  {result.order}")
+    print(f"{'step':>4}  {'eager loss':>12}  {'graphed loss':>12}  {'|diff|':>9}")
+    for step, (e, g) in enumerate(zip(result.eager_losses, result.graphed_losses)):
+        print(f"{step:>4}  {e:>12.6f}  {g:>12.6f}  {abs(e - g):>9.2e}")
+    if result.memory:
+        m = result.memory
+        print(
+            f"memory: before capture {m['before_capture'] / MIB:.1f} MiB, peak during "
+            f"warm-up+capture {m['peak_capture'] / MIB:.1f} MiB, held after capture "
+            f"{m['after_capture'] / MIB:.1f} MiB allocated / {m['reserved'] / MIB:.1f} MiB "
+            "reserved"
+        )
+    else:
+        print("memory: not measured on the CPU backend")
+
+
+# ---------------------------------------------------------------------------------- bench
+
+
+def _bench_methods(text: str | None, device: str, why_cpu: str) -> tuple[tuple[str, ...], str]:
+    """The methods to run, and a note on what was left out by default (or "")."""
+    if text is None:
+        if device == "cpu":
+            note = "torch.cuda.make_graphed_callables needs CUDA, so the torch method is left out"
+            return tuple(m for m in METHODS if m != "torch"), note
+        return METHODS, ""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in METHODS]
+    if unknown or not names:
+        wrong = f"unknown method {unknown[0]!r}" if unknown else "no method given"
+        raise UsageError(f"--methods: {wrong}; choose from {','.join(METHODS)} (comma-separated)")
+    if len(set(names)) < len(names):
+        raise UsageError(f"--methods {text}: a method is named twice; name each once")
+    if "torch" in names and device == "cpu":
+        raise UsageError(
+            f"--methods {text}: the torch method needs a CUDA GPU "
+            f"(torch.cuda.make_graphed_callables) and this bench runs on the CPU ({why_cpu}); "
+            "leave torch out of --methods or run on a GPU"
+        )
+    return tuple(name for name in METHODS if name in names), ""
+
+
+def _check_bench_outputs(args: argparse.Namespace, device: str, methods: Sequence[str]) -> None:
+    for flag, path in (("--json", args.json), ("--plot", args.plot), ("--bars", args.bars)):
+        _output_file(path, flag)
+    for flag, path in (("--plot", args.plot), ("--bars", args.bars)):
+        if path is None:
+            continue
+        if device == "cpu":
+            raise UsageError(
+                f"{flag}: nothing to draw on the CPU: its reference backend measures no memory; "
+                f"run on a GPU or drop {flag}"
+            )
+        _needs_matplotlib(flag)
+    if args.plot is not None and "leangraph" not in methods:
+        raise UsageError("--plot draws leangraph's memory timeline: add leangraph to --methods")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    device = _device(args.device)
+    why_cpu = "--device cpu" if args.device == "cpu" else "no GPU found"
+    work = _workload(args, CPU_WORKLOAD if device == "cpu" else GPU_WORKLOAD)
+    methods, note = _bench_methods(args.methods, device, why_cpu)
+    _check_bench_outputs(args, device, methods)
+    steps = args.steps if args.steps is not None else (3 if device == "cpu" else 5)
+    config = BenchConfig(
+        pp_size=work.pp,
+        vp_size=work.vp,
+        rank=work.rank,
+        num_microbatches=work.microbatches,
+        layers_per_chunk=work.layers,
+        steps=steps,
+        methods=methods,
+        device=device,
+        shape=_shape(work),
+        rounds=args.rounds,
+    )
+    if device == "cpu":
+        print(
+            f"{why_cpu[0].upper()}{why_cpu[1:]}: leangraph's CPU reference backend, times "
+            f"only (it measures no memory), {plural(args.threads or 1, 'intra-op thread')}"
+            f"{'; ' + note if note else ''}."
+        )
+    print(f"workload: {work.describe()}; {', '.join(methods)}; {steps} timed steps each")
+    with _intra_op_threads(args.threads, device), phase_display(not args.no_progress) as progress:
+        result = run_bench(config, progress=progress)
+    print(format_table(result))
+    _write_bench_outputs(args, result)
+    if not result.losses_agree.get("leangraph", True):
+        raise CommandError("leangraph's losses differ from eager's (the loss column says DIFF)")
+    return 0
+
+
+def _write_bench_outputs(args: argparse.Namespace, result: BenchResult) -> None:
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result.to_json(), handle, indent=2)
+        print(f"wrote {args.json} (every figure, the config and leangraph's memory timeline)")
+    if args.plot:
+        plot_timeline(result, args.plot)
+        print(f"wrote {args.plot} (leangraph's memory timeline)")
+    if args.bars:
+        plot_bars(result, args.bars)
+        print(f"wrote {args.bars} (memory per method)")
+
+
+# ----------------------------------------------------------------------------------- plan
+
+
+@contextlib.contextmanager
+def _working_folder_importable() -> Iterator[str]:
+    """The working folder first on ``sys.path`` for an import, as ``python -m`` has it."""
+    folder = os.getcwd()
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        yield folder
+    finally:
+        if added and folder in sys.path:
+            sys.path.remove(folder)
+
+
+def _import_function(spec: str) -> Callable[[], Any]:
+    module_name, colon, attr = spec.partition(":")
+    if not (colon and module_name and attr) or ":" in attr:
+        raise UsageError(f"--function {spec!r}: expected module:function, e.g. mymodel:make")
+    with _working_folder_importable() as folder:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            missing = exc.name or ""
+            if module_name == missing or module_name.startswith(missing + "."):
+                raise UsageError(
+                    f"--function {spec}: no module {missing!r} in the working folder ({folder}) "
+                    "or on sys.path; run from the folder that holds it"
+                ) from exc
+            raise CommandError(f"--function {spec}: importing {module_name}: {exc}") from exc
+        except Exception as exc:
+            raise CommandError(
+                f"--function {spec}: importing {module_name} raised {type(exc).__name__}: "
+                f"{_first_line(exc)}"
+            ) from exc
+    function = getattr(module, attr, None)
+    if function is None:
+        raise UsageError(f"--function {spec}: module {module_name} has no attribute {attr!r}")
+    if not callable(function):
+        kind = type(function).__name__
+        raise UsageError(f"--function {spec}: {module_name}.{attr} is a {kind}, not a function")
+    return function
+
+
+def _workload_of(spec: str) -> tuple[Any, Any, dict[str, Any]]:
+    """Call the ``--function`` and check what it returned."""
+    function = _import_function(spec)
+    try:
+        made = function()
+    except Exception as exc:
+        raise CommandError(
+            f"--function {spec}: it raised {type(exc).__name__}: {_first_line(exc)}"
+        ) from exc
+    if not isinstance(made, (tuple, list)) or len(made) not in (2, 3):
+        got = f"a {len(made)}-tuple" if isinstance(made, (tuple, list)) else type(made).__name__
+        raise UsageError(
+            f"--function {spec}: must return (callables, sample_args) or (callables, "
+            f"sample_args, dict of plan_memory keywords), got {got}"
+        )
+    keywords = made[2] if len(made) == 3 else {}
+    if not isinstance(keywords, dict):
+        raise UsageError(
+            f"--function {spec}: the third item returned must be a dict of plan_memory "
+            f"keywords, got {type(keywords).__name__}"
+        )
+    return made[0], made[1], keywords
+
+
+def _plan(args: argparse.Namespace) -> int:
+    if args.function:
+        given = _workload_given(args)
+        if given:
+            them = "them" if len(given) > 1 else "it"
+            raise UsageError(
+                f"{', '.join(given)}: not used with --function (the function returns the "
+                f"workload); drop {them} or drop --function"
+            )
+        callables, sample_args, keywords = _workload_of(args.function)
+        plan = leangraph.plan_memory(callables, sample_args, **keywords)
+        print(f"memory plan of {args.function}:")
+    else:
+        work = _workload(args, GPU_WORKLOAD)
+        shape = _shape(work)
+        count = work.vp * work.layers
+        blocks = make_blocks(count, shape, "meta")
+        samples = tuple((sample_hidden(shape, "meta"),) for _ in range(count * work.microbatches))
+        plan = leangraph.plan_memory(
+            tuple(blocks), samples, order=_order_of(work), num_layers_per_chunk=work.layers
+        )
+        print(f"memory plan of {work.describe()}, computed on meta tensors:")
+    print(plan.describe())
+    return 0
+
+
+# --------------------------------------------------------------------------------- parser
+
+
+def _common_options() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="on an error, show the Python traceback instead of one line",
+    )
+    return common
+
+
+def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
+    demo = sub.add_parser(
+        "demo",
+        parents=[common],
+        formatter_class=_HelpFormatter,
+        help="capture a small transformer stack and train it eagerly and graphed",
+        description="Capture the transformer blocks of rank 0 of a 2-rank pipeline with 2 "
+        "chunks of 2 blocks (interleaved 1F1B), train them eagerly and graphed from the same "
+        "weights, and print both losses per step (and memory on a GPU). Exit status 1 when "
+        "they differ.",
+    )
+    demo.add_argument(
+        "--steps", type=_count(1), metavar="N", default=5, help="training steps of each"
+    )
+    demo.add_argument(
+        "--microbatches",
+        type=_count(1),
+        metavar="N",
+        default=4,
+        help="microbatches per step; a multiple of 2",
+    )
+    demo.add_argument(
+        "--hidden",
+        type=_count(1),
+        metavar="N",
+        default=64,
+        help="hidden size of the blocks; a multiple of 4",
+    )
+    demo.add_argument(
+        "--sequence", type=_count(1), metavar="N", default=32, help="tokens per microbatch"
+    )
+    _add_device(demo)
+    _add_threads(demo)
+    _add_no_progress(demo)
+    demo.set_defaults(handler=_demo, command_parser=demo)
+
+
+def _add_device(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        help="where to run (default: cuda when torch sees a GPU, else the CPU reference backend)",
+    )
+
+
+def _add_threads(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threads",
+        type=_count(1),
+        metavar="N",
+        help="torch's intra-op CPU threads during the run (default: 1 on the CPU, where these "
+        "small ops only contend for more, and many times slower on a busy machine; torch's "
+        "own default on a GPU)",
+    )
+
+
+def _add_no_progress(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress on stderr (a bar on a terminal, else one line per phase)",
+    )
+
+
+def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
+    bench = sub.add_parser(
+        "bench",
+        parents=[common],
+        formatter_class=_HelpFormatter,
+        help="eager vs torch.cuda.make_graphed_callables vs leangraph on one pipeline rank",
+        description="Train one pipeline rank's blocks eagerly, with torch's "
+        "make_graphed_callables and with leangraph's, one after the other from the same "
+        "weights, and print memory and time per method. On the CPU: a small workload, "
+        "eager and leangraph only, times only.",
+    )
+    _add_workload_options(bench, GPU_WORKLOAD, CPU_WORKLOAD)
+    bench.add_argument(
+        "--steps",
+        type=_count(1),
+        metavar="N",
+        help="timed training steps per method, after one measured for memory and one warm "
+        "(default: 5 on a GPU, 3 on the CPU)",
+    )
+    bench.add_argument(
+        "--methods",
+        metavar="LIST",
+        help="comma-separated, from eager,torch,leangraph (default: all three on a GPU, "
+        "eager,leangraph on the CPU: torch's needs CUDA)",
+    )
+    bench.add_argument(
+        "--rounds",
+        type=_count(0),
+        metavar="N",
+        default=0,
+        help="then capture and time the graphed methods again, taking turns, this many times",
+    )
+    _add_device(bench)
+    _add_threads(bench)
+    _add_no_progress(bench)
+    bench.add_argument("--json", metavar="FILE", help="write every figure as JSON here")
+    bench.add_argument(
+        "--plot", metavar="FILE", help="write leangraph's memory timeline PNG here (GPU only)"
+    )
+    bench.add_argument(
+        "--bars", metavar="FILE", help="write a bar chart of each method's memory here (GPU only)"
+    )
+    bench.set_defaults(handler=_bench, command_parser=bench)
+
+
+def _add_plan(sub: Any, common: argparse.ArgumentParser) -> None:
+    plan = sub.add_parser(
+        "plan",
+        parents=[common],
+        formatter_class=_HelpFormatter,
+        help="print the memory plan of a workload, on meta tensors (no GPU needed)",
+        description="Print leangraph.plan_memory's plan of one pipeline rank of transformer "
+        "blocks, computed on meta tensors, or of your own workload with --function.",
+    )
+    _add_workload_options(plan, GPU_WORKLOAD)
+    plan.add_argument(
+        "--function",
+        metavar="MODULE:FUNCTION",
+        help="plan your own workload instead: FUNCTION() returns (callables, sample_args) or "
+        "(callables, sample_args, dict of plan_memory keywords); MODULE is imported from the "
+        "working folder or sys.path; the workload options above do not apply",
+    )
+    plan.set_defaults(handler=_plan, command_parser=plan)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the ``leangraph`` command line (``demo``, ``bench``, ``plan``)."""
+    common = _common_options()
+    parser = _Parser(
+        prog="leangraph",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        parents=[common],
+        formatter_class=_TableHelpFormatter,
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"leangraph {leangraph.__version__} (torch {torch.__version__})",
+        help="print leangraph's and torch's versions and exit",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_demo(sub, common)
+    _add_bench(sub, common)
+    _add_plan(sub, common)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``leangraph`` command line on ``argv`` (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0, 1 when the run failed (one line on stderr), 2 for a wrong
+        argument found by a command. ``--help``, ``--version`` and arguments argparse rejects
+        exit through ``SystemExit`` (status 0, 0 and 2; a rejection is one line on stderr).
+    """
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # reported by the command's own parser, so its --help is the one named
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    prog = f"leangraph {args.command}"
+    if getattr(args, "debug", False):
+        return int(args.handler(args))
+    try:
+        return int(args.handler(args))
+    except CommandError as exc:
+        return _fail(prog, str(exc), exc.status)
+    except KeyboardInterrupt:
+        return _fail(prog, "interrupted", 130)
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {_first_line(exc)}"
+        return _fail(prog, f"{reason} (run again with --debug for the traceback)", 1)
+
+
+def _fail(prog: str, message: str, status: int) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return status

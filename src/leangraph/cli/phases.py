@@ -1,0 +1,202 @@
+"""What the command line is doing, one named phase at a time, with its totals up front.
+
+A command names each phase as it starts (``eager training``, ``memory check``, ``warm-up pass
+2 of 3``, ``capture``...) with what it counts, so a display never shows ``0/?`` for work
+whose size is known. :class:`PhaseProgress` is also a ``make_graphed_callables(progress=...)``
+callback: it turns leangraph's per-step events into the warm-up passes and the capture, each
+counted in graph steps (one forward or one backward of one graph).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import TextIO
+
+from leangraph.order import StepKind
+from leangraph.progress import ProgressEvent
+
+__all__ = [
+    "GRAPH_STEPS",
+    "Phase",
+    "PhaseProgress",
+    "line_display",
+    "phase_display",
+    "progress_bar",
+    "steps_per_pass",
+]
+
+GRAPH_STEPS = "graph steps"
+"""The unit of warm-up and capture: one forward or one backward of one graph."""
+
+_KIND_NAMES = {
+    StepKind.FORWARD: "forward",
+    StepKind.BACKWARD: "backward",
+    StepKind.WEIGHT: "weight gradient",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """The phase running now: ``done`` of ``total`` ``unit`` (``total`` None: not counted);
+    ``detail`` says what finished last (``backward of graph (chunk 2, microbatch 0, ...)``)."""
+
+    name: str
+    done: int = 0
+    total: int | None = None
+    unit: str = ""
+    detail: str = ""
+
+    def count(self) -> str:
+        """``17/64 graph steps``, or nothing when the phase is not counted."""
+        return "" if self.total is None else f"{self.done}/{self.total} {self.unit}".rstrip()
+
+
+def steps_per_pass(order: Sequence[int], layers_per_chunk: Sequence[int]) -> int:
+    """Graph steps of one warm-up pass (and of the capture) of a chunk-id order: every entry
+    runs its chunk's layers, one graph step each."""
+    return sum(layers_per_chunk[abs(int(entry)) - 1] for entry in order)
+
+
+@dataclass(frozen=True, slots=True)
+class _CaptureShape:
+    """What the next ``make_graphed_callables`` call will run, known before it starts."""
+
+    prefix: str
+    warmup_passes: int
+    steps_per_pass: int
+
+
+class PhaseProgress:
+    """Names the phases of a command and counts their work; ``show`` draws every change.
+
+    As a ``progress=`` callback of ``make_graphed_callables`` it shows each event as warm-up
+    pass ``k`` of ``n`` or capture, counted per pass, once :meth:`expect_capture` has said how
+    many passes of how many steps the call runs; without that (or when the events disagree
+    with it) it shows the event's own phase and its count over the whole call.
+    """
+
+    def __init__(self, show: Callable[[Phase], None]) -> None:
+        self._show = show
+        self._phase = Phase("")
+        self._capture: _CaptureShape | None = None
+
+    def begin(self, name: str, total: int | None = None, unit: str = "") -> None:
+        """Start phase ``name``, counting ``total`` ``unit`` (None: a phase not counted)."""
+        self._phase = Phase(name, 0, total, unit)
+        self._show(self._phase)
+
+    def advance(self, done: int, detail: str = "") -> None:
+        """``done`` units of the current phase have finished."""
+        self._phase = replace(self._phase, done=done, detail=detail)
+        self._show(self._phase)
+
+    def expect_capture(
+        self, *, warmup_passes: int, steps_per_pass: int, memory_check: bool, prefix: str = ""
+    ) -> None:
+        """Announce a ``make_graphed_callables`` call and show its first phase: the memory
+        check (CUDA, before any event) or warm-up pass 1."""
+        self._capture = _CaptureShape(prefix, warmup_passes, steps_per_pass)
+        if memory_check:
+            self.begin(f"{prefix}memory check (one forward per layer)")
+        elif warmup_passes > 0:
+            self.begin(f"{prefix}warm-up pass 1 of {warmup_passes}", steps_per_pass, GRAPH_STEPS)
+        else:
+            self.begin(f"{prefix}capture", steps_per_pass, GRAPH_STEPS)
+
+    def __call__(self, event: ProgressEvent) -> None:
+        name, done, total = self._place(event)
+        if name != self._phase.name:
+            self.begin(name, total, GRAPH_STEPS)
+        self.advance(done, f"{_KIND_NAMES[event.step.kind]} of {event.label}")
+
+    def _place(self, event: ProgressEvent) -> tuple[str, int, int]:
+        """The phase name, and the event's count within that phase."""
+        shape = self._capture
+        if shape is None or event.total != (shape.warmup_passes + 1) * shape.steps_per_pass:
+            pass_note = f" pass {event.iteration + 1}" if event.phase == "warm-up" else ""
+            return f"{event.phase}{pass_note}", event.done, event.total
+        if event.phase == "warm-up":
+            done = event.done - event.iteration * shape.steps_per_pass
+            name = f"{shape.prefix}warm-up pass {event.iteration + 1} of {shape.warmup_passes}"
+            return name, done, shape.steps_per_pass
+        done = event.done - shape.warmup_passes * shape.steps_per_pass
+        return f"{shape.prefix}{event.phase}", done, shape.steps_per_pass
+
+
+def line_display(stream: TextIO) -> Callable[[Phase], None]:
+    """A ``show`` for a log: one line per phase as it starts (``progress: capture (64 graph
+    steps)``), none per step."""
+    last = [""]
+
+    def show(phase: Phase) -> None:
+        if phase.name != last[0]:
+            last[0] = phase.name
+            size = "" if phase.total is None else f" ({phase.total} {phase.unit}".rstrip() + ")"
+            print(f"progress: {phase.name}{size}", file=stream, flush=True)
+
+    return show
+
+
+@contextlib.contextmanager
+def _rich_display() -> Iterator[Callable[[Phase], None]]:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[count]}"),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[detail]}", style="dim"),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("", total=None, count="", detail="")
+        shown = [""]
+
+        def show(phase: Phase) -> None:
+            count, detail = phase.count(), phase.detail
+            if phase.name != shown[0]:  # a new phase: its own clock from zero
+                shown[0] = phase.name
+                bar.reset(
+                    task, total=phase.total, description=phase.name, count=count, detail=detail
+                )
+            bar.update(task, completed=phase.done, total=phase.total, count=count, detail=detail)
+
+        yield show
+
+
+def _rich_available() -> bool:
+    try:
+        import rich.progress  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def phase_display(enabled: bool = True) -> Iterator[PhaseProgress | None]:
+    """The command line's progress on stderr: a rich bar on a terminal, else one line per
+    phase (a log); None when ``enabled`` is False."""
+    if not enabled:
+        yield None
+    elif sys.stderr.isatty() and _rich_available():
+        with _rich_display() as show:
+            yield PhaseProgress(show)
+    else:
+        yield PhaseProgress(line_display(sys.stderr))
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool = True) -> Iterator[PhaseProgress | None]:
+    """A rich progress bar over warm-up and capture, to pass as ``progress=``.
+
+    Yields None (no bar) when disabled, when rich is missing or stderr is not a terminal.
+    Call :meth:`PhaseProgress.expect_capture` first for per-pass counts.
+    """
+    if not (enabled and sys.stderr.isatty() and _rich_available()):
+        yield None
+        return
+    with _rich_display() as show:
+        yield PhaseProgress(show)

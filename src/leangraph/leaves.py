@@ -1,0 +1,113 @@
+"""Tensor leaves and the constants between them, in arguments and outputs.
+
+A graph replays kernels, so only tensors can change between replays; every other leaf of a
+call's arguments (``use_cache=False``, ``attention_mask=None``, an int, a string, ``None``
+inside a tuple) or of its outputs (Megatron-core's ``(hidden, None)``) is a constant captured
+with the graph. A :class:`LeafTemplate` remembers the constants by position so the tensors
+can be taken out (the static buffers) and put back (the call and the returned outputs).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["CONSTANT_TYPES", "TENSOR", "LeafTemplate", "is_constant", "leaf_names", "same_constant"]
+
+CONSTANT_TYPES: tuple[type, ...] = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    enum.Enum,
+    type(Ellipsis),
+    slice,
+)
+"""The non-tensor leaves a graph can hold as constants: immutable values compared by value."""
+
+
+def is_constant(value: object) -> bool:
+    """Whether ``value`` is a leaf a graph can capture as a constant."""
+    return isinstance(value, CONSTANT_TYPES)
+
+
+def same_constant(a: object, b: object) -> bool:
+    """Whether two constants are the same: same type and equal (``1`` is not ``True``)."""
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # a value whose comparison fails is not the same constant
+        return False
+
+
+class _TensorSlot:
+    """Where a template holds a tensor."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+TENSOR = _TensorSlot()
+
+
+@dataclass(frozen=True)
+class LeafTemplate:
+    """The leaves of one call or output, constants in place and a slot for each tensor."""
+
+    leaves: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, leaves: Sequence[Any]) -> LeafTemplate:
+        """The template of ``leaves`` (tensors become slots)."""
+        return cls(tuple(TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves))
+
+    @property
+    def all_tensors(self) -> bool:
+        """Whether every leaf is a tensor (no constants)."""
+        return all(leaf is TENSOR for leaf in self.leaves)
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(1 for leaf in self.leaves if leaf is TENSOR)
+
+    def fill(self, tensors: Sequence[Any]) -> list[Any]:
+        """All leaves, the tensors put into their slots in order."""
+        if self.all_tensors:
+            return list(tensors)
+        given = iter(tensors)
+        return [next(given) if leaf is TENSOR else leaf for leaf in self.leaves]
+
+    def constants(self) -> list[tuple[int, Any]]:
+        """``(position, value)`` of every constant."""
+        return [(i, leaf) for i, leaf in enumerate(self.leaves) if leaf is not TENSOR]
+
+
+def leaf_names(tree: Any) -> list[str]:
+    """Readable names for the leaves of a call's ``(args, kwargs)``, e.g. ``input 0``,
+    ``input 1[2]``, ``kwarg 'use_cache'``."""
+    names = []
+    for path, _ in pytree.tree_flatten_with_path(tree)[0]:
+        group, head, *rest = path
+        suffix = "".join(str(k) for k in rest)
+        if isinstance(group, pytree.SequenceKey) and group.idx == 0:  # positional arguments
+            assert isinstance(head, pytree.SequenceKey)
+            names.append(f"input {head.idx}{suffix}")
+        else:
+            assert isinstance(head, pytree.MappingKey)
+            names.append(f"kwarg {head.key!r}{suffix}")
+    return names

@@ -1,0 +1,134 @@
+"""Replay order: graphs captured into one pool replay safely only in the order of capture.
+
+Capture hands a block that one graph freed (its saved activations, once its backward was
+recorded) to graphs recorded after it. Replayed in another order, a later graph's forward can
+overwrite activations an earlier graph's backward still reads, silently on CUDA. One
+:class:`ReplaySequence` per call holds the capture order and checks every forward, backward
+and weight-step replay against it, on every backend.
+
+A step that can no longer come is passed over: the backward (and weight step) of a forward
+replayed without anything requiring grad, or whose outputs were dropped before their
+backward, and every step of a graph that was reset. A graph captured with
+``retain_graph_in_backward`` may repeat the forward or backward it just ran. A pass may start
+over from its first step once nothing is in flight (no backward or weight step can still
+come): a pass abandoned midway, by an exception say, leaves nothing a new pass could clobber.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+from ..order import StepKind
+
+__all__ = ["ReplaySequence"]
+
+_WHAT = {StepKind.FORWARD: "forward", StepKind.BACKWARD: "backward", StepKind.WEIGHT: "weight step"}
+
+
+class ReplaySequence:
+    """The capture order of one call's graph replays, and where the replays are in it.
+
+    Args:
+        steps: ``(graph, kind)`` of every replay one pass runs, in capture order.
+        labels: How errors name each graph, by graph index.
+        awaits: ``awaits(graph)`` says whether a backward through the graph's latest forward
+            replay may still come (its outputs are alive).
+    """
+
+    def __init__(
+        self,
+        steps: Sequence[tuple[int, StepKind]],
+        labels: Sequence[str],
+        awaits: Callable[[int], bool],
+    ) -> None:
+        self._steps = tuple(steps)
+        self._labels = tuple(labels)
+        self._awaits = awaits
+        self._next = 0
+        self._last: tuple[int, StepKind] | None = None
+        self._no_backward: set[int] = set()  # graphs whose backward side will not come
+        self._dropped: set[int] = set()  # graphs that were reset
+        self._in_flight: set[int] = set()  # forward replayed, backward side not finished
+        self._weight_due: set[int] = set()  # backward replayed, weight step to come
+        last = {g: k for g, k in self._steps if k is not StepKind.FORWARD}
+        self._last_kind = last  # per graph with a backward: the kind of its final step
+        self._lock = threading.Lock()
+
+    def expect(self, graph: int, kind: StepKind, *, may_repeat: bool = False) -> None:
+        """Check that the replay of ``kind`` of ``graph`` is the next one, and move past it.
+
+        ``may_repeat``: the replay may come again right after itself (a graph captured with
+        ``retain_graph_in_backward``: its forward may replay with a backward outstanding,
+        and its backward more than once).
+
+        Raises:
+            RuntimeError: naming the replay expected and the one attempted.
+        """
+        with self._lock:
+            if may_repeat and self._last == (graph, kind):
+                return
+            self._pass_over_what_cannot_come()
+            expected = self._steps[self._next]
+            if expected != (graph, kind) and self._may_start_over(graph, kind):
+                self._next = 0
+                expected = self._steps[0]
+            if expected != (graph, kind):
+                raise RuntimeError(
+                    f"{self._labels[graph]}: {_WHAT[kind]} replayed out of capture order; the "
+                    f"next replay must be the {_WHAT[expected[1]]} of {self._labels[expected[0]]}. "
+                    "Graphs that share a memory pool are safe only replayed in the order they "
+                    "were captured in (the order you gave, or torch's: forwards in order, then "
+                    "backwards in reverse)"
+                )
+            self._advance()
+
+    def without_backward(self, graph: int) -> None:
+        """The latest forward replay of ``graph`` needs no backward (nothing required grad)."""
+        with self._lock:
+            self._no_backward.add(graph)
+
+    def drop(self, graph: int) -> None:
+        """``graph`` was reset: none of its steps will come again."""
+        with self._lock:
+            self._dropped.add(graph)
+
+    def _advance(self) -> None:
+        graph, kind = self._last = self._steps[self._next]
+        if kind is StepKind.FORWARD:
+            self._no_backward.discard(graph)
+            if graph in self._last_kind:
+                self._in_flight.add(graph)
+        self._finish_step(graph, kind)
+        self._next = (self._next + 1) % len(self._steps)
+
+    def _finish_step(self, graph: int, kind: StepKind) -> None:
+        """Bookkeeping of what is in flight once a backward-side step ran or was passed."""
+        if kind is StepKind.FORWARD:
+            return
+        if kind is self._last_kind[graph]:
+            self._in_flight.discard(graph)
+            self._weight_due.discard(graph)
+        elif graph not in self._no_backward:
+            self._weight_due.add(graph)
+
+    def _may_start_over(self, graph: int, kind: StepKind) -> bool:
+        return (graph, kind) == self._steps[0] and not any(
+            g in self._weight_due or (self._awaits(g) and g not in self._no_backward)
+            for g in self._in_flight
+        )
+
+    def _pass_over_what_cannot_come(self) -> None:
+        for _ in range(len(self._steps)):
+            graph, kind = self._steps[self._next]
+            if graph in self._dropped:
+                pass
+            elif kind is StepKind.FORWARD:
+                return
+            elif kind is StepKind.BACKWARD and not self._awaits(graph):
+                self._no_backward.add(graph)  # its outputs were dropped: so is its weight step
+            elif graph not in self._no_backward:
+                return
+            self._finish_step(graph, kind)
+            self._next = (self._next + 1) % len(self._steps)
+        # Every graph was reset: nothing can replay, and the callables say so themselves.

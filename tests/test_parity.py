@@ -1,0 +1,334 @@
+"""Drop-in parity with ``torch.cuda.make_graphed_callables`` and with eager autograd.
+
+PyTorch's own test cases for its make_graphed_callables (``test/test_cuda.py``:
+``test_graph_make_graphed_callables`` for each autocast / cache / unused-input combination,
+``..._parameterless_nograd_module`` and ``..._same_pool``), restated in our own code with the
+same assertions, run on the CPU reference backend and (marked ``cuda``) on a GPU with torch's
+sizes. Then what real models bring: parameter hooks, ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import leangraph
+
+CUDA = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (N, D_in, H, D_out): torch's sizes on a GPU, small ones for the CPU reference backend.
+SIZES = {"cuda": (640, 4096, 2048, 1024), "cpu": (32, 64, 48, 16)}
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=[CUDA, needs_cuda])]
+# torch's combinations: (with_amp, cache_enabled, allow_unused_input) and whether torch's own
+# test expects it to fail (the autocast cache; an unused input that requires grad).
+COMBINATIONS = [
+    pytest.param(False, False, True, None, id="without_amp_allow_unused_input"),
+    pytest.param(True, False, True, None, id="with_amp_cache_disabled_allow_unused_input"),
+    pytest.param(True, True, True, "autocast cache", id="with_amp_cache_enabled_allow_unused"),
+    pytest.param(False, False, False, "do not depend on", id="without_amp_not_allow_unused"),
+]
+
+
+def _autocast(device: str, enabled: bool, cache_enabled: bool) -> torch.autocast:
+    dtype = torch.float16 if device == "cuda" else torch.bfloat16
+    return torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+
+def _seed(device: str) -> None:
+    torch.manual_seed(5)
+    if device == "cuda":
+        torch.cuda.manual_seed(5)
+
+
+class FirstSection(nn.Module):
+    """Two linear layers with dropout, called with a dict holding an unused input."""
+
+    def __init__(self, d_in: int, hidden: int, d_out: int) -> None:
+        super().__init__()
+        self.net_1 = nn.Sequential(nn.Linear(d_in, hidden), nn.Dropout(p=0.1))
+        self.net_2 = nn.Sequential(nn.Linear(hidden, d_out), nn.Dropout(p=0.2))
+
+    def forward(self, inputs: dict) -> torch.Tensor:
+        return self.net_2(self.net_1(inputs["x"]))
+
+
+class SecondSection(FirstSection):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.net_2(self.net_1(x))
+
+
+class Gather(nn.Module):
+    """No parameters; returns a dict."""
+
+    def forward(self, x: torch.Tensor) -> dict:
+        index = torch.arange(x.size(0), device=x.device).view(-1, 1).repeat(1, x.size(1))
+        return {"output": torch.gather(x, 0, index)}
+
+
+class GatherDict(Gather):
+    def forward(self, inputs: dict) -> dict:  # type: ignore[override]
+        return super().forward(inputs["x"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("with_amp", "cache_enabled", "allow_unused", "refused"), COMBINATIONS)
+def test_torch_case_make_graphed_callables(device, with_amp, cache_enabled, allow_unused, refused):
+    n, d_in, hidden, d_out = SIZES[device]
+    _seed(device)
+    models = [
+        nn.Sequential(
+            FirstSection(d_in, hidden, hidden), SecondSection(hidden, hidden, d_out), Gather()
+        ).to(device)
+        for _ in range(2)
+    ]
+    graphed, control = models
+    graphed.load_state_dict(control.state_dict())
+    opt_graphed = torch.optim.SGD(graphed.parameters(), lr=0.1)
+    opt_control = torch.optim.SGD(control.parameters(), lr=0.1)
+    x = torch.randn(n, d_in, device=device)
+    h = torch.randn(n, hidden, device=device, requires_grad=True)
+    h2 = torch.randn(n, d_out, device=device, requires_grad=True)
+    unused = torch.randn(n, hidden, device=device, requires_grad=True)
+    y_pred = torch.randn(n, d_out, device=device, requires_grad=True)
+    y = torch.randn(n, d_out, device=device)
+    relu, loss_fn = torch.nn.functional.relu, torch.nn.functional.mse_loss
+    callables = (graphed[0], graphed[1], graphed[2], relu, loss_fn)
+    samples = (({"x": x, "unused_input": unused},), (h,), (h2,), (y_pred,), (y_pred, y))
+    with _autocast(device, with_amp, cache_enabled):
+        if refused is not None:  # torch's own test expects these to fail
+            with pytest.raises((RuntimeError, ValueError), match=refused):
+                leangraph.make_graphed_callables(
+                    callables, samples, allow_unused_input=allow_unused
+                )
+            return
+        *sections, relu_graphed, loss_graphed = leangraph.make_graphed_callables(
+            callables, samples, allow_unused_input=allow_unused
+        )
+    for index, section in enumerate(sections):
+        graphed[index] = section
+    inputs = [torch.rand_like(x) for _ in range(10)]
+    targets = [torch.rand_like(y) for _ in range(10)]
+    runs = ((graphed, opt_graphed, relu_graphed, loss_graphed), (control, opt_control, relu, loss_fn))
+    for model, opt, relu_fn, loss_of in runs:
+        _seed(device)  # the same dropout masks for both
+        for data, target in zip(inputs, targets):
+            opt.zero_grad(set_to_none=True)
+            with _autocast(device, with_amp, cache_enabled):
+                out = relu_fn(model({"x": data, "unused_input": unused})["output"])
+                loss_of(out, target).backward()
+            opt.step()
+    for p, q in zip(graphed.parameters(), control.parameters()):
+        torch.testing.assert_close(p, q)
+    graphed.eval()
+    control.eval()  # graphed in training mode: eval runs eagerly
+    torch.testing.assert_close(graphed({"x": inputs[0]}), control({"x": inputs[0]}))
+    leangraph.reset_all(tuple(sections) + (relu_graphed, loss_graphed))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("with_amp", "cache_enabled", "allow_unused", "refused"), COMBINATIONS)
+def test_torch_case_parameterless_nograd_module(
+    device, with_amp, cache_enabled, allow_unused, refused
+):
+    n, d_in, hidden, _ = SIZES[device]
+    if refused == "do not depend on":
+        refused = None  # nothing requires grad here: torch's own test runs this one
+    _seed(device)
+    graphed, control = (nn.Sequential(GatherDict()).to(device) for _ in range(2))
+    x = torch.randn(n, d_in, device=device)
+    unused = torch.randn(n, hidden, device=device)
+    with _autocast(device, with_amp, cache_enabled):
+        if refused is not None:
+            with pytest.raises(RuntimeError, match=refused):
+                leangraph.make_graphed_callables(
+                    graphed[0], ({"x": x, "unused_input": unused},), allow_unused_input=allow_unused
+                )
+            return
+        graphed[0] = leangraph.make_graphed_callables(
+            graphed[0], ({"x": x, "unused_input": unused},), allow_unused_input=allow_unused
+        )
+    inputs = [torch.rand_like(x, requires_grad=True) for _ in range(10)]
+    with pytest.warns(UserWarning, match="requires grad at replay but did not at capture"):
+        for model in (graphed, control):
+            _seed(device)
+            for data in inputs:
+                with _autocast(device, with_amp, cache_enabled):
+                    model({"x": data, "unused_input": unused})["output"]
+    graphed.eval()
+    control.eval()
+    torch.testing.assert_close(graphed({"x": inputs[0]}), control({"x": inputs[0]}))
+    leangraph.reset_all(graphed[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_case_same_pool(device):
+    _seed(device)
+    models = [
+        nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128)).to(device)
+        for _ in range(3)
+    ]
+    pool = torch.cuda.graph_pool_handle() if device == "cuda" else None
+    graphed_models = []
+    for model in models:
+        x = torch.randn(64, 32, device=device)
+        graphed_models.append(
+            leangraph.make_graphed_callables(copy.deepcopy(model), (x,), pool=pool)
+        )
+    for model, graphed_model in zip(models, graphed_models):
+        x = torch.randn(64, 32, device=device)
+        y, yg = model(x), graphed_model(x)
+        loss, loss_graphed = y.norm(), yg.norm()
+        loss.backward()
+        loss_graphed.backward()
+        torch.testing.assert_close(y, yg)
+        torch.testing.assert_close(loss, loss_graphed)
+        for p, pg in zip(model.parameters(), graphed_model.parameters()):
+            torch.testing.assert_close(p, pg)
+            torch.testing.assert_close(p.grad, pg.grad)
+            assert p.data_ptr() != pg.data_ptr()
+            assert p.grad.data_ptr() != pg.grad.data_ptr()
+    for graphed_model in graphed_models:
+        leangraph.reset_all(graphed_model)
+
+
+# ------------------------------------------------------------------------- parameter hooks
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def test_post_accumulate_grad_hooks_fire_once_per_accumulation_as_in_eager():
+    torch.manual_seed(0)
+    graphed_layer, eager_layer = Scaled(), Scaled()
+    eager_layer.load_state_dict(graphed_layer.state_dict())
+    fired: dict[str, list[str]] = {"graphed": [], "eager": []}
+    for name, layer in (("graphed", graphed_layer), ("eager", eager_layer)):
+        for pname, param in layer.named_parameters():
+            param.register_post_accumulate_grad_hook(
+                lambda p, name=name, pname=pname: fired[name].append(pname)
+            )
+    graphed = leangraph.make_graphed_callables(graphed_layer, (torch.randn(2, 4),))
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        graphed(x).sum().backward()
+        eager_layer(x).sum().backward()
+        # Once per parameter per backward, as eager; within one replay's backward they fire
+        # in parameter order, where eager's follow its own autograd graph.
+        assert sorted(fired["graphed"]) == sorted(fired["eager"]) == ["lin.bias", "lin.weight"]
+        fired["graphed"].clear()
+        fired["eager"].clear()
+    for p, q in zip(graphed_layer.parameters(), eager_layer.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_backward_dw_fires_post_accumulate_grad_hooks_once_each():
+    torch.manual_seed(0)
+    layer = Scaled()
+    reference = copy.deepcopy(layer)
+    fired: list[tuple[str, torch.Tensor]] = []
+    for name, param in layer.named_parameters():
+        param.register_post_accumulate_grad_hook(
+            lambda p, name=name: fired.append((name, p.grad.clone()))
+        )
+    graphed = leangraph.make_graphed_callables(
+        (layer,), ((torch.randn(2, 4, requires_grad=True),),), order=[1, -1, -1.5]
+    )[0]
+    for step in range(2):
+        x = torch.randn(2, 4, requires_grad=True)
+        graphed(x).sum().backward()
+        assert len(fired) == 2 * step  # input gradients only: no parameter accumulated yet
+        graphed.backward_dw()
+        reference(x.detach()).sum().backward()
+        assert sorted(name for name, _ in fired[2 * step:]) == ["lin.bias", "lin.weight"]
+        for name, grad in fired[2 * step:]:  # each hook saw the accumulated gradient
+            assert torch.equal(grad, dict(reference.named_parameters())[name].grad)
+
+
+def test_a_parameter_tensor_hook_is_refused_before_warm_up():
+    layer = Scaled()
+    calls = []
+    layer.lin.weight.register_hook(lambda g: (calls.append(1), g * 2)[1])
+    with pytest.raises(ValueError, match=r"callables\[0\] \(Scaled\): parameter 'lin.weight' has "
+                                         r"a tensor hook \(register_hook\)"):
+        leangraph.make_graphed_callables(layer, (torch.randn(2, 4),))
+    assert calls == []  # refused before anything ran a backward
+
+
+def test_tensor_hooks_on_inputs_run_once_as_in_eager():
+    torch.manual_seed(0)
+    layer = Scaled()
+    reference = copy.deepcopy(layer)
+    graphed = leangraph.make_graphed_callables(layer, (torch.randn(2, 4, requires_grad=True),))
+    seen = []
+    x = torch.randn(2, 4, requires_grad=True)
+    x.register_hook(lambda g: (seen.append(1), g * 3)[1])
+    x_ref = x.detach().clone().requires_grad_()
+    x_ref.register_hook(lambda g: g * 3)
+    graphed(x).sum().backward()
+    reference(x_ref).sum().backward()
+    assert seen == [1] and torch.equal(x.grad, x_ref.grad)
+
+
+# ------------------------------------------------------------------------- torch.compile
+
+
+def _compiled(module: nn.Module) -> nn.Module:
+    # aot_eager traces through AOTAutograd, as inductor does, without compiling kernels.
+    return torch.compile(module, backend="aot_eager")
+
+
+def test_compiled_module_drop_in_trains_like_eager_and_falls_back_in_eval():
+    torch.manual_seed(0)
+    layer = Scaled()
+    reference = copy.deepcopy(layer)
+    compiled = _compiled(layer)
+    graphed = leangraph.make_graphed_callables(compiled, (torch.randn(2, 4, requires_grad=True),))
+    assert graphed is compiled
+    for _ in range(3):
+        x = torch.randn(2, 4, requires_grad=True)
+        out = graphed(x)
+        assert torch.equal(out, reference(x.detach()))
+        out.sum().backward()
+        reference(x.detach()).sum().backward()
+    for p, q in zip(layer.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    graphed.eval()
+    reference.eval()
+    x = torch.randn(3, 4)  # another shape: only eager (the compiled forward) takes it
+    torch.testing.assert_close(graphed(x), reference(x))
+    leangraph.reset_all(graphed)
+
+
+def test_compiled_functions_and_modules_in_an_order():
+    torch.manual_seed(0)
+    weight = torch.randn(4, 4, requires_grad=True)
+
+    def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x @ w)
+
+    layers = (_compiled(Scaled()), torch.compile(project, backend="aot_eager"))
+    samples = []
+    for _ in range(2):  # chunk 1: the module, microbatches 0 and 1; chunk 2: the function
+        samples.append((torch.randn(2, 4, requires_grad=True),))
+    for _ in range(2):
+        samples.append((torch.randn(2, 4, requires_grad=True), weight))
+    graphed = leangraph.make_graphed_callables(
+        layers, tuple(samples), order=[1, 2, -2, -1, 1, 2, -2, -1]
+    )
+    for microbatch in range(2):
+        x = torch.randn(2, 4, requires_grad=True)
+        hidden = graphed[microbatch](x)
+        out = graphed[2 + microbatch](hidden, weight)
+        torch.testing.assert_close(out, project(layers[0](x), weight))
+        out.sum().backward()
+    leangraph.reset_all(graphed)
