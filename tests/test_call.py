@@ -217,6 +217,17 @@ def test_v19_callables_must_be_a_callable_or_a_tuple():
         mgc((), ())
 
 
+def test_v20_a_parameter_tensor_hook_is_refused_before_warm_up():
+    layer = torch.nn.Sequential()
+    layer.lin = torch.nn.Linear(4, 4)
+    calls = []
+    layer.lin.weight.register_hook(lambda g: (calls.append(1), g * 2)[1])
+    with pytest.raises(ValueError, match=r"callables\[0\] \(Sequential\): parameter 'lin.weight' has "
+                                         r"a tensor hook \(register_hook\)"):
+        leangraph.make_graphed_callables(layer, (torch.randn(2, 4),))
+    assert calls == []  # refused before anything ran a backward
+
+
 # ------------------------------------------------------------------------- the Call record
 
 

@@ -254,16 +254,6 @@ def test_backward_dw_fires_post_accumulate_grad_hooks_once_each():
             assert torch.equal(grad, dict(reference.named_parameters())[name].grad)
 
 
-def test_a_parameter_tensor_hook_is_refused_before_warm_up():
-    layer = Scaled()
-    calls = []
-    layer.lin.weight.register_hook(lambda g: (calls.append(1), g * 2)[1])
-    with pytest.raises(ValueError, match=r"callables\[0\] \(Scaled\): parameter 'lin.weight' has "
-                                         r"a tensor hook \(register_hook\)"):
-        leangraph.make_graphed_callables(layer, (torch.randn(2, 4),))
-    assert calls == []  # refused before anything ran a backward
-
-
 def test_tensor_hooks_on_inputs_run_once_as_in_eager():
     torch.manual_seed(0)
     layer = Scaled()

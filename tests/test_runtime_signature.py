@@ -333,14 +333,14 @@ def test_structure_errors_name_the_argument_and_both_structures():
     args, kwargs = nested_sample()
     with raises(
         TypeError,
-        "callable 0 (nested) input 1 must keep its structure from capture (a list of 2 leaves), "
-        "got a tuple of 2 leaves",
+        "callable 0 (nested) input 1 must keep its structure from capture (a list of 2 leaves: "
+        "[tensor, {'w': tensor}]), got a tuple of 2 leaves: (tensor, {'w': tensor})",
     ):
         graphed(args[0], tuple(args[1]), **kwargs)
     with raises(
         TypeError,
         "callable 0 (nested) kwarg 'opts' must keep its structure from capture (a dict of 1 "
-        "leaf), got a list of 1 leaf",
+        "leaf: {'scale': tensor}), got a list of 1 leaf: [tensor]",
     ):
         graphed(*args, mask=kwargs["mask"], opts=[kwargs["opts"]["scale"]])
 

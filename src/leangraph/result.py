@@ -128,13 +128,7 @@ class GraphedSet:
         Raises:
             TypeError: for anything else, or entries of several calls.
         """
-        sets = {id(m.graphed_set): m.graphed_set for m in cls.members_of(result, "GraphedSet.of")}
-        if len(sets) != 1:
-            raise TypeError(
-                f"GraphedSet.of: the entries come from {len(sets)} make_graphed_callables "
-                "calls; pass the result of one call"
-            )
-        return next(iter(sets.values()))
+        return _one_set(cls.members_of(result, "GraphedSet.of"), "GraphedSet.of")
 
 
 def reset_all(graphed: Any) -> None:
@@ -164,7 +158,22 @@ def memory_report(graphed: Any) -> MemoryReport:
     if isinstance(graphed, GraphedSet):
         return graphed.memory_report()
     members = GraphedSet.members_of(graphed, "memory_report")
-    return _report(members[0].graphed_set.record, members)
+    return _report(_one_set(members, "memory_report").record, members)
+
+
+def _one_set(members: Sequence[Any], caller: str) -> GraphedSet:
+    """The one set ``members`` come from.
+
+    Raises:
+        TypeError: for no members, or members of several calls.
+    """
+    sets = {id(m.graphed_set): m.graphed_set for m in members}
+    if len(sets) != 1:
+        raise TypeError(
+            f"{caller}: the entries come from {len(sets)} make_graphed_callables calls; pass "
+            "the result of one call"
+        )
+    return next(iter(sets.values()))
 
 
 def _report(record: CaptureRecord, members: Iterable[_Member]) -> MemoryReport:

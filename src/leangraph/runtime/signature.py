@@ -191,8 +191,27 @@ class CallSignature:
 
 
 def _describe(value: Any) -> str:
-    """A short description of an argument's pytree structure for error messages."""
+    """A short description of an argument's pytree structure for error messages, with its
+    layout, so two structures of as many leaves differ visibly."""
     if isinstance(value, torch.Tensor):
         return "a tensor"
     count = len(pytree.tree_leaves(value))
-    return f"a {type(value).__name__} of {count} {'leaf' if count == 1 else 'leaves'}"
+    leaves = "leaf" if count == 1 else "leaves"
+    return f"a {type(value).__name__} of {count} {leaves}: {_layout(value)}"
+
+
+def _layout(value: Any, depth: int = 0) -> str:
+    """``[tensor, (tensor, None)]``, ``{'a': tensor, 'b': 3}``: containers as written."""
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    if depth > 4:
+        return "..."
+    if isinstance(value, dict):
+        items = ", ".join(f"{k!r}: {_layout(v, depth + 1)}" for k, v in value.items())
+        return "{" + items + "}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_layout(v, depth + 1) for v in value)
+        if isinstance(value, list):
+            return f"[{inner}]"
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    return repr(value)
