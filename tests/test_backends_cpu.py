@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import leangraph
+from helpers import notes, raises, sample
 from leangraph.backends import CpuBackend
 from leangraph.cli.workloads import BlockShape, TransformerBlock
 from models import Block
@@ -278,6 +279,31 @@ def test_a_host_read_is_refused_at_capture_naming_what_and_where(name):
     assert f"{HERE}:" in message  # the line of the test's callable that did it
     if NOTES:
         assert "leangraph: raised during capture of callable 0 (Reads)" in info.value.__notes__[0]
+
+
+class ReadsItem(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.linear(x)
+        return hidden / hidden.abs().max().item()
+
+
+def test_w8_a_host_read_during_capture_is_refused_on_the_cpu_backend():
+    module = ReadsItem()
+    module(sample())  # eagerly fine: warm-up runs it
+    with raises(
+        RuntimeError,
+        "the CPU backend cannot capture Tensor.item(), or bool(), int() or float() of a tensor",
+        f"{HERE}:",
+        "in forward: it reads a tensor's values on the host",
+        "'operation not permitted when stream is capturing'",
+    ) as info:
+        mgc(module, (sample(),))
+    if NOTES:
+        assert notes(info.value).startswith("leangraph: raised during capture of callable 0 (")
 
 
 def test_indexing_with_integer_indices_is_captured_and_replays_exactly():

@@ -76,22 +76,6 @@ def test_shared_buffers_keep_training_exact_for_a_long_interleaved_order():
     assert len(first_layers) == 16 and 0 < len(slots) <= 8, len(slots)
 
 
-def test_debug_mode_catches_a_read_of_a_reused_output():
-    torch.manual_seed(0)
-    layers = tuple(Block(8) for _ in range(2))
-    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(4))
-    graphed = leangraph.make_graphed_callables(layers, samples, order=[1, -1, 1, -1],
-                                               debug_outputs=True)
-    x = torch.randn(4, 8, requires_grad=True)
-    out = graphed[1](graphed[0](x))
-    kept = out * 1  # a derived tensor is the caller's own and stays valid
-    out.sum().backward()
-    with pytest.raises(RuntimeError, match=r"an output of graph \(chunk 1, microbatch 0, layer 1\)"
-                                           r" \(replay 1\) was read after the backward of"):
-        out + 1
-    assert torch.isfinite(kept).all()
-
-
 def test_outputs_are_valid_until_backward_without_debug_mode():
     torch.manual_seed(0)
     layers = tuple(Block(8) for _ in range(2))
@@ -111,13 +95,3 @@ def test_outputs_are_valid_until_backward_without_debug_mode():
     assert not torch.equal(first, reference[1](reference[0](x0)))
 
 
-def test_chained_input_must_be_the_previous_output():
-    torch.manual_seed(0)
-    layers = tuple(Block(8) for _ in range(2))
-    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(2))
-    graphed = leangraph.make_graphed_callables(layers, samples, order=[1, -1])
-    hidden = graphed[0](torch.randn(4, 8, requires_grad=True))
-    with pytest.raises(ValueError, match=r"graph \(chunk 1, microbatch 0, layer 1\) input 0 is "
-                                         r"the output buffer of graph \(chunk 1, microbatch 0, "
-                                         r"layer 0\)"):
-        graphed[1](hidden * 2)

@@ -5,7 +5,9 @@ A :class:`GraphedCallable` holds a lock around each forward replay, each backwar
 before touching a buffer) or waits until the replay has returned complete results; never in
 between. The CPU backend replays the aten calls recorded at capture, custom operators
 included (not the module's Python code), so a module calling an operator that blocks on an event
-the test controls holds a replay open mid-way.
+the test controls holds a replay open mid-way, and an argument that blocks while its metadata
+is checked holds a call before its replay begins. Only public behaviour orders the threads (no
+test touches the callable's lock).
 """
 
 from __future__ import annotations
@@ -60,9 +62,11 @@ class Gated(torch.nn.Module):
         self.armed: Optional[str] = None  # "forward" or "backward": block there once
         self.entered = threading.Event()
         self.release = threading.Event()
+        self.passed: list[str] = []  # where the gate was passed, in order
         _GATES[id(self)] = self
 
     def pass_gate(self, where: str) -> None:
+        self.passed.append(where)
         if self.armed == where:
             self.armed = None
             self.entered.set()
@@ -150,19 +154,46 @@ def test_reset_waits_for_a_backward_replay():
         module(x)
 
 
+class Paused(torch.Tensor):
+    """A replay argument that holds the replay inside its argument checks (the first time its
+    ``requires_grad`` is read), before the replay takes the callable's lock."""
+
+    gate: Optional[tuple[threading.Event, threading.Event]] = None  # (entered, release)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        gate = cls.gate
+        if gate is not None and func == torch.Tensor.requires_grad.__get__:
+            cls.gate = None
+            gate[0].set()
+            assert gate[1].wait(TIMEOUT), "the test never released the gate"
+        return super().__torch_function__(func, types, args, kwargs)
+
+
 def test_a_reset_that_wins_the_race_makes_the_replay_raise():
+    """A reset that completes after a call began but before its replay took the lock: the
+    replay raises GraphResetError and runs nothing."""
     module, _ = _graphed()
-    x = torch.randn(2, 4, requires_grad=True)
-    module.forward._lock.acquire()  # hold the replay lock so the reset is ordered first
+    module.passed.clear()
+    module(torch.randn(2, 4, requires_grad=True))  # a replay runs the recorded gate: it is seen
+    assert module.passed == ["forward"]
+    module.passed.clear()
+    x = torch.randn(2, 4, requires_grad=True).as_subclass(Paused)
+    entered, release = threading.Event(), threading.Event()
+    Paused.gate = (entered, release)
     try:
-        resetter, _ = _in_thread(module.forward.reset)
-        resetter.join(WAIT)
-        assert resetter.is_alive()
+        owner, replay = _in_thread(lambda: module(x))
+        assert entered.wait(TIMEOUT), "the call never checked its argument"
+        module.forward.reset()  # does not wait: the call holds no lock yet
+        assert module.forward.is_reset
     finally:
-        module.forward._lock.release()
-    resetter.join(TIMEOUT)
-    with pytest.raises(GraphResetError):
-        module(x)
+        Paused.gate = None
+        release.set()
+    owner.join(TIMEOUT)
+    assert not owner.is_alive()
+    assert isinstance(replay.get("error"), GraphResetError), replay
+    assert "cannot replay its forward graph" in str(replay["error"])
+    assert module.passed == []  # the replay ran none of its recorded operators
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.0005, 0.002])

@@ -11,7 +11,7 @@ import torch
 import leangraph
 from leangraph.cli.local_pipeline import run_order
 from models import Block, assert_histories_equal, replay_step, train_both
-from test_warmup import MEGATRON_PP2_VP2_RANK0, ORDER, expected_alive
+from test_build_warmup import MEGATRON_PP2_VP2_RANK0, ORDER, expected_alive
 
 pytestmark = pytest.mark.cuda
 

@@ -18,7 +18,8 @@ import torch
 
 import leangraph
 from models import Block
-from test_errors import NOTES, PHASES, Faulty, notes
+from helpers import NOTES, notes
+from test_api import PHASES, Faulty
 
 pytestmark = pytest.mark.cuda
 

@@ -1,7 +1,83 @@
+"""The liveness plan (``leangraph.plan``): the order expanded into per-graph steps with births
+and deaths, and the one fold of what is alive (``live_during``, ``live_after``, ``lifetimes``,
+``max_live``, ``max_live_per_chunk``), checked against sequences worked out by hand."""
+
 from leangraph.order import StepKind, parse_order
 from leangraph.plan import build_plan, build_unordered_plan
 
 ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
+# Chunk 1 has two layers, chunk 2 one; two microbatches. Graphs: chunk 1's (m0 l0, m0 l1,
+# m1 l0, m1 l1) are 0..3, chunk 2's (m0, m1) are 4 and 5; callables 0, 1 (chunk 1) and 2.
+SMALL = [1, 1, 2, -2, -1, 2, -2, -1]
+# Per step: (step, graph, callable, born, dies, position of its order entry).
+SMALL_STEPS = [
+    ("F c1 m0 l0", 0, 0, (0,), (), 0),
+    ("F c1 m0 l1", 1, 1, (1,), (), 0),
+    ("F c1 m1 l0", 2, 0, (2,), (), 1),
+    ("F c1 m1 l1", 3, 1, (3,), (), 1),
+    ("F c2 m0 l0", 4, 2, (4,), (), 2),
+    ("B c2 m0 l0", 4, 2, (), (4,), 3),
+    ("B c1 m0 l1", 1, 1, (), (1,), 4),
+    ("B c1 m0 l0", 0, 0, (), (0,), 4),
+    ("F c2 m1 l0", 5, 2, (5,), (), 5),
+    ("B c2 m1 l0", 5, 2, (), (5,), 6),
+    ("B c1 m1 l1", 3, 1, (), (3,), 7),
+    ("B c1 m1 l0", 2, 0, (), (2,), 7),
+]
+
+
+def _plan(order, callables, samples, layers=None):
+    layout, steps = parse_order(order, num_callables=callables, num_samples=samples,
+                                num_layers_per_chunk=layers)
+    return build_plan(layout, steps)
+
+
+def _rows(steps):
+    return [(str(s), s.graph, s.callable_index, s.born, s.dies, s.order_step.position)
+            for s in steps]
+
+
+def test_an_order_expands_into_layer_steps_with_births_and_deaths():
+    plan = _plan(SMALL, 3, 6, [2, 1])
+    assert plan.ordered and not plan.split_backward
+    # Warm-up and capture both follow the order.
+    assert _rows(plan.capture) == SMALL_STEPS
+    assert _rows(plan.warmup) == SMALL_STEPS
+
+
+def test_live_during_counts_a_steps_own_deaths_and_live_after_does_not():
+    plan = _plan(SMALL, 3, 6, [2, 1])
+    during = [{0}, {0, 1}, {0, 1, 2}, {0, 1, 2, 3}, {0, 1, 2, 3, 4}, {0, 1, 2, 3, 4},
+              {0, 1, 2, 3}, {0, 2, 3}, {2, 3, 5}, {2, 3, 5}, {2, 3}, {2}]
+    after = [{0}, {0, 1}, {0, 1, 2}, {0, 1, 2, 3}, {0, 1, 2, 3, 4}, {0, 1, 2, 3},
+             {0, 2, 3}, {2, 3}, {2, 3, 5}, {2, 3}, {2}, set()]
+    assert plan.live_during(plan.capture) == [frozenset(s) for s in during]
+    assert plan.live_after(plan.capture) == [frozenset(s) for s in after]
+    keep_all = [{0}, {0, 1}, {0, 1, 2}, {0, 1, 2, 3}] + [set(range(5))] * 4 + [set(range(6))] * 4
+    assert plan.live_during(plan.capture, keep_all=True) == [frozenset(s) for s in keep_all]
+    assert plan.max_live(plan.capture) == 5
+    assert plan.max_live(plan.capture[:2]) == 2 and plan.max_live(()) == 0
+
+
+def test_lifetimes_run_from_a_forward_to_its_last_backward_or_cover_the_forward_alone():
+    plan = _plan(SMALL, 3, 6, [2, 1])
+    assert plan.lifetimes([True] * 6) == ((0, 7), (1, 6), (2, 11), (3, 10), (4, 5), (8, 9))
+    mixed = [True, True, True, True, False, False]  # chunk 2 has no backward
+    assert plan.lifetimes(mixed) == ((0, 7), (1, 6), (2, 11), (3, 10), (4, 4), (8, 8))
+    assert plan.lifetimes([False] * 6) == ((0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (8, 8))
+
+
+def test_with_weight_steps_outputs_die_at_the_weight_step():
+    plan = _plan([1, 1, -1, -1.5, -1, -1.5], 1, 2)
+    assert plan.split_backward
+    assert [(str(s), s.born, s.dies) for s in plan.capture] == [
+        ("F c1 m0 l0", (0,), ()), ("F c1 m1 l0", (1,), ()), ("B c1 m0 l0", (), ()),
+        ("W c1 m0 l0", (), (0,)), ("B c1 m1 l0", (), ()), ("W c1 m1 l0", (), (1,))]
+    assert [s.is_backward for s in plan.capture] == [False, False, True, True, True, True]
+    assert plan.live_after(plan.capture) == [frozenset(s) for s in
+                                             ({0}, {0, 1}, {0, 1}, {1}, {1}, set())]
+    assert plan.lifetimes([True, True]) == ((0, 3), (1, 5))
+    assert plan.max_live(plan.capture) == 2
 
 
 def test_plan_expands_layers_and_tracks_lifetimes():
@@ -11,13 +87,9 @@ def test_plan_expands_layers_and_tracks_lifetimes():
                                                   "F c2 m0 l0", "F c2 m0 l1"]
     backward = [str(s) for s in plan.capture if s.kind is StepKind.BACKWARD][:4]
     assert backward == ["B c2 m0 l1", "B c2 m0 l0", "B c1 m0 l1", "B c1 m0 l0"]
-    assert plan.warmup == plan.capture
     # At most two microbatches of each chunk in flight: 2 chunks x 2 layers x 2.
     assert plan.max_live(plan.capture) == 8
     assert plan.live_after(plan.capture)[-1] == frozenset()
-    for step in plan.capture:
-        assert step.born == ((step.graph,) if step.kind is StepKind.FORWARD else ())
-        assert step.dies == ((step.graph,) if step.kind is StepKind.BACKWARD else ())
 
 
 def test_plan_is_flat_in_microbatches_for_1f1b_like_orders():
@@ -38,6 +110,19 @@ def test_unordered_plan_warms_up_per_callable_and_captures_like_torch():
     assert plan.max_live(plan.warmup) == 1
     assert [str(s) for s in plan.capture] == ["F c1 m0 l0", "F c1 m0 l1", "F c1 m0 l2",
                                               "B c1 m0 l2", "B c1 m0 l1", "B c1 m0 l0"]
+
+
+def test_unordered_plan_lives_and_lifetimes():
+    plan = build_unordered_plan(3)
+    assert not plan.ordered and not plan.split_backward
+    assert [(s.graph, s.callable_index, s.born, s.dies) for s in plan.warmup] == [
+        (0, 0, (0,), ()), (0, 0, (), (0,)), (1, 1, (1,), ()), (1, 1, (), (1,)),
+        (2, 2, (2,), ()), (2, 2, (), (2,))]
+    assert plan.live_after(plan.capture) == [frozenset(s) for s in
+                                             ({0}, {0, 1}, {0, 1, 2}, {0, 1}, {0}, set())]
+    assert plan.max_live(plan.capture) == 3
+    assert plan.lifetimes([True] * 3) == ((0, 5), (1, 4), (2, 3))
+    assert [s.kind for s in plan.capture] == [StepKind.FORWARD] * 3 + [StepKind.BACKWARD] * 3
 
 
 def test_max_live_per_chunk_counts_each_chunks_graphs_at_its_own_peak():

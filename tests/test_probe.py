@@ -7,10 +7,14 @@ import contextlib
 import pytest
 import torch
 
+import leangraph
+from helpers import Opaque, raises, sample
 from leangraph._call import validate_call
 from leangraph.buffers import BufferKey
 from leangraph.probe import probe
 from models import Block
+
+mgc = leangraph.make_graphed_callables
 
 
 def _facts(callables, samples, order=None, **kwargs):
@@ -47,6 +51,29 @@ def test_one_forward_per_callable_and_signature():
     calls.clear()
     facts = _facts((double,), (samples[2],))
     assert calls == [(5, 3)] and facts[0].inputs[0].shape == (5, 3)
+    # Four microbatches of one layer, two signatures among them: two forwards, and graphs
+    # of one signature share their facts.
+    calls.clear()
+    facts = _facts((double,), samples, order=[1, 1, 1, 1, -1, -1, -1, -1])
+    assert calls == [(2, 3), (5, 3)]
+    assert facts[0] is facts[1] is facts[3] and facts[2] is not facts[0]
+    assert [f.inputs[0].shape for f in facts] == [(2, 3), (2, 3), (5, 3), (2, 3)]
+
+
+def test_distinct_callables_are_probed_apart_even_on_one_signature():
+    calls = []
+
+    def double(x):
+        calls.append("double")
+        return x * 2
+
+    def negate(x):
+        calls.append("negate")
+        return -x
+
+    x = torch.randn(2, 3, requires_grad=True)
+    facts = _facts((double, negate, double), ((x,), (x,), (x,)), order=[1, 2, 3, -3, -2, -1])
+    assert calls == ["double", "negate"] and facts[0] is facts[2]
 
 
 def test_probe_leaves_rng_parameters_grads_and_buffers_alone():
@@ -85,3 +112,15 @@ def test_probe_runs_the_callables_inside_the_given_context():
 def test_an_output_that_is_not_a_tensor_is_refused_naming_the_callable():
     with pytest.raises(TypeError, match=r"callable 0 \(.*<lambda>\): output 1 must be a tensor"):
         _facts(lambda x: (x, object()), (torch.randn(3),))
+
+
+def test_w3_outputs_must_be_tensors_or_constants():
+    with raises(
+        TypeError,
+        "callable 0 (test_w3_outputs_must_be_tensors_or_constants.<locals>.<lambda>): "
+        "output 1 must be a tensor or a constant",
+        "got Opaque",
+    ):
+        mgc((lambda x: (x * 2, Opaque()),), ((sample(),),))
+    with raises(TypeError, "outputs hold no tensor; a graph must return at least one"):
+        mgc((lambda x: (None, 3),), ((sample(),),))

@@ -1,10 +1,10 @@
-"""Split backward (zero-bubble) orders: -(c + 0.5) weight steps and backward_dw()."""
+"""Split backward (zero-bubble) orders end to end: -(c + 0.5) weight steps parsed, planned, given
+buffers and trained exactly (backward_dw() itself: test_runtime_weight.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed.pipelining as pl
 
 import leangraph
 import leangraph.schedules
@@ -53,57 +53,6 @@ def test_zero_bubble_training_matches_eager_exactly(order, microbatches):
     leangraph.reset_all(graphed)
 
 
-def _zb_graphs():
-    """One layer, one microbatch: forward, input-gradient backward, weight step."""
-    torch.manual_seed(0)
-    layers = (Block(8),)
-    samples = ((torch.randn(4, 8, requires_grad=True),),)
-    return layers, leangraph.make_graphed_callables(layers, samples, order=[1, -1, -1.5])
-
-
-def test_input_grads_come_before_the_weight_step():
-    layers, graphed = _zb_graphs()
-    x = torch.randn(4, 8, requires_grad=True)
-    out = graphed[0](x)  # chunk 1, microbatch 0
-    out.square().sum().backward()
-    assert x.grad is not None and torch.isfinite(x.grad).all()
-    assert all(p.grad is None for p in layers[0].parameters())
-    graphed[0].backward_dw()
-    assert all(p.grad is not None for p in layers[0].parameters())
-    reference = Block(8)
-    reference.load_state_dict(layers[0].state_dict())
-    y = x.detach().clone().requires_grad_()
-    reference(y).square().sum().backward()
-    assert torch.equal(x.grad, y.grad)
-    for p, q in zip(layers[0].parameters(), reference.parameters()):
-        assert torch.equal(p.grad, q.grad)
-
-
-def test_backward_dw_misuse_raises():
-    _, graphed = _zb_graphs()
-    with pytest.raises(RuntimeError, match=r"graph \(chunk 1, microbatch 0, layer 0\): "
-                                           r"backward_dw\(\) called with no backward awaiting"):
-        graphed[0].backward_dw()
-    x = torch.randn(4, 8, requires_grad=True)
-    graphed[0](x).sum().backward()
-    with pytest.raises(RuntimeError, match="forward replayed while the weight step of replay 1"):
-        graphed[0](x)
-    graphed[0].backward_dw()
-    graphed[0](x).sum().backward()
-    graphed[0].reset()
-    with pytest.raises(leangraph.GraphResetError, match="cannot run its weight step"):
-        graphed[0].backward_dw()
-    assert graphed[0].is_reset and graphed[0].static_tensors() == []
-
-
-def test_backward_dw_needs_a_split_order():
-    torch.manual_seed(0)
-    graphed = leangraph.make_graphed_callables(
-        (Block(8),), ((torch.randn(4, 8, requires_grad=True),),), order=[1, -1])
-    with pytest.raises(RuntimeError, match=r"backward_dw\(\) needs an order with -\(c \+ 0.5\)"):
-        graphed[0].backward_dw()
-
-
 def test_seeds_are_not_shared_between_overlapping_backward_and_weight_spans():
     key = BufferKey((4, 8), torch.float32, torch.device("cpu"), True)
     layout, steps = parse_order(ZB3, num_callables=2, num_samples=6)
@@ -136,36 +85,6 @@ def test_memory_plan_keeps_activations_alive_until_the_weight_step():
     assert late.capture_peak_bytes > early.capture_peak_bytes
     weight_steps = [s for s in late.steps if s.step.startswith("W")]
     assert len(weight_steps) == 2 * 6  # warm-up pass and capture pass, 6 graphs each
-
-
-class Scale(torch.nn.Module):
-    """No parameters: a split backward with nothing for the weight step to do."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-
-def test_split_backward_without_parameters_or_input_grads():
-    torch.manual_seed(0)
-    layers = (Scale(), Block(8))
-    samples = ((torch.randn(4, 8, requires_grad=True),), (torch.randn(4, 8),))
-    # Chunk 1 has no parameters (nothing for its weight step); chunk 2's input does not
-    # require grad (nothing for its input-gradient step).
-    graphed = leangraph.make_graphed_callables(layers, samples, order=[1, 2, -2, -1, -2.5, -1.5])
-    x, y = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
-    scaled = graphed[0](x)
-    out = graphed[1](y)
-    out.square().sum().backward()
-    scaled.sum().backward()
-    assert torch.equal(x.grad, torch.full((4, 8), 2.0))
-    assert all(p.grad is None for p in layers[1].parameters())
-    graphed[1].backward_dw()
-    graphed[0].backward_dw()
-    reference = Block(8)
-    reference.load_state_dict(layers[1].state_dict())
-    reference(y).square().sum().backward()
-    for p, q in zip(layers[1].parameters(), reference.parameters()):
-        assert torch.equal(p.grad, q.grad)
 
 
 @pytest.mark.parametrize("cls", TORCH_ZERO_BUBBLE_SCHEDULES, ids=lambda cls: cls.__name__)

@@ -1,0 +1,96 @@
+"""Assertion helpers and small samples shared by the tests."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import leangraph
+from leangraph._call import CaptureOptions, validate_call
+from leangraph.backends import CpuBackend
+from leangraph.buffers import plan_buffers
+from leangraph.build.builder import build_graphs
+from leangraph.hooks import normalize_hooks
+from leangraph.probe import probe
+from models import Block
+
+NOTES = sys.version_info >= (3, 11)  # exc.__notes__ / add_note
+needs_notes = pytest.mark.skipif(not NOTES, reason="exception notes need Python >= 3.11")
+mgc = leangraph.make_graphed_callables
+
+
+@contextlib.contextmanager
+def raises(kind: type[BaseException], *parts: str) -> Iterator[pytest.ExceptionInfo]:
+    """Like ``pytest.raises(kind)``; also every part must appear, verbatim, in the message."""
+    with pytest.raises(kind) as info:
+        yield info
+    message = str(info.value)
+    for part in parts:
+        assert part in message, f"{part!r} not in message {message!r}"
+
+
+def notes(exc: BaseException) -> str:
+    return "\n".join(getattr(exc, "__notes__", ()))
+
+
+def sample(width: int = 4, requires_grad: bool = True) -> torch.Tensor:
+    return torch.randn(2, width, requires_grad=requires_grad)
+
+
+def blocks(count: int = 3, width: int = 4) -> tuple[Block, ...]:
+    torch.manual_seed(0)
+    return tuple(Block(width) for _ in range(count))
+
+
+def graphed_blocks(count: int = 3, **kwargs) -> tuple[torch.nn.Module, ...]:
+    layers = blocks(count)
+    return mgc(layers, tuple((sample(),) for _ in layers), **kwargs)
+
+
+class Opaque:
+    """Neither a tensor nor a constant a graph can hold."""
+
+
+def scale(x: torch.Tensor, *, factor: torch.Tensor) -> torch.Tensor:
+    return x * factor
+
+
+def three_graphs():
+    layers = tuple(Block(4) for _ in range(3))
+    reference = [copy.deepcopy(layer) for layer in layers]
+    samples = tuple((torch.randn(2, 4, requires_grad=True),) for _ in range(3))
+    return reference, leangraph.make_graphed_callables(layers, samples)
+
+
+def one_graph():
+    """One module graphed alone: its replays are the whole capture order."""
+    layer = Block(4)
+    reference = [copy.deepcopy(layer)]
+    graphed = leangraph.make_graphed_callables(layer, (torch.randn(2, 4, requires_grad=True),))
+    return reference, (graphed,)
+
+
+def build_stage(callables, sample_args, *, order=None, num_layers_per_chunk=None,
+                share_buffers=True, num_warmup_iters=1, backend=None, **options):
+    """Validate, probe, plan the buffers and run the build stage on the CPU backend, as
+    ``make_graphed_callables`` does; the validated call and the build's result."""
+    call = validate_call(callables, sample_args, None, order, num_layers_per_chunk)
+    facts = probe(call)
+    buffer_plan = (
+        plan_buffers(call.plan, [f.inputs for f in facts], [f.outputs for f in facts],
+                     chainable=call.chainable())
+        if share_buffers else None
+    )
+    options = CaptureOptions(
+        num_warmup_iters=num_warmup_iters, allow_unused_input=False,
+        retain_graph_in_backward=False, share_buffers=share_buffers, debug_outputs=False,
+        check_memory=False, **options,
+    )
+    built = build_graphs(call, facts, buffer_plan, backend or CpuBackend(), options,
+                         hooks=normalize_hooks(None, call.callables), progress=None)
+    return call, built

@@ -1,0 +1,140 @@
+"""The build stage (``leangraph.build.builder``): what each graph is built from, which graphs
+train shared parameters, and a failed build releasing every graph it made."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from helpers import build_stage, sample
+from leangraph._call import CaptureOptions, validate_call
+from leangraph.backends import CpuBackend
+from leangraph.build.builder import graph_sources, parameter_sharing
+from leangraph.hooks import normalize_hooks
+from leangraph.order import GraphId
+from leangraph.probe import probe
+from models import Block
+
+
+def _sources(callables, sample_args, *, order=None, share_buffers=True):
+    call = validate_call(callables, sample_args, None, order, None)
+    options = CaptureOptions(
+        num_warmup_iters=1, allow_unused_input=False, retain_graph_in_backward=False,
+        share_buffers=share_buffers, debug_outputs=False, check_memory=False,
+    )
+    return graph_sources(call, probe(call), normalize_hooks(None, call.callables), options)
+
+
+def _sharing(callables, sample_args, order=None):
+    call = validate_call(callables, sample_args, None, order, None)
+    return [(s.peers, s.shared_param_ids) for s in parameter_sharing(call, probe(call))]
+
+
+def double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_sources_hold_detached_samples_keeping_requires_grad():
+    x = sample()
+    hidden = x * 1  # not a leaf
+    (source,) = _sources(double, (hidden,))
+    (static,) = source.samples
+    assert static.grad_fn is None and static.requires_grad
+    assert static.data_ptr() == hidden.data_ptr()  # the sample's memory, not a copy
+    (frozen,) = _sources(double, (sample(requires_grad=False),))
+    assert not frozen.samples[0].requires_grad
+
+
+def test_a_sample_given_to_two_graphs_is_copied_only_where_samples_are_the_static_inputs():
+    x = sample()
+    shared = _sources((Block(4), Block(4)), ((x,), (x,)))
+    assert [s.samples[0].data_ptr() for s in shared] == [x.data_ptr()] * 2
+    private = _sources((Block(4), Block(4)), ((x,), (x,)), share_buffers=False)
+    assert private[0].samples[0].data_ptr() == x.data_ptr()
+    assert private[1].samples[0].data_ptr() != x.data_ptr()
+    assert torch.equal(private[1].samples[0], x.detach())
+
+
+def test_sources_run_a_modules_forward_and_name_the_graph():
+    block = Block(4)
+    module, function = _sources((block, double), ((sample(),), (sample(),)))
+    assert module.fn == block.forward and function.fn is double
+    assert (module.label, module.graph_id) == ("callable 0 (Block)", None)
+    assert [n for n in module.param_names] == [n for n, _ in block.named_parameters()]
+    assert function.params == () and function.param_names == ()
+    ordered = _sources((Block(4),), ((sample(),), (sample(),)), order=[1, 1, -1, -1])
+    assert [s.graph_id for s in ordered] == [GraphId(1, 0, 0), GraphId(1, 1, 0)]
+    assert [s.module for s in ordered] == [None, None]
+
+
+def test_a_layers_microbatches_train_its_parameters_together():
+    block = Block(4)
+    ids = frozenset(id(p) for p in block.parameters())
+    sharing = _sharing((block,), tuple((sample(),) for _ in range(3)), order=[1, 1, 1, -1, -1, -1])
+    assert sharing == [((1, 2), ids), ((0, 2), ids), ((0, 1), ids)]
+
+
+def test_tied_weights_make_graphs_peers_and_frozen_or_missing_parameters_do_not():
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    second.weight = first.weight
+    tied = _sharing((first, second, double), ((sample(),),) * 3)
+    weight = frozenset({id(first.weight)})
+    assert tied == [((1,), weight), ((0,), weight), ((), frozenset())]
+    first.weight.requires_grad_(False)  # frozen: no graph trains it, so nothing is shared
+    assert _sharing((first, second, double), ((sample(),),) * 3) == [((), frozenset())] * 3
+
+
+class Recording(CpuBackend):
+    """The CPU backend, keeping every graph pair it makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pairs: list[Any] = []
+
+    def new_pair(self) -> Any:
+        pair = super().new_pair()
+        self.pairs.append(pair)
+        return pair
+
+
+class FailsAt(torch.nn.Module):
+    """``x * w`` that raises at its ``fail_at``-th forward (1-based)."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+        self.fail_at, self.calls = fail_at, 0
+        self.error = ValueError("boom")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise self.error
+        return x * self.weight
+
+
+@pytest.mark.parametrize("fail_at", [2, 3], ids=["warm-up", "capture"])
+def test_a_failed_build_releases_every_graph_it_made(fail_at):
+    # The probe is forward 1 of the failing callable, warm-up forward 2, capture forward 3.
+    backend = Recording()
+    failing = FailsAt(fail_at)
+    with pytest.raises(ValueError) as info:  # the last graph, so the others are captured first
+        build_stage((Block(4), Block(4), failing), ((sample(),),) * 3, backend=backend)
+    assert info.value is failing.error
+    assert len(backend.pairs) == 3
+    for pair in backend.pairs:
+        with pytest.raises(RuntimeError, match="reset or never captured"):
+            pair.replay_forward()
+
+
+def test_a_build_hands_on_the_calls_capture_record():
+    _, built = build_stage((Block(4), double), ((sample(),), (sample(),)), num_warmup_iters=2)
+    record = built.capture
+    # The first warm-up pass (later passes repeat it), then capture: F, B of each callable.
+    assert [(p.phase, p.step) for p in record.timeline] == [
+        ("warm-up", "F c1 m0 l0"), ("warm-up", "B c1 m0 l0"), ("warm-up", "F c1 m0 l1"),
+        ("warm-up", "B c1 m0 l1"), ("capture", "F c1 m0 l0"), ("capture", "F c1 m0 l1"),
+        ("capture", "B c1 m0 l1"), ("capture", "B c1 m0 l0")]
+    assert record.device == "cpu" and record.warmup_seconds >= 0 and record.capture_seconds >= 0

@@ -1,0 +1,359 @@
+"""The validated record of a call (``leangraph._call``): every validation error (docs/errors.md,
+V entries, raised before anything runs), the :class:`Call` it returns, and what capture alone
+requires (:func:`check_capturable`)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import leangraph
+from helpers import Opaque, blocks, raises, sample, scale
+from leangraph import GraphedCallable
+from leangraph._call import CaptureOptions, check_capturable, validate_call
+from models import Block
+
+# Two chunks of one layer, two microbatches: graph (chunk c, microbatch m) is at 2 (c-1) + m.
+ORDER = [1, 2, -2, -1, 1, 2, -2, -1]
+mgc = leangraph.make_graphed_callables
+
+
+def test_v1_num_warmup_iters_must_be_a_non_negative_int():
+    for bad in (-1, 1.5, True):
+        with raises(ValueError, "num_warmup_iters must be an int >= 0", f"got {bad!r}"):
+            mgc(Block(4), (sample(),), num_warmup_iters=bad)
+
+
+def test_v2_autocast_cache_is_refused():
+    layer = Block(4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with raises(RuntimeError, "autocast cache", "cache_enabled=False"):
+            mgc(layer, (sample(),))
+    assert not isinstance(layer.__dict__.get("forward"), GraphedCallable)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        leangraph.reset_all(mgc(layer, (sample(),)))  # without the cache it is fine
+
+
+def test_v3_callables_must_be_callable():
+    with raises(TypeError, "callables[1] is a int", "not callable"):
+        mgc((Block(4), 3), ((sample(),), (sample(),)))
+
+
+def test_v4_a_graphed_module_cannot_be_graphed_again():
+    layer = mgc(Block(4), (sample(),))
+    for _ in range(2):  # before and after its reset
+        with raises(ValueError, "callables[0] (Block) was already graphed"):
+            mgc((layer,), ((sample(),),))
+        leangraph.reset_all(layer)
+
+
+@pytest.mark.parametrize(
+    ("register", "kind"),
+    [
+        (lambda m: m.register_forward_hook(lambda *a: None), "_forward_hooks"),
+        (lambda m: m.register_forward_pre_hook(lambda *a: None), "_forward_pre_hooks"),
+        (lambda m: m.register_full_backward_hook(lambda *a: None), "_backward_hooks"),
+        (lambda m: m.register_full_backward_pre_hook(lambda *a: None), "_backward_pre_hooks"),
+    ],
+)
+@pytest.mark.parametrize("where", ["module", "submodule"])
+def test_v5_modules_with_hooks_are_refused(register, kind, where):
+    layers = blocks(3)
+    handle = register(layers[2] if where == "module" else layers[2].up)
+    place = "the module" if where == "module" else "submodule 'up'"
+    with raises(ValueError, f"callables[2] (Block): {place} has {kind}", "remove them"):
+        mgc(layers, tuple((sample(),) for _ in layers))
+    handle.remove()
+    leangraph.reset_all(mgc(layers, tuple((sample(),) for _ in layers)))
+
+
+class Stats(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4, requires_grad=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def test_v6_buffers_that_require_grad_are_refused():
+    with raises(ValueError, "callables[1] (Stats): buffer 'scale' requires grad"):
+        mgc((Block(4), Stats()), ((sample(),), (sample(),)))
+
+
+def test_v7_the_same_module_twice_without_an_order():
+    layer = Block(4)
+    with raises(ValueError, "callables[1] is the same module as callables[0]"):
+        mgc((layer, layer), ((sample(),), (sample(),)))
+
+
+def test_v8_sample_args_must_be_a_tuple():
+    with raises(TypeError, "sample_args must be a tuple, got Tensor"):
+        mgc((Block(4),), sample())
+
+
+def test_v9_sample_args_count_without_an_order():
+    with raises(ValueError, "sample_args has 1 entries for 2 callables"):
+        mgc(blocks(2), ((sample(),),))
+    with raises(ValueError, "sample_args has 3 entries for 2 callables"):
+        mgc(blocks(2), tuple((sample(),) for _ in range(3)))
+
+
+def test_v10_sample_args_count_with_an_order():
+    with raises(
+        ValueError, "sample_args has 3 entries but the order needs 4", "(2 layers x 2 microbatches)"
+    ):
+        mgc(blocks(2), tuple((sample(),) for _ in range(3)), order=ORDER)
+
+
+@pytest.mark.parametrize(
+    ("order", "layers", "parts"),
+    [
+        ([1, 2, -2, 0], None, ["order[3] = 0", "1-based"]),
+        ([-1, 1, 2, -2], None, ["order[0] = -1: backward of chunk 1 with no outstanding forward"]),
+        ([1, 3, -3, -1], [1, 1], ["order[1] = 3: unknown chunk 3, the model has 2 chunks"]),
+        ([1.0, -1, 2, -2], None, ["order[0] = 1.0", "non-zero integers", "got float"]),
+        ([True, -1, 2, -2], None, ["order[0] = True", "got bool"]),
+        ([1, 2, -2], None, ["order runs 1 forwards but 0 backwards of chunk 1"]),
+        ([1, 2, -2, -1, 2, -2], None, ["order runs 2 forwards of chunk 2 but 1 of chunk 1"]),
+        ([1, 2, -2, -1], [1, 2], ["num_layers_per_chunk [1, 2] sums to 3 layers but 2 callables"]),
+        ([1, 2, -2, -1], [2], ["order[1] = 2: unknown chunk 2, the model has 1 chunks"]),
+        ([1, -1], [1, 1], ["order runs 0 forwards of chunk 2 but 1 of chunk 1"]),
+        ([1, 2, -2, -1], [0, 2], ["num_layers_per_chunk for chunk 1 must be >= 1, got 0"]),
+        ([], None, ["order is empty"]),
+        ("1,2,-2,-1", None, ["order must be a list of chunk ids, got str"]),
+    ],
+)
+def test_v11_malformed_orders(order, layers, parts):
+    with raises(ValueError, *parts):
+        mgc(
+            blocks(2),
+            tuple((sample(),) for _ in range(2)),
+            order=order,
+            num_layers_per_chunk=layers,
+        )
+
+
+def test_v11_uneven_split_and_num_layers_without_an_order():
+    with raises(
+        ValueError, "3 callables cannot be split equally over 2 chunks", "pass num_layers_per_chunk"
+    ):
+        mgc(blocks(3), tuple((sample(),) for _ in range(3)), order=[1, 2, -2, -1])
+    with raises(ValueError, "num_layers_per_chunk needs an order"):
+        mgc(blocks(2), ((sample(),), (sample(),)), num_layers_per_chunk=1)
+
+
+def test_v12_each_sample_args_entry_must_be_a_tuple():
+    with raises(
+        TypeError,
+        "sample_args[1] must be a tuple of arguments, got Tensor",
+        "wrap a single tensor as (tensor,)",
+    ):
+        mgc(blocks(2), ((sample(),), sample()))
+
+
+@pytest.mark.parametrize(
+    ("sample_args", "sample_kwargs", "where"),
+    [
+        ((sample(), Opaque()), {}, "sample_args[1][1]"),
+        (([sample(), [1, Opaque()]],), {}, "sample_args[1][0][1][1]"),
+        ((sample(),), {"mask": Opaque()}, "sample_kwargs[1]['mask']"),
+    ],
+)
+def test_v13_sample_leaves_must_be_tensors_or_constants(sample_args, sample_kwargs, where):
+    with raises(
+        TypeError, f"{where}: an argument leaf must be a tensor or a constant", "got Opaque"
+    ):
+        mgc(
+            (lambda x: x * 2, lambda *a, **k: a[0]),
+            ((sample(),), sample_args),
+            sample_kwargs=({}, sample_kwargs),
+            allow_unused_input=True,
+        )
+
+
+def test_v14_sample_kwargs_count_and_type():
+    with raises(ValueError, "sample_kwargs must have one dict per graph (1), got 2"):
+        mgc((scale,), ((sample(),),), sample_kwargs=({}, {}))
+    with raises(TypeError, "sample_kwargs[0] must be a dict, got list"):
+        mgc((scale,), ((sample(),),), sample_kwargs=([],))
+
+
+def test_v15_one_device_for_samples_and_parameters():
+    with raises(
+        ValueError, "must share one device", "sample_args[0] is on cpu", "sample_args[1] is on meta"
+    ):
+        mgc(blocks(2), ((sample(),), (torch.randn(2, 4, device="meta"),)))
+    with raises(ValueError, "must share one device", "sample_kwargs[0] is on meta"):
+        mgc((scale,), ((sample(),),), sample_kwargs=({"factor": torch.tensor(2.0, device="meta")},))
+    with raises(
+        ValueError,
+        "sample_args[0] is on meta",
+        "callables[0] (Block) parameter 'norm.weight' is on cpu",
+    ):
+        mgc(Block(4), (torch.randn(2, 4, device="meta"),))
+
+
+def test_v18_global_module_hooks_are_refused():
+    from torch.nn.modules.module import register_module_forward_hook
+
+    handle = register_module_forward_hook(lambda module, args, output: None)
+    try:
+        with pytest.raises(ValueError, match=r"callables\[0\] \(Block\): global module hooks are "
+                                             r"registered \(_global_forward_hooks\)"):
+            mgc(Block(4), (sample(),))
+    finally:
+        handle.remove()
+
+
+def test_v19_callables_must_be_a_callable_or_a_tuple():
+    with raises(TypeError, "callables must be a callable or a tuple of callables, got a list",
+                "pass tuple(callables)"):
+        mgc(list(blocks(2)), ((sample(),), (sample(),)))
+    with raises(ValueError, "callables is empty"):
+        mgc((), ())
+
+
+def test_v20_a_parameter_tensor_hook_is_refused_before_warm_up():
+    layer = torch.nn.Sequential()
+    layer.lin = torch.nn.Linear(4, 4)
+    calls = []
+    layer.lin.weight.register_hook(lambda g: (calls.append(1), g * 2)[1])
+    with pytest.raises(ValueError, match=r"callables\[0\] \(Sequential\): parameter 'lin.weight' has "
+                                         r"a tensor hook \(register_hook\)"):
+        leangraph.make_graphed_callables(layer, (torch.randn(2, 4),))
+    assert calls == []  # refused before anything ran a backward
+
+
+# ------------------------------------------------------------------------- the Call record
+
+
+def test_validation_runs_no_callable():
+    calls = []
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        calls.append(None)
+        return x * 2
+
+    with raises(ValueError, "sample_kwargs must have one dict per graph (1), got 2"):
+        mgc((counted,), ((sample(),),), sample_kwargs=({}, {}))
+    with raises(ValueError, "must share one device"):
+        mgc((counted, counted), ((sample(),), (torch.randn(2, 4, device="meta"),)))
+    assert calls == []
+
+
+def test_a_single_callable_comes_with_one_sample_tuple_and_one_kwargs_dict():
+    x, factor = sample(), torch.tensor(2.0)
+    given = {"factor": factor}
+    call = validate_call(scale, (x,), given, None, None)
+    assert call.single and call.callables == (scale,)
+    ((args, kwargs),) = call.samples
+    assert args == (x,) and args[0] is x and kwargs == {"factor": factor}
+    given["offset"] = factor  # the record is the call's own: later edits do not reach it
+    assert call.samples[0][1] == {"factor": factor}
+    as_tuple = validate_call((scale,), ((x,),), ({"factor": factor},), None, None)
+    assert not as_tuple.single and as_tuple.samples == call.samples
+
+
+def test_sample_lists_are_accepted_where_tuples_are_and_become_tuples():
+    x, y = sample(), sample()
+    call = validate_call((Block(4), Block(4)), [[x], [y]], [{}, {}], None, None)
+    assert call.samples == (((x,), {}), ((y,), {}))
+    assert all(type(args) is tuple for args, _ in call.samples)
+    # As in torch, only a tuple is several callables: a list of callables is refused (V19).
+    with raises(TypeError, "callables must be a callable or a tuple of callables, got a list"):
+        validate_call([Block(4)], ([x],), None, None, None)
+
+
+def test_the_device_is_the_one_every_sample_and_parameter_is_on():
+    meta = torch.nn.Linear(4, 4, device="meta")
+    call = validate_call(meta, (torch.empty(2, 4, device="meta"),), None, None, None)
+    assert call.device == torch.device("meta")
+    # Nothing to go by (no tensor at all): the CPU.
+    assert validate_call(lambda: None, (), None, None, None).device == torch.device("cpu")
+    on_params = validate_call(meta, (), None, None, None)  # the parameters alone decide
+    assert on_params.device == torch.device("meta")
+
+
+def test_labels_name_graphs_by_callable_without_an_order_and_by_position_with_one():
+    def local(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    call = validate_call(
+        (local, Block(4), functools.partial(local)),
+        ((sample(),), (sample(),), (sample(),)),
+        None,
+        None,
+        None,
+    )
+    assert [call.label(g) for g in range(3)] == [
+        "callable 0 (test_labels_name_graphs_by_callable_without_an_order_and_by_position_with_one"
+        ".<locals>.local)",  # the qualified name
+        "callable 1 (Block)",
+        "callable 2 (partial)",  # no __qualname__: the type's name
+    ]
+    ordered = validate_call(blocks(2), tuple((sample(),) for _ in range(4)), None, ORDER, None)
+    assert [ordered.label(g) for g in range(4)] == [
+        "graph (chunk 1, microbatch 0, layer 0)",
+        "graph (chunk 1, microbatch 1, layer 0)",
+        "graph (chunk 2, microbatch 0, layer 0)",
+        "graph (chunk 2, microbatch 1, layer 0)",
+    ]
+
+
+def test_graphs_run_the_callables_the_layout_assigns():
+    # Two chunks of two layers, two microbatches: graphs go chunk -> microbatch -> layer.
+    layers = blocks(4)
+    call = validate_call(
+        layers, tuple((sample(),) for _ in range(8)), None, [1, 1, 2, 2, -2, -2, -1, -1], 2
+    )
+    assert [call.callable_index(g) for g in range(8)] == [0, 1, 0, 1, 2, 3, 2, 3]
+    assert [call.callable_of(g) for g in range(8)] == [layers[i] for i in (0, 1, 0, 1, 2, 3, 2, 3)]
+    unordered = validate_call(layers, tuple((sample(),) for _ in range(4)), None, None, None)
+    assert [unordered.callable_of(g) for g in range(4)] == list(layers)
+    assert call.plan.ordered and not unordered.plan.ordered
+
+
+def test_chainable_says_whether_leaf_0_is_positional_argument_0():
+    x = sample()
+
+    def anything(*args, **kwargs):
+        return x
+
+    call = validate_call(
+        (anything,) * 5,
+        ((x,), ((x, x),), (), (x, x), ([x],)),
+        ({}, {}, {"x": x}, {"y": x}, {}),
+        None,
+        None,
+    )
+    assert call.chainable() == (True, False, False, True, False)
+
+
+def test_check_capturable_refuses_what_the_caller_says_is_already_graphed():
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    call = validate_call((first, second), ((sample(),), (sample(),)), None, None, None)
+    check_capturable(call, lambda module: False)
+    with raises(ValueError, "callables[1] (Linear) was already graphed"):
+        check_capturable(call, lambda module: module is second)
+
+
+def test_with_an_order_one_module_may_serve_several_chunks():
+    layer = Block(4)
+    call = validate_call((layer, layer), tuple((sample(),) for _ in range(2)), None,
+                         [1, 2, -2, -1], None)
+    check_capturable(call, lambda module: False)  # tied chunks: no "same module twice"
+    unordered = validate_call((layer, layer), ((sample(),), (sample(),)), None, None, None)
+    with raises(ValueError, "callables[1] is the same module as callables[0]"):
+        check_capturable(unordered, lambda module: False)
+
+
+def test_capture_options_take_zero_warmup_iterations():
+    options = CaptureOptions(
+        num_warmup_iters=0, allow_unused_input=False, retain_graph_in_backward=False,
+        share_buffers=True, debug_outputs=False, check_memory=True,
+    )
+    assert options.num_warmup_iters == 0 and options.pre_warmup_hook is None

@@ -1,0 +1,187 @@
+"""Gradient routing (``leangraph.runtime.grads``): what a backward replay hands autograd. Every
+gradient autograd stores (a leaf input's ``.grad``, a parameter's ``.grad`` while None) is a
+fresh tensor; a parameter gradient another graph of the same backward pass still adds to is a
+copy; the rest are views that earlier nodes consume at once (CPU backend)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import leangraph
+from helpers import one_graph, three_graphs
+from leangraph.runtime.grads import copies
+from leangraph.runtime.pending import PendingBackwards
+from models import Block, assert_histories_equal, train_both
+
+ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
+
+
+def _grads(modules):
+    return [p.grad.clone() for m in modules for p in m.parameters()]
+
+
+def test_several_microbatches_in_one_backward_pass_accumulate_exactly():
+    """GPipe with the microbatches' losses summed: one backward pass reaches a layer's
+    parameters through every microbatch's graph, so autograd waits for all of them before
+    accumulating, and a shared gradient buffer must not be overwritten meanwhile."""
+    torch.manual_seed(0)
+    layers = tuple(Block(8) for _ in range(2))
+    reference = copy.deepcopy(layers)
+    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(6))
+    # One backward pass over the summed losses runs the microbatches' backwards newest
+    # first (autograd runs the latest-made node first): the order must say so, with steps
+    # that name their microbatch.
+    forward, backward = leangraph.StepKind.FORWARD, leangraph.StepKind.BACKWARD
+    order = [leangraph.Step(forward, 1, m) for m in range(3)]
+    order += [leangraph.Step(backward, 1, m) for m in reversed(range(3))]
+    graphed = leangraph.make_graphed_callables(
+        layers, samples, order=order, num_layers_per_chunk=2
+    )
+    for _ in range(3):
+        xs = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
+        loss = sum((m + 1) * graphed[2 * m + 1](graphed[2 * m](x)).square().sum()
+                   for m, x in enumerate(xs))
+        loss.backward()
+        sum((m + 1) * reference[1](reference[0](x.detach())).square().sum()
+            for m, x in enumerate(xs)).backward()
+        assert all(torch.equal(a, b) for a, b in zip(_grads(layers), _grads(reference)))
+
+
+def test_weights_tied_between_graphed_modules_accumulate_exactly():
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    second.weight = first.weight
+    ref_first, ref_second = copy.deepcopy((first, second))
+    assert ref_second.weight is ref_first.weight
+    graphed = leangraph.make_graphed_callables(
+        (first, second), tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(2))
+    )
+    for _ in range(3):
+        x = torch.randn(4, 8, requires_grad=True)
+        graphed[1](graphed[0](x)).square().sum().backward()
+        ref_second(ref_first(x.detach())).square().sum().backward()
+        assert torch.equal(first.weight.grad, ref_first.weight.grad)
+        assert torch.equal(second.bias.grad, ref_second.bias.grad)
+
+
+def test_one_microbatch_per_backward_pass_hands_autograd_views(monkeypatch):
+    """The usual pipeline step differentiates one microbatch at a time: no other graph of a
+    layer runs in that backward pass, so its parameter gradients need no copy."""
+    seen: list[bool] = []
+    original = PendingBackwards.reached_now
+
+    def record(self, graphs):
+        seen.append(original(self, graphs))
+        return seen[-1]
+
+    monkeypatch.setattr(PendingBackwards, "reached_now", record)
+    history, _ = train_both(ORDER, [2, 2], width=8, microbatches=3, steps=2)
+    assert_histories_equal(history, exact=True)
+    assert seen and not any(seen)
+
+
+def test_returned_parameter_grads_do_not_alias_static_buffers():
+    # A .grad aliasing the backward graph's gradient buffer would be overwritten by the next
+    # replay and then have that view added to itself: twice eager's gradient.
+    reference, graphed = one_graph()
+    for step in range(3):
+        x = torch.randn(2, 4, requires_grad=True)
+        graphed[0](x).sum().backward()
+        reference[0](x.detach()).sum().backward()
+        for param, ref in zip(graphed[0].parameters(), reference[0].parameters()):
+            assert torch.equal(param.grad, ref.grad), step
+            param.grad.zero_()  # zero_grad(set_to_none=False)
+            ref.grad.zero_()
+
+
+def test_leaf_input_grads_are_fresh_tensors():
+    reference, graphed = one_graph()
+    x1, x2 = torch.randn(2, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True)
+    graphed[0](x1).square().sum().backward()
+    first = x1.grad.clone()
+    graphed[0](x2).square().sum().backward()  # overwrites the graph's gradient buffers
+    assert torch.equal(x1.grad, first)
+    y = x1.detach().clone().requires_grad_()
+    reference[0](y).square().sum().backward()
+    assert torch.equal(x1.grad, y.grad)
+
+
+def test_a_parameter_grad_set_to_none_gets_a_fresh_tensor_each_time():
+    reference, graphed = one_graph()
+    layer, twin = graphed[0], reference[0]
+    kept = []
+    for _ in range(2):
+        x = torch.randn(2, 4, requires_grad=True)
+        layer(x).square().sum().backward()
+        twin(x.detach()).square().sum().backward()
+        kept.append([(p.grad, p.grad.clone()) for p in layer.parameters()])
+        for p, q in zip(layer.parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad)
+            p.grad = q.grad = None  # zero_grad(set_to_none=True)
+    for grad, value in kept[0]:  # the first step's gradients survived the second replay
+        assert torch.equal(grad, value)
+    assert all(a is not b for (a, _), (b, _) in zip(*kept))
+
+
+def test_an_existing_parameter_grad_is_added_to_in_place():
+    reference, graphed = one_graph()
+    layer, twin = graphed[0], reference[0]
+    for p, q in zip(layer.parameters(), twin.parameters()):
+        p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+    held = [p.grad for p in layer.parameters()]
+    x = torch.randn(2, 4, requires_grad=True)
+    layer(x).square().sum().backward()
+    twin(x.detach()).square().sum().backward()
+    for p, q, grad in zip(layer.parameters(), twin.parameters(), held):
+        assert p.grad is grad and torch.equal(p.grad, q.grad)
+
+
+def test_gradients_reaching_earlier_graphs_are_exact():
+    # Through three graphed callables in a row: each backward's input gradient is the next
+    # (earlier) backward's incoming gradient.
+    reference, graphed = three_graphs()
+    x = torch.randn(2, 4, requires_grad=True)
+    y = x.detach().clone().requires_grad_()
+    graphed[2](graphed[1](graphed[0](x))).square().sum().backward()
+    reference[2](reference[1](reference[0](y))).square().sum().backward()
+    assert torch.equal(x.grad, y.grad)
+    for graphed_layer, twin in zip(graphed, reference):
+        for p, q in zip(graphed_layer.parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad)
+
+
+def test_copies_are_fresh_and_bit_exact():
+    special = torch.tensor([-0.0, 0.0, float("inf"), -float("inf"), float("nan"), 1e-45, -3.5])
+    tensors = [special, special.flip(0) * 2, torch.arange(4.0)]
+    for batch in ([tensors[0]], tensors):  # one tensor, and several at once
+        result = copies(batch)
+        assert len(result) == len(batch)
+        for copy_, original in zip(result, batch):
+            assert copy_.data_ptr() != original.data_ptr()
+            assert torch.equal(copy_.view(torch.int32), original.view(torch.int32))
+
+
+def test_a_gradient_autograd_consumes_at_once_is_a_view_of_a_static_buffer():
+    """Without buffer sharing each graph keeps its gradient buffers (``static_tensors()``), so
+    where a gradient handed to autograd points says whether it is a view or a copy."""
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    graphed = leangraph.make_graphed_callables(
+        (first, second), ((torch.randn(2, 4, requires_grad=True),),) * 2, share_buffers=False
+    )
+    buffers = [{t.data_ptr() for t in m.forward.static_tensors()} for m in graphed]
+    # What autograd accumulates into first.weight, and what flows from graph 1 into graph 0.
+    accumulate = first.weight.view_as(first.weight).grad_fn.next_functions[0][0]
+    accumulated: list[int] = []
+    accumulate.register_prehook(lambda grads: accumulated.append(grads[0].data_ptr()))
+    for step in range(2):  # .grad None (autograd stores it: a copy), then set (added: a view)
+        flowing: list[int] = []
+        x = torch.randn(2, 4, requires_grad=True)
+        hidden = graphed[0](x)
+        hidden.register_hook(lambda grad: flowing.append(grad.data_ptr()))
+        graphed[1](hidden).sum().backward()
+        assert flowing and flowing[0] in buffers[1]  # consumed by graph 0's node at once
+        assert x.grad.data_ptr() not in buffers[0]  # a leaf's .grad: a copy
+        assert (accumulated[step] in buffers[0]) == (step == 1), step

@@ -1,0 +1,276 @@
+"""One graphed callable (``leangraph.runtime.graphed``): replay, the module drop-in and its eager
+fallback, reset, and the lifecycle rules (docs/errors.md, R9, R10, L1-L6) (CPU backend)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import weakref
+
+import pytest
+import torch
+
+import leangraph
+from helpers import blocks, graphed_blocks, raises, sample, three_graphs
+from leangraph import GraphResetError
+from models import Block
+
+mgc = leangraph.make_graphed_callables
+
+
+def test_module_drop_in_matches_eager_and_falls_back_in_eval():
+    torch.manual_seed(0)
+    block = Block(8)
+    reference = copy.deepcopy(block)
+    graphed = leangraph.make_graphed_callables(block, (torch.randn(4, 8, requires_grad=True),))
+    assert graphed is block and isinstance(block.forward, leangraph.GraphedCallable)
+    for _ in range(3):
+        x = torch.randn(4, 8, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        out, ref = graphed(x), reference(x_ref)
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        assert torch.equal(out, ref) and torch.equal(x.grad, x_ref.grad)
+    for p, q in zip(block.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    block.eval()
+    x = torch.randn(2, 3, 8)  # a shape the graph never saw: eval runs eagerly
+    assert torch.equal(graphed(x), reference(x))
+
+
+def test_reset_is_terminal_isolated_and_idempotent():
+    torch.manual_seed(0)
+    reference, graphed = three_graphs()
+    middle = graphed[1].forward
+    middle.reset()
+    middle.reset()
+    assert middle.is_reset and not graphed[0].forward.is_reset
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"callable 1 \(Block\): cannot call: .* was reset"):
+        graphed[1](x)
+    for index in (0, 2):  # the others keep replaying correctly
+        assert torch.equal(graphed[index](x), reference[index](x))
+    leangraph.reset_all(graphed)
+    leangraph.reset_all(graphed)
+    assert all(g.forward.is_reset for g in graphed)
+
+
+def test_reset_releases_graph_state():
+    _, graphed = three_graphs()
+    callable_ = graphed[0].forward
+    inputs = [weakref.ref(t) for t in callable_.static_tensors() if t.requires_grad]
+    assert inputs and all(ref() is not None for ref in inputs)
+    callable_.reset()
+    assert callable_.static_tensors() == [] and all(ref() is None for ref in inputs)
+    assert leangraph.memory_report(graphed[0]).static_bytes == 0
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+@pytest.mark.parametrize("with_hooks", [False, True])
+def test_reset_all_frees_modules_by_reference_counting_alone(ordered, with_hooks):
+    """No reference cycle outlives reset_all: a module's forward is its graphed callable, so
+    anything the callable still held (its function, capture-time hooks, samples) would keep the
+    module, its parameters and gradients alive until the cycle collector happened to run."""
+    layers = tuple(Block(8) for _ in range(3))
+    microbatches = 2 if ordered else 1
+    samples = tuple((torch.randn(2, 8, requires_grad=True),) for _ in range(3 * microbatches))
+    order = dict(order=[1, -1, 1, -1], num_layers_per_chunk=3) if ordered else {}
+    hooks = [{"forward": [lambda *args: None]}] * 3 if with_hooks else None
+    alive = [weakref.ref(layer) for layer in layers] + [weakref.ref(layers[0].up.weight)]
+    gc.disable()
+    try:
+        graphed = leangraph.make_graphed_callables(
+            layers, samples, capture_time_hooks=hooks, **order
+        )
+        alive += [weakref.ref(g) for g in graphed]
+        graphed[2](graphed[1](graphed[0](samples[0][0]))).sum().backward()
+        leangraph.reset_all(graphed)
+        del graphed, layers
+        assert [ref() is None for ref in alive] == [True] * len(alive)
+    finally:
+        gc.enable()
+
+
+def test_backward_after_a_newer_replay_raises():
+    # retain_graph_in_backward allows replays with a backward outstanding; the backward of
+    # an older replay still cannot run against the newer replay's activations.
+    torch.manual_seed(0)
+    graphed = leangraph.make_graphed_callables(
+        (Block(4),), ((torch.randn(2, 4, requires_grad=True),),), retain_graph_in_backward=True
+    )
+    x = torch.randn(2, 4, requires_grad=True)
+    loss = graphed[0](x).sum()
+    graphed[0](x).sum().backward()
+    with pytest.raises(RuntimeError, match="replayed again since"):
+        loss.backward()
+
+
+class Gates(torch.nn.Module):
+    """Two parameters of one shape: a gradient routed to the wrong one would not be noticed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(4))
+        self.b = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.a + x * x * self.b
+
+
+def test_r10_a_parameter_frozen_at_capture_must_stay_frozen():
+    gates = Gates()
+    gates.a.requires_grad_(False)
+    graphed = mgc(gates, (sample(),))
+    gates.a.requires_grad_(True)
+    with raises(
+        ValueError,
+        "callable 0 (Gates) parameter 'a' must have requires_grad=False as at capture",
+        "got requires_grad=True",
+    ):
+        graphed(sample())
+    gates.a.requires_grad_(False)
+    graphed(sample()).sum().backward()
+    assert gates.a.grad is None and gates.b.grad is not None
+
+
+def test_a_parameter_frozen_after_capture_gets_no_gradient_and_the_others_theirs():
+    torch.manual_seed(0)
+    gates = Gates()
+    eager = copy.deepcopy(gates)
+    graphed = mgc(gates, (sample(),))
+    for module in (gates, eager):
+        module.a.requires_grad_(False)
+    x = sample()
+    graphed(x).sum().backward()
+    eager(x).sum().backward()
+    assert gates.a.grad is None
+    torch.testing.assert_close(gates.b.grad, eager.b.grad, rtol=0, atol=0)
+
+
+def test_r9_chained_input_must_be_the_previous_layers_output():
+    layers = blocks(2)
+    graphed = mgc(layers, ((sample(),), (sample(),)), order=[1, -1], num_layers_per_chunk=2)
+    hidden = graphed[0](sample())
+    with raises(
+        ValueError,
+        "graph (chunk 1, microbatch 0, layer 1) input 0 is the output buffer "
+        "of graph (chunk 1, microbatch 0, layer 0)",
+        "pass that graph's output itself, got another tensor",
+        "share_buffers=False",
+    ):
+        graphed[1](hidden.detach().clone().requires_grad_())
+    graphed[1](hidden).sum().backward()  # the output itself is fine
+    free = mgc(
+        blocks(2),
+        ((sample(),), (sample(),)),
+        order=[1, -1],
+        num_layers_per_chunk=2,
+        share_buffers=False,
+    )
+    free[0](sample())  # its output dropped: no backward comes, and the order passes it over
+    free[1](sample()).sum().backward()  # without sharing, anything matching goes
+
+
+def test_l1_calling_a_reset_callable():
+    graphed = graphed_blocks()
+    graphed[1].forward.reset()
+    with raises(GraphResetError, "callable 1 (Block): cannot call", "was reset"):
+        graphed[1](sample())
+    graphed[1].eval()  # a reset module does not fall back to eager either
+    with raises(GraphResetError, "callable 1 (Block): cannot call"):
+        graphed[1](sample())
+    leangraph.reset_all(graphed)
+    with raises(GraphResetError, "callable 0 (Block): cannot call"):
+        graphed[0](sample())
+    assert issubclass(GraphResetError, RuntimeError)
+
+
+def test_l2_backward_through_a_reset_callable():
+    graphed = graphed_blocks()
+    out = graphed[2](graphed[1](graphed[0](sample())))
+    graphed[1].forward.reset()
+    with raises(GraphResetError, "callable 1 (Block): cannot run a backward", "was reset"):
+        out.sum().backward()
+
+
+def test_l3_second_backward_through_one_forward_replay():
+    graphed = graphed_blocks(1)[0]
+    loss = graphed(sample()).sum()
+    loss.backward(retain_graph=True)
+    with raises(
+        RuntimeError,
+        "callable 0 (Block): second backward through forward replay",
+        "retain_graph_in_backward=True",
+    ):
+        loss.backward()
+
+
+def test_l3_retain_graph_in_backward_allows_it():
+    layers = blocks(1)
+    reference = copy.deepcopy(layers[0])
+    graphed = mgc(layers, ((sample(),),), retain_graph_in_backward=True)[0]
+    x = sample()
+    x_ref = x.detach().clone().requires_grad_()
+    loss, loss_ref = graphed(x).sum(), reference(x_ref).sum()
+    for _ in range(2):
+        loss.backward(retain_graph=True)
+        loss_ref.backward(retain_graph=True)
+    assert torch.equal(x.grad, x_ref.grad)
+
+
+def test_l4_replay_while_outputs_await_backward():
+    graphed = graphed_blocks(1)[0]
+    first = graphed(sample())
+    with raises(RuntimeError, "callable 0 (Block)", "still await their backward"):
+        graphed(sample())
+    first.sum().backward()  # the refused replay changed nothing: the first backward still works
+    second = graphed(sample())  # after the backward, a replay is fine
+    del second
+    graphed(sample())  # and so it is once the outputs are gone
+
+
+def test_l4_outputs_that_do_not_require_grad_are_exempt():
+    graphed = graphed_blocks(1)[0]
+    with torch.no_grad():
+        first = graphed(sample())
+        second = graphed(sample())
+    assert not first.requires_grad and not second.requires_grad
+    frozen = mgc(Block(4).requires_grad_(False), (sample(requires_grad=False),))
+    first = frozen(sample(requires_grad=False))
+    second = frozen(sample(requires_grad=False))
+    del first, second
+
+
+def test_l4_forward_while_only_a_derived_tensor_awaits_backward():
+    graphed = graphed_blocks(1)[0]
+    loss1 = graphed(sample()).sum()  # the output is gone; its autograd graph is not
+    with raises(
+        RuntimeError,
+        "callable 0 (Block): forward replayed while the outputs of its "
+        "previous replay (1) still await their backward",
+    ):
+        graphed(sample())
+    loss1.backward()
+
+
+def test_l5_backward_after_a_newer_replay():
+    # Only reachable when retain_graph_in_backward lets replays overlap a pending backward.
+    graphed = graphed_blocks(1, retain_graph_in_backward=True)[0]
+    loss1 = graphed(sample()).sum()
+    loss2 = graphed(sample()).sum()
+    with raises(
+        RuntimeError,
+        "callable 0 (Block): backward of forward replay 1 requested",
+        "replayed again since (replay 2)",
+    ):
+        loss1.backward()
+    loss2.backward()
+
+
+def test_l6_graphed_callables_cannot_be_copied_or_pickled():
+    graphed = graphed_blocks(2)
+    with raises(TypeError, "callable 1 (Block): a graphed callable cannot be copied or pickled"):
+        copy.deepcopy(graphed[1])
+    with raises(TypeError, "callable 0 (Block): a graphed callable cannot be copied or pickled"):
+        pickle.dumps(graphed[0].forward)

@@ -1,0 +1,57 @@
+"""Replay order (``leangraph.runtime.sequence``): graphs replay in the order they were captured;
+a forward or backward out of that order is refused naming the graph and the replay that must
+come next, steps that can no longer come are passed over, and a pass abandoned midway may start
+over (CPU backend)."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers import blocks, graphed_blocks, mgc, raises, sample
+
+
+def test_r12_replays_follow_the_capture_order():
+    layers = blocks(1)
+    graphed = mgc(layers, tuple((sample(),) for _ in range(2)), order=[1, 1, -1, -1])
+    with raises(
+        RuntimeError,
+        "graph (chunk 1, microbatch 1, layer 0): forward replayed out of capture order",
+        "the next replay must be the forward of graph (chunk 1, microbatch 0, layer 0)",
+    ):
+        graphed[1](sample())  # microbatch 1 before microbatch 0
+    first, second = graphed[0](sample()), graphed[1](sample())
+    with raises(RuntimeError, "graph (chunk 1, microbatch 1, layer 0): backward replayed out of",
+                "must be the backward of graph (chunk 1, microbatch 0, layer 0)"):
+        second.sum().backward()  # the order runs microbatch 0's backward first
+    first.sum().backward()
+    second.sum().backward()
+    unordered = graphed_blocks(2)
+    with raises(RuntimeError, "callable 1 (Block): forward replayed out of capture order",
+                "must be the forward of callable 0 (Block)"):
+        unordered[1](sample())
+
+
+def test_r12_steps_that_cannot_come_are_passed_over():
+    layers = blocks(1)
+    graphed = mgc(layers, tuple((sample(),) for _ in range(2)), order=[1, 1, -1, -1])
+    with torch.no_grad():  # no backward can come for either
+        graphed[0](sample())
+        graphed[1](sample())
+    graphed[0](sample())  # outputs dropped: its backward is passed over
+    out = graphed[1](sample())
+    out.sum().backward()
+    graphed[1].reset()  # a reset graph's steps are passed over too
+    graphed[0](sample()).sum().backward()
+    graphed[0](sample()).sum().backward()
+
+
+def test_r12_a_pass_abandoned_midway_may_start_over():
+    graphed = mgc(blocks(1), tuple((sample(),) for _ in range(2)), order=[1, 1, -1, -1])
+    graphed[0](sample())  # the pass is abandoned: output dropped, nothing in flight
+    graphed[0](sample())  # so it may start over
+    second = graphed[1](sample())  # microbatch 0's output dropped again; 1's is in flight
+    with raises(RuntimeError, "graph (chunk 1, microbatch 0, layer 0): forward replayed out of",
+                "must be the backward of graph (chunk 1, microbatch 1, layer 0)"):
+        graphed[0](sample())
+    second.sum().backward()
+    graphed[0](sample()).sum().backward  # a new pass: forward, then its output dropped

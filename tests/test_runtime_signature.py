@@ -1,0 +1,424 @@
+"""What a graphed callable accepts at replay (``leangraph.runtime.signature``): the captured
+structure, tensors and constants, leaf by leaf, nothing broadcast or moved and a dtype converted
+only where the conversion is exact; every mismatch names the callable and the argument
+(docs/errors.md, R1-R8; R11 for constants)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import leangraph
+from helpers import blocks, graphed_blocks, raises, sample, scale, three_graphs
+from leangraph import GraphedCallable, GraphResetError
+from models import Block
+
+# Two chunks of one layer, two microbatches: graph (chunk c, microbatch m) is at 2 (c-1) + m.
+ORDER = [1, 2, -2, -1, 1, 2, -2, -1]
+mgc = leangraph.make_graphed_callables
+
+
+def ordered_graphs() -> tuple[GraphedCallable, ...]:
+    layers = blocks(2)
+    return mgc(layers, tuple((sample(),) for _ in range(4)), order=ORDER)
+
+
+def test_r1_positional_argument_count():
+    graphed = graphed_blocks()
+    x = sample()
+    with raises(TypeError, "callable 0 (Block) takes 1 positional arguments as at capture, got 2"):
+        graphed[0](x, x)
+    with raises(TypeError, "callable 2 (Block) takes 1 positional arguments as at capture, got 0"):
+        graphed[2]()
+
+
+def test_r2_missing_or_extra_keyword_arguments():
+    graphed = mgc((scale,), ((sample(),),), sample_kwargs=({"factor": torch.tensor(2.0)},))[0]
+    x, factor = sample(), torch.tensor(3.0)
+    with raises(
+        TypeError, "callable 0 (scale) takes keyword arguments ['factor'] as at capture, got []"
+    ):
+        graphed(x)
+    with raises(
+        TypeError, "takes keyword arguments ['factor'] as at capture, got ['factor', 'offset']"
+    ):
+        graphed(x, factor=factor, offset=factor)
+    with raises(TypeError, "takes keyword arguments ['factor'] as at capture, got ['scale']"):
+        graphed(x, scale=factor)
+    with raises(TypeError, "callable 0 (scale) takes 1 positional arguments as at capture, got 2"):
+        graphed(x, factor)  # a keyword argument passed positionally
+    assert torch.equal(graphed(x, factor=factor), x.detach() * 3)
+
+
+@pytest.mark.parametrize(("value", "got"), [(None, "NoneType"), (1.0, "float"), (3, "int")])
+def test_r3_non_tensor_where_a_tensor_was_captured(value, got):
+    graphed = graphed_blocks()
+    with raises(
+        TypeError, "callable 1 (Block) input 0 must be a tensor as at capture", f"got {got}"
+    ):
+        graphed[1](value)
+
+
+def test_r4_argument_structure():
+    graphed = graphed_blocks()
+    for value, got in (
+        ([sample()], "a list of 1 leaf"),
+        ((sample(), sample()), "a tuple of 2 leaves"),
+        ({"x": sample()}, "a dict of 1 leaf"),
+    ):
+        with raises(
+            TypeError,
+            "callable 0 (Block) input 0 must keep its structure from capture (a tensor)",
+            f"got {got}",
+        ):
+            graphed[0](value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.int64, torch.complex64])
+def test_r5_dtype_is_never_cast_with_a_loss(dtype):
+    graphed = graphed_blocks()
+    with raises(
+        TypeError,
+        "callable 0 (Block) input 0 must keep dtype torch.float32 (or one that converts to it "
+        "exactly)",
+        f"got {dtype}",
+    ):
+        graphed[0](torch.ones(2, 4, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int16, torch.bool])
+def test_r5_a_dtype_that_converts_exactly_is_copied_in(dtype):
+    # Under autocast, a layer's fp16 output feeds the next layer's fp32 sample's buffer.
+    torch.manual_seed(0)
+    block = Block(4)
+    reference = copy.deepcopy(block)
+    graphed = mgc(block, (sample(),))
+    x = torch.randn(2, 4).to(dtype)
+    if x.is_floating_point():
+        x.requires_grad_()
+    out = graphed(x)
+    assert torch.equal(out, reference(x.float()))
+    if x.requires_grad:
+        out.sum().backward()
+        x_ref = x.detach().float().requires_grad_()
+        reference(x_ref).sum().backward()
+        assert x.grad.dtype == dtype and torch.equal(x.grad, x_ref.grad.to(dtype))
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (4,), (2, 1), (3, 4), (2, 4, 1), (1, 2, 4)])
+def test_r6_shape_is_never_broadcast(shape):
+    graphed = graphed_blocks()
+    with raises(ValueError, "callable 0 (Block) input 0 must keep shape (2, 4)", f"got {shape}"):
+        graphed[0](torch.randn(*shape, requires_grad=True))
+
+
+def test_r6_other_strides_of_the_same_shape_are_copied():
+    layers = blocks(1)
+    reference = copy.deepcopy(layers[0])
+    graphed = mgc(layers, ((sample(),),))[0]
+    x = torch.randn(4, 2).t().requires_grad_()  # (2, 4), not contiguous
+    assert torch.equal(graphed(x), reference(x))
+
+
+def test_r7_device_is_never_moved():
+    graphed = graphed_blocks()
+    with raises(ValueError, "callable 0 (Block) input 0 must stay on cpu, got meta"):
+        graphed[0](torch.randn(2, 4, device="meta", requires_grad=True))
+
+
+def test_r8_requires_grad_may_differ_and_an_ungraded_input_is_named_once():
+    torch.manual_seed(0)
+    graphed = graphed_blocks(1)
+    out = graphed[0](sample(requires_grad=False))  # its gradient is simply not asked for
+    out.sum().backward()
+    frozen = mgc(Block(4), (sample(requires_grad=False),))
+    x = sample()
+    with pytest.warns(UserWarning, match=r"callable 0 \(Block\) input 0 requires grad at "
+                                         r"replay but did not at capture"):
+        frozen(x).sum().backward()
+    assert x.grad is None  # torch's drop-in behaves the same: the graph has no such gradient
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per input: no second warning
+        frozen(sample()).sum().backward()
+
+
+def test_r_ordered_labels_name_the_graph():
+    graphed = ordered_graphs()
+    with raises(
+        ValueError,
+        "graph (chunk 2, microbatch 1, layer 0) input 0 must keep shape (2, 4), got (3, 4)",
+    ):
+        graphed[3](torch.randn(3, 4, requires_grad=True))
+    with raises(
+        TypeError,
+        "graph (chunk 1, microbatch 1, layer 0) takes 1 positional arguments as at capture, got 2",
+    ):
+        graphed[1](sample(), sample())
+    leangraph.reset_all(graphed)
+    with raises(GraphResetError, "graph (chunk 1, microbatch 0, layer 0): cannot call"):
+        graphed[0](sample())
+
+
+def test_r_nested_and_keyword_leaves_are_named():
+    def pair(xs, *, mask):
+        return xs[0] * xs[1] * mask
+
+    graphed = mgc((pair,), (([sample(), sample()],),), sample_kwargs=({"mask": torch.ones(2, 4)},))[
+        0
+    ]
+    with raises(
+        ValueError,
+        "callable 0 (test_r_nested_and_keyword_leaves_are_named.<locals>"
+        ".pair) input 0[1] must keep shape (2, 4), got (2, 5)",
+    ):
+        graphed([sample(), torch.randn(2, 5, requires_grad=True)], mask=torch.ones(2, 4))
+    with raises(TypeError, "kwarg 'mask' must keep dtype torch.float32", "got torch.float64"):
+        graphed([sample(), sample()], mask=torch.ones(2, 4, dtype=torch.float64))
+
+
+class HFStyle(torch.nn.Module):
+    """A layer called as HF and Megatron layers are: flags, None masks, (hidden, None) out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, hidden, *, attention_mask=None, use_cache=False, scale=1.0, past=(None,)):
+        out = self.lin(hidden) * scale
+        if attention_mask is not None:
+            out = out * attention_mask
+        return out, (None if not use_cache else out)
+
+
+def test_r11_constants_replay_as_captured_and_a_different_one_is_named():
+    torch.manual_seed(0)
+    layer = HFStyle()
+    reference = copy.deepcopy(layer)
+    kwargs = {"attention_mask": None, "use_cache": False, "scale": 0.5, "past": (None,)}
+    graphed = mgc(layer, (sample(),), sample_kwargs=kwargs)
+    x = sample()
+    hidden, cache = graphed(x, **kwargs)
+    expected, _ = reference(x.detach(), **kwargs)
+    assert cache is None and torch.equal(hidden, expected)
+    hidden.sum().backward()
+    with raises(ValueError, "callable 0 (HFStyle) kwarg 'use_cache' must be the constant False",
+                "got True"):
+        graphed(sample(), **{**kwargs, "use_cache": True})
+    with raises(ValueError, "kwarg 'scale' must be the constant 0.5", "got 2.0"):
+        graphed(sample(), **{**kwargs, "scale": 2.0})
+    with raises(ValueError, "kwarg 'attention_mask' must be the constant None", "got a tensor"):
+        graphed(sample(), **{**kwargs, "attention_mask": torch.ones(2, 4)})
+    with raises(ValueError, "kwarg 'past'[0] must be the constant None", "got 3"):
+        graphed(sample(), **{**kwargs, "past": (3,)})
+    with raises(ValueError, "kwarg 'scale' must be the constant 0.5", "got 1"):
+        graphed(sample(), **{**kwargs, "scale": 1})  # an int is not the float it equals
+
+
+def test_r11_positional_constants_and_ordered_graphs():
+    def shift(x, by, flag):
+        return x + by if flag else x
+
+    graphed = mgc((shift,), ((sample(), 2, True),))[0]
+    x = sample()
+    assert torch.equal(graphed(x, 2, True), x + 2)
+    with raises(ValueError, "input 2 must be the constant True", "got False"):
+        graphed(x, 2, False)
+
+
+@pytest.mark.parametrize(
+    ("arg", "error", "message"),
+    [
+        (torch.randn(2, 5, requires_grad=True), ValueError, r"input 0 must keep shape \(2, 4\)"),
+        (torch.randn(2, 4, dtype=torch.float64, requires_grad=True), TypeError, "dtype"),
+        (torch.ones(2, 4, dtype=torch.int64), TypeError, "converts to it exactly"),
+        (1.0, TypeError, "input 0 must be a tensor as at capture, got float"),
+        ([torch.randn(2, 4)], TypeError, r"input 0 must keep its structure from capture \(a "
+                                         r"tensor\), got a list of 1 leaf"),
+    ],
+)
+def test_replay_rejects_mismatched_arguments(arg, error, message):
+    _, graphed = three_graphs()
+    with pytest.raises(error, match=message):
+        graphed[0](arg)
+
+
+def test_keyword_arguments_may_come_in_any_order():
+    def affine(x, *, scale, shift):
+        return x * scale + shift
+
+    sample = {"scale": torch.tensor(2.0), "shift": torch.tensor(1.0)}
+    (graphed,) = leangraph.make_graphed_callables(
+        (affine,), ((torch.randn(3, requires_grad=True),),), sample_kwargs=(sample,))
+    x = torch.randn(3, requires_grad=True)
+    out = graphed(x, shift=torch.tensor(10.0), scale=torch.tensor(3.0))
+    assert torch.equal(out, x.detach() * 3 + 10)
+    out.sum().backward()
+
+
+# ------------------------------------------------------------------------- binding
+
+
+def minus(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return 2 * x - y
+
+
+def nested(a, pair, *, mask, opts):
+    return a * pair[0] + pair[1]["w"] * mask + opts["scale"]
+
+
+def nested_sample(width: int = 4):
+    """A sample call of ``nested``: (args, kwargs) with leaves in every kind of position."""
+    args = (sample(width), [sample(width), {"w": sample(width)}])
+    kwargs = {"mask": torch.ones(2, width), "opts": {"scale": sample(width)}}
+    return args, kwargs
+
+
+def test_positional_tensors_bind_in_order_and_are_the_callers_own():
+    graphed = mgc((minus,), ((sample(), sample()),))[0]
+    x, y = sample(), sample()
+    out = graphed(x, y)  # bare tensors, as captured: the positional fast path
+    assert torch.equal(out, 2 * x.detach() - y.detach())
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.full((2, 4), 2.0)) and torch.equal(y.grad, -torch.ones(2, 4))
+
+
+def test_containers_and_keywords_bind_in_capture_order_and_are_the_callers_own():
+    args, kwargs = nested_sample()
+    graphed = mgc((nested,), (args,), sample_kwargs=(kwargs,))[0]
+    args, kwargs = nested_sample()
+    shuffled = {"opts": kwargs["opts"], "mask": kwargs["mask"]}  # keyword order is free
+    out = graphed(*args, **shuffled)
+    a, (b, d), c = args[0], args[1], kwargs["opts"]["scale"]
+    assert torch.equal(out, (a * b + d["w"] * kwargs["mask"] + c).detach())
+    out.sum().backward()
+    assert torch.equal(a.grad, b.detach()) and torch.equal(b.grad, a.detach())
+    assert torch.equal(d["w"].grad, kwargs["mask"]) and torch.equal(c.grad, torch.ones(2, 4))
+
+
+@pytest.mark.parametrize(
+    ("where", "name"),
+    [
+        ("a", "input 0"),
+        ("pair0", "input 1[0]"),
+        ("w", "input 1[1]['w']"),
+        ("mask", "kwarg 'mask'"),
+        ("scale", "kwarg 'opts'['scale']"),
+    ],
+)
+def test_every_leaf_is_named_by_its_path(where, name):
+    args, kwargs = nested_sample()
+    graphed = mgc((nested,), (args,), sample_kwargs=(kwargs,))[0]
+    args, kwargs = nested_sample()
+    wide = torch.randn(2, 5, requires_grad=where != "mask")
+    if where == "a":
+        args = (wide, args[1])
+    elif where == "pair0":
+        args[1][0] = wide
+    elif where == "w":
+        args[1][1]["w"] = wide
+    elif where == "mask":
+        kwargs["mask"] = wide
+    else:
+        kwargs["opts"]["scale"] = wide
+    with raises(ValueError, f"callable 0 (nested) {name} must keep shape (2, 4), got (2, 5)"):
+        graphed(*args, **kwargs)
+
+
+def test_structure_errors_name_the_argument_and_both_structures():
+    args, kwargs = nested_sample()
+    graphed = mgc((nested,), (args,), sample_kwargs=(kwargs,))[0]
+    args, kwargs = nested_sample()
+    with raises(
+        TypeError,
+        "callable 0 (nested) input 1 must keep its structure from capture (a list of 2 leaves: "
+        "[tensor, {'w': tensor}]), got a tuple of 2 leaves: (tensor, {'w': tensor})",
+    ):
+        graphed(args[0], tuple(args[1]), **kwargs)
+    with raises(
+        TypeError,
+        "callable 0 (nested) kwarg 'opts' must keep its structure from capture (a dict of 1 "
+        "leaf: {'scale': tensor}), got a list of 1 leaf: [tensor]",
+    ):
+        graphed(*args, mask=kwargs["mask"], opts=[kwargs["opts"]["scale"]])
+
+
+def test_a_positional_capture_refuses_keywords_naming_what_it_takes():
+    graphed = mgc((minus,), ((sample(), sample()),))[0]
+    x, y = sample(), sample()
+    with raises(TypeError, "callable 0 (minus) takes 2 positional arguments as at capture, got 1"):
+        graphed(x, y=y)
+    with raises(TypeError, "callable 0 (minus) takes keyword arguments [] as at capture, "
+                           "got ['z']"):
+        graphed(x, y, z=y)
+
+
+def test_checks_run_in_the_documented_order():
+    """Positional count, keyword names, structure, then leaf by leaf (in capture order):
+    tensor-ness, dtype, shape, device (requires_grad may differ, R8)."""
+    args, kwargs = nested_sample()
+    graphed = mgc((nested,), (args,), sample_kwargs=(kwargs,))[0]
+    args, kwargs = nested_sample()
+    a, pair = args
+    with raises(TypeError, "takes 2 positional arguments as at capture, got 1"):
+        graphed(a, mask=kwargs["mask"])  # count, keywords and structure all wrong
+    with raises(TypeError, "takes keyword arguments ['mask', 'opts'] as at capture, got ['mask']"):
+        graphed(a, tuple(pair), mask=kwargs["mask"])  # keywords and structure wrong
+    with raises(TypeError, "input 1 must keep its structure"):
+        graphed(a, tuple(pair), mask=kwargs["mask"], opts=[1.0])  # structure first among kwargs
+    bad = torch.randn(3, 4, dtype=torch.float64, device="meta")  # every leaf check fails
+    with raises(TypeError, "input 0 must keep dtype torch.float32 (or one that converts to it "
+                           "exactly), got torch.float64"):
+        graphed(bad, pair, **kwargs)
+    with raises(ValueError, "input 0 must keep shape (2, 4), got (3, 4)"):
+        graphed(bad.float(), pair, **kwargs)
+    with raises(ValueError, "input 0 must stay on cpu, got meta"):
+        graphed(torch.randn(2, 4, device="meta"), pair, **kwargs)
+    pair[1]["w"] = None  # a later leaf: the first leaf's mismatch is the one reported
+    with raises(ValueError, "input 0 must keep shape (2, 4), got (3, 4)"):
+        graphed(bad.float(), pair, **kwargs)
+    with raises(TypeError, "input 1[1]['w'] must be a tensor as at capture, got NoneType"):
+        graphed(a, pair, **kwargs)
+
+
+def test_a_refused_call_changes_nothing():
+    graphed = mgc((minus,), ((sample(), sample()),))[0]
+    x, y = sample(), sample()
+    out = graphed(x, y)
+    with raises(ValueError, "input 1 must keep shape"):
+        graphed(sample(), torch.randn(3, 4, requires_grad=True))
+    assert torch.equal(out, 2 * x.detach() - y.detach())
+    out.sum().backward()  # the pending replay's backward is intact
+    assert torch.equal(x.grad, torch.full((2, 4), 2.0)) and torch.equal(y.grad, -torch.ones(2, 4))
+
+
+def test_a_structure_error_says_how_the_structures_differ():
+    """Containers of the same type and leaf count can still differ inside."""
+
+    def first(xs):
+        return xs[0] * 2
+
+    graphed = mgc((first,), (([sample(), (sample(), sample())],),), allow_unused_input=True)[0]
+    with pytest.raises(TypeError, match="input 0 must keep its structure") as info:
+        graphed([(sample(), sample()), sample()])
+    message = str(info.value)
+    captured, _, got = message.partition("from capture (")[2].partition("), got ")
+    assert captured != got, f"the message does not say what differs: {message!r}"
+
+
+def test_a_dict_argument_in_another_key_order_is_bound_by_key_or_refused_saying_so():
+    def weigh(opts):
+        return opts["a"] * 2 + opts["b"]
+
+    graphed = mgc((weigh,), (({"a": sample(), "b": sample()},),))[0]
+    a, b = sample(), sample()
+    try:
+        out = graphed({"b": b, "a": a})
+    except TypeError as error:
+        message = str(error)
+        captured, _, got = message.partition("from capture (")[2].partition("), got ")
+        assert captured != got, f"the message does not say what differs: {message!r}"
+    else:
+        assert torch.equal(out, a.detach() * 2 + b.detach())
