@@ -14,7 +14,9 @@ Skipped as a whole where transformers is not installed (``pip install 'leangraph
 from __future__ import annotations
 
 import copy
+import importlib.util
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,6 +37,7 @@ from leangraph.integrations.transformers import (  # noqa: E402
 )
 from leangraph.schedules import interleaved_1f1b  # noqa: E402
 
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_llama.py"
 VOCAB, BATCH, SEQUENCE, LAYERS = 64, 2, 8, 4
 STEPS, MICROBATCHES = 3, 4
 
@@ -431,6 +434,22 @@ def test_refuses_arguments_that_do_not_fit() -> None:
         graph_decoder_layers(decoder_layers(model)[:1], LayerCall((), calls[0].kwargs))
 
 
+def load_example() -> Any:
+    spec = importlib.util.spec_from_file_location("hf_llama_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_trains_bitwise_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert load_example().main(["--steps", "2", "--microbatches", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "drop-in (sdpa attention, cpu, 4 graphs)" in printed
+    assert "ordered (sdpa attention, cpu, 8 graphs)" in printed
+    assert "OK: largest difference 0, tolerance 0" in printed
+
+
 # --------------------------------------------------------------------------------------------
 # On a GPU
 # --------------------------------------------------------------------------------------------
@@ -469,3 +488,8 @@ def test_cuda_interleaved_order_matches_eager(dtype: torch.dtype) -> None:
     difference = max_difference(graphed_run, train(eager, eager_microbatches, batches))
     leangraph.reset_all(graphed.graphed)
     assert difference <= CUDA_TOLERANCE[dtype], f"ordered differs from eager by {difference}"
+
+
+@pytest.mark.cuda
+def test_cuda_example() -> None:
+    assert load_example().main(["--device", "cuda", "--steps", "2"]) == 0
