@@ -366,7 +366,10 @@ def refuse(model: nn.Module, inputs: dict[str, Any], error: type[Exception], mat
 def test_refuses_a_kv_cache() -> None:
     (tokens,) = token_batches(1)
     model = make_model(use_cache=True)
-    refuse(model, {"input_ids": tokens}, ValueError, "use_cache=True.*use_cache=False")
+    refuse(model, {"input_ids": tokens}, ValueError,
+           "decoder layer 0 .* use_cache=True.*use_cache=False")
+    refuse(make_model(), {"input_ids": tokens, "use_cache": True}, ValueError,
+           "LlamaForCausalLM is called with use_cache=True")
     calls = record_layer_calls(model, {"input_ids": tokens, "use_cache": False})
     cached = LayerCall(calls[0].args, {**calls[0].kwargs, "use_cache": False,
                                        "cache": transformers.DynamicCache(config=model.config)})
@@ -408,8 +411,12 @@ def test_refuses_outputs_recorded_by_hooks() -> None:
     (tokens,) = token_batches(1)
     refuse(make_model(output_hidden_states=True), {"input_ids": tokens}, ValueError,
            "config.output_hidden_states")
-    refuse(make_model("eager"), {"input_ids": tokens, "output_attentions": True}, ValueError,
-           "output_attentions=True")
+    # Refused before the recording forward: HF would install its output hooks for good, and
+    # make_graphed_callables refuses modules with hooks. So the model can be graphed after.
+    model = make_model("eager")
+    refuse(model, {"input_ids": tokens, "output_attentions": True}, ValueError,
+           "LlamaForCausalLM is called with output_attentions=True")
+    graph_causal_lm(model, {"input_ids": tokens}).reset()
 
 
 def test_refuses_arguments_that_do_not_fit() -> None:

@@ -201,6 +201,7 @@ def graph_causal_lm(
             before any warm-up.
     """
     _check_model_config(model)
+    _check_inputs(type(model).__name__, sample_inputs)
     return graph_decoder_layers(
         decoder_layers(model),
         record_layer_calls(model, sample_inputs),
@@ -412,6 +413,13 @@ def _check_model_config(model: nn.Module) -> None:
         raise ValueError(_checkpointing_message(type(model).__name__))
 
 
+def _check_inputs(where: str, sample_inputs: Mapping[str, Any]) -> None:
+    """Refuse flags of the model call before the recording forward runs with them (HF
+    installs its output-collecting hooks on the model's modules for good then)."""
+    if isinstance(sample_inputs, Mapping):  # else record_layer_calls names the type
+        _check_flags(where, sample_inputs)
+
+
 def _checkpointing_message(where: str) -> str:
     return (
         f"{where}: gradient checkpointing is on; a graphed layer bypasses HF's checkpointing "
@@ -464,20 +472,24 @@ def _dropout_message(where: str, what: str) -> str:
     )
 
 
-def _check_call(where: str, call: LayerCall) -> None:
-    """Refuse a cache, hooked outputs and constants a replay cannot compare."""
-    if call.kwargs.get("use_cache"):
+def _check_flags(where: str, kwargs: Mapping[str, Any]) -> None:
+    """Refuse ``use_cache`` and the hooked outputs among keyword arguments."""
+    if kwargs.get("use_cache"):
         raise ValueError(
-            f"{where} is called with use_cache={call.kwargs['use_cache']!r}; a replay cannot "
-            "fill a KV cache: pass use_cache=False to the model (or set "
-            "model.config.use_cache = False)"
+            f"{where} is called with use_cache={kwargs['use_cache']!r}; a replay cannot fill a "
+            "KV cache: pass use_cache=False to the model (or set model.config.use_cache = False)"
         )
     for flag in _HOOKED_OUTPUTS:
-        if call.kwargs.get(flag):
+        if kwargs.get(flag):
             raise ValueError(
-                f"{where} is called with {flag}=True; HF collects those outputs with hooks "
-                "inside the layers, which a graph replay does not run"
+                f"{where} is called with {flag}={kwargs[flag]!r}; HF collects those outputs "
+                "with hooks inside the layers, which a graph replay does not run"
             )
+
+
+def _check_call(where: str, call: LayerCall) -> None:
+    """Refuse a cache, hooked outputs and constants a replay cannot compare."""
+    _check_flags(where, call.kwargs)
     for name, value in _leaves(call):
         if not isinstance(value, (torch.Tensor, *_PLAIN_CONSTANTS)):
             hint = " (a KV cache: pass use_cache=False)" if _is_cache(value) else ""
