@@ -103,12 +103,16 @@ def eager_microbatches(model: nn.Module, batch: list[torch.Tensor]) -> list[torc
 
 
 def pipeline_step(
-    model: nn.Module, graphed: GraphedDecoderLayers, batch: list[torch.Tensor]
+    model: nn.Module,
+    graphed: GraphedDecoderLayers,
+    batch: list[torch.Tensor],
+    layer_kwargs: list[dict[str, Any]] | None = None,
 ) -> list[torch.Tensor]:
     """One pass over the captured order, chunk c + 1 taking chunk c's output in process.
 
     Embedding, final norm, head and loss run eagerly around the graphed chunks, as in a
-    pipeline's first and last stage.
+    pipeline's first and last stage. ``layer_kwargs[m]``: microbatch m's layer arguments
+    (default: those recorded at capture).
     """
     assert graphed.order is not None
     last = graphed.layout.num_chunks
@@ -121,7 +125,8 @@ def pipeline_step(
             hidden = (model.model.embed_tokens(batch[m]) if c == 1
                       else outputs[(c - 1, m)].detach().requires_grad_(True))
             inputs[(c, m)] = hidden
-            outputs[(c, m)] = graphed.run_chunk(c, m, hidden)
+            kwargs = None if layer_kwargs is None else layer_kwargs[m]
+            outputs[(c, m)] = graphed.run_chunk(c, m, hidden, kwargs)
             if c == last:
                 logits = model.lm_head(model.model.norm(outputs[(c, m)]))
                 loss = model.loss_function(logits=logits, labels=batch[m], vocab_size=VOCAB)
@@ -319,6 +324,57 @@ def test_interleaved_order_trains_bitwise_like_the_models_forward(
 
     graphed_run = train(model, lambda m, batch: pipeline_step(m, graphed, batch), batches)
     assert_bitwise(graphed_run, train(eager, eager_microbatches, batches), model, eager)
+
+
+def padded(batch: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Attention masks that left-pad row 0 of microbatch m by m + 1 tokens."""
+    masks = []
+    for m, tokens in enumerate(batch):
+        mask = torch.ones_like(tokens)
+        mask[0, : m + 1] = 0
+        masks.append(mask)
+    return masks
+
+
+def test_padded_batches_with_eager_attention(graphed_sets: list[Any]) -> None:
+    """Eager attention always hands the layers a mask tensor, so padding that changes from
+    batch to batch replays; in an order, run_chunk takes each microbatch's own arguments."""
+    batch = token_batches(MICROBATCHES)
+    masks = padded(batch)
+    model = make_model("eager")
+    eager = copy.deepcopy(model)
+    graphed_sets.append(graph_causal_lm(model, {"input_ids": batch[0], "attention_mask": masks[0]}))
+
+    def masked_step(net: nn.Module, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+        m = len(tokens) - 1  # each step a different padding
+        loss = net(input_ids=tokens[-1], attention_mask=masks[m], labels=tokens[-1]).loss
+        loss.backward()
+        return [loss.detach()]
+
+    steps = [batch[: m + 1] for m in range(MICROBATCHES)]
+    assert_bitwise(train(model, masked_step, steps), train(eager, masked_step, steps),
+                   model, eager)
+
+    model = make_model("eager")
+    eager = copy.deepcopy(model)
+    order = interleaved_1f1b(pp_size=2, vp_size=2, rank=0, num_microbatches=MICROBATCHES)
+    graphed = graph_causal_lm(model, {"input_ids": batch[0], "attention_mask": masks[0]},
+                              order=order, num_microbatches=MICROBATCHES)
+    graphed_sets.append(graphed)
+    layer_kwargs = [dict(record_layer_calls(eager, {"input_ids": t, "attention_mask": k})[0].kwargs)
+                    for t, k in zip(batch, masks)]
+    assert not torch.equal(layer_kwargs[0]["attention_mask"], layer_kwargs[1]["attention_mask"])
+
+    def eager_masked(net: nn.Module, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+        losses = []
+        for t, k in zip(tokens, masks):
+            loss = net(input_ids=t, attention_mask=k, labels=t).loss / len(tokens)
+            loss.backward()
+            losses.append(loss.detach())
+        return losses
+
+    graphed_run = train(model, lambda m, b: pipeline_step(m, graphed, b, layer_kwargs), [batch])
+    assert_bitwise(graphed_run, train(eager, eager_masked, [batch]), model, eager)
 
 
 def test_ordered_replay_out_of_order_and_after_reset_raise(graphed_sets: list[Any]) -> None:
