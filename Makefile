@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.leangraph-stamp
 
-.PHONY: setup demo test test-oldest test-cuda lint clean
+.PHONY: setup setup-extras demo test test-oldest test-cuda lint clean
 LINT_TOOLS := ruff==0.17.6 mypy==2.4.1
 
 setup: $(STAMP)
@@ -29,10 +29,24 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# Optional dependencies, as pyproject's extras (comma-separated, e.g. `make test EXTRAS=hf`):
+# the integration tests that need one skip without it. Installed once per venv and set.
+EXTRAS ?=
+comma := ,
+EXTRAS_STAMP := $(VENV)/.leangraph-extras-$(subst $(comma),-,$(strip $(EXTRAS)))
+
+setup-extras: setup
+ifneq ($(strip $(EXTRAS)),)
+setup-extras: $(EXTRAS_STAMP)
+$(EXTRAS_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-build-isolation -e ".[$(strip $(EXTRAS))]"
+	touch $@
+endif
+
 demo: setup
 	$(VENV)/bin/leangraph demo
 
-test: setup
+test: setup-extras
 	$(PY) -m pytest -q
 
 # The oldest torch the package claims (pyproject: torch>=2.4), in a virtualenv of its own.
@@ -42,7 +56,7 @@ test-oldest:
 	$(MAKE) VENV=.venv-oldest TORCH_SPEC="$(OLDEST_TORCH)" PYTHON="$(PYTHON)" test
 
 # On a GPU machine: the CUDA suite alone, verbose.
-test-cuda: setup
+test-cuda: setup-extras
 	$(PY) -m pytest -q -m "cuda or multigpu" -rs
 
 # Quality gates: ruff (lint and format check) and mypy on the package.

@@ -3,11 +3,15 @@
 Each page (``docs/*.md`` and ``README.md``) is one test: its python blocks run in order in one
 namespace of their own, so a later block may use what an earlier one defined. Blocks fenced as
 anything else (```text, ```bash, ...) are not run. A failure names the page, the block's index
-among the page's python blocks and its first line in the file.
+among the page's python blocks and its first line in the file. A page whose first python block
+imports a package that is not installed (an optional dependency, such as transformers for
+docs/integration_transformers.md) is skipped, the skip naming the package.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import re
 import sys
 import traceback
@@ -72,6 +76,23 @@ def python_blocks(page: Path) -> list[Block]:
     return [b for b in code_blocks(page.read_text(encoding="utf-8")) if b.language == "python"]
 
 
+def missing_import(block: Block) -> str | None:
+    """The first top-level package the block imports (at module level) that is not installed,
+    or None."""
+    for node in ast.parse(block.source).body:
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            package = name.partition(".")[0]
+            if importlib.util.find_spec(package) is None:
+                return package
+    return None
+
+
 def _page_id(page: Path) -> str:
     return str(page.relative_to(ROOT))
 
@@ -80,6 +101,10 @@ def _page_id(page: Path) -> str:
 def test_python_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     name = _page_id(page)
     blocks = python_blocks(page)
+    missing = missing_import(blocks[0]) if blocks else None
+    if missing is not None:
+        pytest.skip(f"{name} needs {missing}, which is not installed (its first python block "
+                    "imports it: an optional dependency)")
     # A fresh module per page: its blocks share it (a real module, so classes and dataclasses
     # defined in a block behave as in a script). Files a block writes land in tmp_path.
     module = types.ModuleType(f"leangraph_docs_{page.stem.replace('-', '_')}")
@@ -137,6 +162,18 @@ def test_code_blocks_parses_languages_indentation_and_longer_fences() -> None:
         ("bash", 14, "```\n"),
         ("", 17, "plain\n"),
     ]
+
+
+def test_missing_import_names_the_first_absent_package() -> None:
+    def block(source: str) -> Block:
+        return Block("python", 1, source)
+
+    assert missing_import(block("import torch\nfrom leangraph import order\n")) is None
+    absent = "leangraph_no_such_package"
+    assert missing_import(block(f"import os\nfrom {absent}.sub import x\n")) == absent
+    assert missing_import(block(f"import json, {absent}\n")) == absent
+    # Only module-level imports count: a guarded import inside a function is the block's own.
+    assert missing_import(block(f"def f():\n    import {absent}\n")) is None
 
 
 def test_unclosed_block_is_an_error() -> None:

@@ -1,6 +1,6 @@
 """Integrations of leangraph with training runtimes that own the pipeline schedule.
 
 Each submodule is imported on its own (``leangraph.integrations.pipelining`` for
-``torch.distributed.pipelining``), so that importing leangraph never imports a runtime it
-does not use.
+``torch.distributed.pipelining``, ``leangraph.integrations.transformers`` for Hugging Face
+``transformers`` models), so that importing leangraph never imports a runtime it does not use.
 """

@@ -1,0 +1,558 @@
+"""Tests of leangraph.integrations.transformers: a HF Llama's decoder layers, graphed.
+
+A tiny ``LlamaForCausalLM`` with random weights (no download) trains graphed and eagerly (a
+deep copy taken before capture) for several optimizer steps; the loss, every parameter's
+gradient and the parameters must be bitwise equal on the CPU (leangraph's reference backend).
+Drop-in: the model's own forward runs the layers graphed in place. Ordered: the layers split
+into chunks replay in an interleaved 1F1B order, chunk after chunk in one process, against the
+model's own forward per microbatch. The refusals are checked before any warm-up. The same
+training runs on a GPU (marked ``cuda``), compared with eager within a tolerance.
+
+Skipped as a whole where transformers is not installed (``pip install 'leangraph[hf]'``).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+import leangraph  # noqa: E402 - after the skip: nothing here runs without transformers
+from leangraph import StepKind  # noqa: E402
+from leangraph.integrations.transformers import (  # noqa: E402
+    GraphedDecoderLayers,
+    LayerCall,
+    decoder_layers,
+    graph_causal_lm,
+    graph_decoder_layers,
+    record_layer_calls,
+)
+from leangraph.schedules import interleaved_1f1b  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_llama.py"
+VOCAB, BATCH, SEQUENCE, LAYERS = 64, 2, 8, 4
+STEPS, MICROBATCHES = 3, 4
+
+
+def make_model(attention: str = "sdpa", device: str = "cpu", **config: Any) -> nn.Module:
+    """A tiny Llama, random weights, in training mode (untied head: the embedding's and the
+    head's gradients then accumulate in the same order graphed and eagerly)."""
+    options: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        tie_word_embeddings=False,
+        attn_implementation=attention,
+    )
+    options.update(config)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**options)).to(device)
+    return model.train()
+
+
+def token_batches(count: int, device: str = "cpu", *, rows: int = BATCH) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(VOCAB, (rows, SEQUENCE), generator=generator).to(device)
+            for _ in range(count)]
+
+
+@pytest.fixture
+def graphed_sets() -> Iterator[list[GraphedDecoderLayers]]:
+    """Captures made by a test, reset at its end whatever happened."""
+    made: list[GraphedDecoderLayers] = []
+    yield made
+    for graphed in made:
+        graphed.reset()
+
+
+# --------------------------------------------------------------------------------------------
+# Training loops: graphed and eager see the same batches and optimizer
+# --------------------------------------------------------------------------------------------
+
+Step = Callable[[nn.Module, list[torch.Tensor]], list[torch.Tensor]]
+
+
+def drop_in_step(model: nn.Module, batch: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The model's own forward and backward, one batch (graphed layers replay inside)."""
+    loss = model(input_ids=batch[0], labels=batch[0]).loss
+    loss.backward()
+    return [loss.detach()]
+
+
+def eager_microbatches(model: nn.Module, batch: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The model's own forward and backward per microbatch (gradient accumulation)."""
+    losses = []
+    for tokens in batch:
+        loss = model(input_ids=tokens, labels=tokens).loss / len(batch)
+        loss.backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def pipeline_step(
+    model: nn.Module,
+    graphed: GraphedDecoderLayers,
+    batch: list[torch.Tensor],
+    layer_kwargs: list[dict[str, Any]] | None = None,
+) -> list[torch.Tensor]:
+    """One pass over the captured order, chunk c + 1 taking chunk c's output in process.
+
+    Embedding, final norm, head and loss run eagerly around the graphed chunks, as in a
+    pipeline's first and last stage. ``layer_kwargs[m]``: microbatch m's layer arguments
+    (default: those recorded at capture).
+    """
+    assert graphed.order is not None
+    last = graphed.layout.num_chunks
+    inputs: dict[tuple[int, int], torch.Tensor] = {}
+    outputs: dict[tuple[int, int], torch.Tensor] = {}
+    losses: dict[int, torch.Tensor] = {}
+    for step in graphed.order:
+        c, m = step.chunk, step.microbatch
+        if step.kind is StepKind.FORWARD:
+            hidden = (model.model.embed_tokens(batch[m]) if c == 1
+                      else outputs[(c - 1, m)].detach().requires_grad_(True))
+            inputs[(c, m)] = hidden
+            kwargs = None if layer_kwargs is None else layer_kwargs[m]
+            outputs[(c, m)] = graphed.run_chunk(c, m, hidden, kwargs)
+            if c == last:
+                logits = model.lm_head(model.model.norm(outputs[(c, m)]))
+                loss = model.loss_function(logits=logits, labels=batch[m], vocab_size=VOCAB)
+                losses[m] = loss / len(batch)
+        elif c == last:
+            losses[m].backward()
+        else:
+            outputs[(c, m)].backward(inputs.pop((c + 1, m)).grad)
+    return [losses[m].detach() for m in range(len(batch))]
+
+
+def train(model: nn.Module, step: Step, batches: list[list[torch.Tensor]]) -> list[Any]:
+    """Train with AdamW; per optimizer step: the losses and every parameter's gradient."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    history = []
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        losses = step(model, batch)
+        grads = [p.grad.clone() for p in model.parameters()]
+        optimizer.step()
+        history.append((losses, grads))
+    return history
+
+
+def assert_bitwise(graphed_run: list[Any], eager_run: list[Any], graphed: nn.Module,
+                   eager: nn.Module) -> None:
+    for step, ((g_losses, g_grads), (e_losses, e_grads)) in enumerate(zip(graphed_run, eager_run)):
+        assert all(torch.equal(a, b) for a, b in zip(g_losses, e_losses)), f"step {step} loss"
+        assert len(g_grads) == len(e_grads) > 0
+        for index, (a, b) in enumerate(zip(g_grads, e_grads)):
+            assert torch.equal(a, b), f"step {step}: gradient of parameter {index} differs"
+    for a, b in zip(graphed.parameters(), eager.parameters()):
+        assert torch.equal(a, b)
+
+
+def max_difference(graphed_run: list[Any], eager_run: list[Any]) -> float:
+    pairs = [(a, b) for (gl, gg), (el, eg) in zip(graphed_run, eager_run)
+             for a, b in [*zip(gl, el), *zip(gg, eg)]]
+    return max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
+
+
+# --------------------------------------------------------------------------------------------
+# Recording the model's own layer calls
+# --------------------------------------------------------------------------------------------
+
+
+def test_record_layer_calls_gets_what_llama_model_passes_each_layer() -> None:
+    model = make_model()
+    (tokens,) = token_batches(1)
+    seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    hooks = [layer.register_forward_pre_hook(lambda _m, a, k: seen.append((a, k)),
+                                             with_kwargs=True)
+             for layer in model.model.layers]
+    model(input_ids=tokens)
+    for hook in hooks:
+        hook.remove()
+    rng = torch.get_rng_state()
+
+    calls = record_layer_calls(model, {"input_ids": tokens})
+
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert len(calls) == len(seen) == LAYERS
+    for call, (args, kwargs) in zip(calls, seen):
+        assert set(call.kwargs) == set(kwargs)
+        assert call.kwargs["use_cache"] is False
+        assert call.hidden_states.requires_grad and torch.equal(call.hidden_states, args[0])
+        cos, sin = call.kwargs["position_embeddings"]
+        assert torch.equal(cos, kwargs["position_embeddings"][0])
+        assert torch.equal(sin, kwargs["position_embeddings"][1])
+        assert torch.equal(call.kwargs["position_ids"], kwargs["position_ids"])
+    assert decoder_layers(model) == tuple(model.model.layers)
+
+
+def test_eager_attention_passes_a_mask_tensor_sdpa_none() -> None:
+    (tokens,) = token_batches(1)
+    sdpa = record_layer_calls(make_model("sdpa"), {"input_ids": tokens})
+    eager = record_layer_calls(make_model("eager"), {"input_ids": tokens})
+    assert sdpa[0].kwargs["attention_mask"] is None
+    mask = eager[0].kwargs["attention_mask"]
+    assert isinstance(mask, torch.Tensor) and mask.shape[-2:] == (SEQUENCE, SEQUENCE)
+
+
+# --------------------------------------------------------------------------------------------
+# Drop-in: the model's own forward replays the graphed layers
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_drop_in_trains_bitwise_like_eager(attention: str, graphed_sets: list[Any]) -> None:
+    model = make_model(attention)
+    eager = copy.deepcopy(model)
+    batches = [[tokens] for tokens in token_batches(STEPS)]
+    graphed = graph_causal_lm(model, {"input_ids": batches[0][0]})
+    graphed_sets.append(graphed)
+    assert graphed.graphed == graphed.layers == tuple(model.model.layers)
+    assert graphed.order is None and len(graphed.graphed_set.callables) == LAYERS
+
+    assert_bitwise(train(model, drop_in_step, batches), train(eager, drop_in_step, batches),
+                   model, eager)
+
+
+def test_drop_in_by_hand_with_make_graphed_callables() -> None:
+    """The route without the helper: recorded calls into make_graphed_callables."""
+    model = make_model()
+    eager = copy.deepcopy(model)
+    batches = [[tokens] for tokens in token_batches(STEPS)]
+    calls = record_layer_calls(model, {"input_ids": batches[0][0]})
+    layers = leangraph.make_graphed_callables(
+        tuple(model.model.layers),
+        tuple(call.args for call in calls),
+        sample_kwargs=[dict(call.kwargs) for call in calls],
+    )
+    assert_bitwise(train(model, drop_in_step, batches), train(eager, drop_in_step, batches),
+                   model, eager)
+    leangraph.reset_all(layers)
+
+
+def test_drop_in_no_grad_eval_and_generate(graphed_sets: list[Any]) -> None:
+    model = make_model()
+    eager = copy.deepcopy(model)
+    tokens, other = token_batches(2)
+    graphed_sets.append(graph_causal_lm(model, {"input_ids": tokens}))
+    # Training mode without gradients (a validation loss): forwards replay without backward.
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=other).logits, eager(input_ids=other).logits)
+    assert_bitwise(train(model, drop_in_step, [[tokens]]), train(eager, drop_in_step, [[tokens]]),
+                   model, eager)
+    # Eval mode runs the layers eagerly: another length and a KV cache work.
+    model.eval()
+    eager.eval()
+    prompt = other[:, :3]
+    assert torch.equal(model(input_ids=prompt).logits, eager(input_ids=prompt).logits)
+    generated = model.generate(prompt, max_new_tokens=3, do_sample=False, use_cache=True,
+                               pad_token_id=0)
+    assert torch.equal(generated, eager.generate(prompt, max_new_tokens=3, do_sample=False,
+                                                 use_cache=True, pad_token_id=0))
+
+
+def test_drop_in_replay_refuses_other_shapes_and_constants(graphed_sets: list[Any]) -> None:
+    model = make_model()
+    eager = copy.deepcopy(model)
+    (tokens,) = token_batches(1)
+    graphed_sets.append(graph_causal_lm(model, {"input_ids": tokens}))
+    with pytest.raises(ValueError, match=r"must keep shape \(2, 8, 32\), got \(2, 9, 32\)"):
+        model(input_ids=torch.cat([tokens, tokens[:, :1]], dim=1))
+    with pytest.raises(ValueError, match="kwarg 'cache' must be the constant None"):
+        model(input_ids=tokens, use_cache=True)
+    with pytest.raises(TypeError, match="keyword arguments"):
+        model(input_ids=tokens, output_attentions=True)
+    # Nothing replayed: training goes on.
+    assert_bitwise(train(model, drop_in_step, [[tokens]]), train(eager, drop_in_step, [[tokens]]),
+                   model, eager)
+
+
+def test_reset_gives_the_layers_their_eager_forward_back() -> None:
+    model = make_model()
+    eager = copy.deepcopy(model)
+    tokens, longer = token_batches(1)[0], token_batches(1, rows=3)[0]
+    graphed = graph_causal_lm(model, {"input_ids": tokens})
+    graphed.reset()
+    graphed.reset()  # idempotent
+    assert all(member.is_reset for member in graphed.graphed_set.callables)
+    assert torch.equal(model(input_ids=longer).logits, eager(input_ids=longer).logits)
+    # And the layers can be graphed again, for another shape.
+    again = graph_causal_lm(model, {"input_ids": longer})
+    assert_bitwise(train(model, drop_in_step, [[longer]]), train(eager, drop_in_step, [[longer]]),
+                   model, eager)
+    leangraph.reset_all(again.graphed)
+    with pytest.raises(leangraph.GraphResetError):
+        model(input_ids=longer)
+    again.reset()
+    model(input_ids=longer)
+
+
+# --------------------------------------------------------------------------------------------
+# In a pipeline order
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("attention", "split"), [("sdpa", None), ("eager", [1, 3])])
+def test_interleaved_order_trains_bitwise_like_the_models_forward(
+    attention: str, split: list[int] | None, graphed_sets: list[Any]
+) -> None:
+    model = make_model(attention)
+    eager = copy.deepcopy(model)
+    order = interleaved_1f1b(pp_size=2, vp_size=2, rank=0, num_microbatches=MICROBATCHES)
+    batches = [token_batches(MICROBATCHES) for _ in range(STEPS)]
+    batches = [[t.roll(step, 0) for t in batch] for step, batch in enumerate(batches)]
+    graphed = graph_causal_lm(model, {"input_ids": batches[0][0]}, order=order,
+                              num_microbatches=MICROBATCHES, num_layers_per_chunk=split)
+    graphed_sets.append(graphed)
+    assert graphed.layout.layers_per_chunk == tuple(split or (2, 2))
+    assert len(graphed.graphed) == LAYERS * MICROBATCHES
+    assert all(isinstance(g, leangraph.GraphedCallable) for g in graphed.graphed)
+
+    graphed_run = train(model, lambda m, batch: pipeline_step(m, graphed, batch), batches)
+    assert_bitwise(graphed_run, train(eager, eager_microbatches, batches), model, eager)
+
+
+def padded(batch: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Attention masks that left-pad row 0 of microbatch m by m + 1 tokens."""
+    masks = []
+    for m, tokens in enumerate(batch):
+        mask = torch.ones_like(tokens)
+        mask[0, : m + 1] = 0
+        masks.append(mask)
+    return masks
+
+
+def test_padded_batches_with_eager_attention(graphed_sets: list[Any]) -> None:
+    """Eager attention always hands the layers a mask tensor, so padding that changes from
+    batch to batch replays; in an order, run_chunk takes each microbatch's own arguments."""
+    batch = token_batches(MICROBATCHES)
+    masks = padded(batch)
+    model = make_model("eager")
+    eager = copy.deepcopy(model)
+    graphed_sets.append(graph_causal_lm(model, {"input_ids": batch[0], "attention_mask": masks[0]}))
+
+    def masked_step(net: nn.Module, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+        m = len(tokens) - 1  # each step a different padding
+        loss = net(input_ids=tokens[-1], attention_mask=masks[m], labels=tokens[-1]).loss
+        loss.backward()
+        return [loss.detach()]
+
+    steps = [batch[: m + 1] for m in range(MICROBATCHES)]
+    assert_bitwise(train(model, masked_step, steps), train(eager, masked_step, steps),
+                   model, eager)
+
+    model = make_model("eager")
+    eager = copy.deepcopy(model)
+    order = interleaved_1f1b(pp_size=2, vp_size=2, rank=0, num_microbatches=MICROBATCHES)
+    graphed = graph_causal_lm(model, {"input_ids": batch[0], "attention_mask": masks[0]},
+                              order=order, num_microbatches=MICROBATCHES)
+    graphed_sets.append(graphed)
+    layer_kwargs = [dict(record_layer_calls(eager, {"input_ids": t, "attention_mask": k})[0].kwargs)
+                    for t, k in zip(batch, masks)]
+    assert not torch.equal(layer_kwargs[0]["attention_mask"], layer_kwargs[1]["attention_mask"])
+
+    def eager_masked(net: nn.Module, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+        losses = []
+        for t, k in zip(tokens, masks):
+            loss = net(input_ids=t, attention_mask=k, labels=t).loss / len(tokens)
+            loss.backward()
+            losses.append(loss.detach())
+        return losses
+
+    graphed_run = train(model, lambda m, b: pipeline_step(m, graphed, b, layer_kwargs), [batch])
+    assert_bitwise(graphed_run, train(eager, eager_masked, [batch]), model, eager)
+
+
+def test_ordered_replay_out_of_order_and_after_reset_raise(graphed_sets: list[Any]) -> None:
+    model = make_model()
+    order = interleaved_1f1b(pp_size=2, vp_size=2, rank=0, num_microbatches=MICROBATCHES)
+    tokens = token_batches(1)[0]
+    graphed = graph_causal_lm(model, {"input_ids": tokens}, order=order,
+                              num_microbatches=MICROBATCHES)
+    graphed_sets.append(graphed)
+    hidden = model.model.embed_tokens(tokens)
+    with pytest.raises(ValueError, match="outside the capture's 2 chunks"):
+        graphed.run_chunk(3, 0, hidden)
+    with pytest.raises(RuntimeError, match="out of capture order"):
+        graphed.run_chunk(1, 1, hidden)  # the order starts with microbatch 0
+    graphed.reset()
+    with pytest.raises(leangraph.GraphResetError):
+        graphed.run_chunk(1, 0, hidden)
+
+
+# --------------------------------------------------------------------------------------------
+# Refusals, before any warm-up
+# --------------------------------------------------------------------------------------------
+
+
+class WarmupSpy:
+    """A pre-warm-up hook that counts: a refusal must come before it runs."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+def refuse(model: nn.Module, inputs: dict[str, Any], error: type[Exception], match: str,
+           **options: Any) -> None:
+    spy = WarmupSpy()
+    with pytest.raises(error, match=match):
+        graph_causal_lm(model, inputs, capture_options={"pre_warmup_hook": spy}, **options)
+    assert spy.calls == 0
+    assert not any(isinstance(vars(layer).get("forward"), leangraph.GraphedCallable)
+                   for layer in model.model.layers)
+
+
+def test_refuses_a_kv_cache() -> None:
+    (tokens,) = token_batches(1)
+    model = make_model(use_cache=True)
+    refuse(model, {"input_ids": tokens}, ValueError,
+           "decoder layer 0 .* use_cache=True.*use_cache=False")
+    refuse(make_model(), {"input_ids": tokens, "use_cache": True}, ValueError,
+           "LlamaForCausalLM is called with use_cache=True")
+    calls = record_layer_calls(model, {"input_ids": tokens, "use_cache": False})
+    cached = LayerCall(calls[0].args, {**calls[0].kwargs, "use_cache": False,
+                                       "cache": transformers.DynamicCache(config=model.config)})
+    with pytest.raises(TypeError, match=r"'cache' is a DynamicCache.*KV cache"):
+        graph_decoder_layers(decoder_layers(model)[:1], cached)
+
+
+def test_refuses_other_attention_implementations() -> None:
+    model = make_model()
+    model.config._attn_implementation = "flex_attention"
+    refuse(model, {"input_ids": token_batches(1)[0]}, ValueError,
+           "attention implementation 'flex_attention' is not supported")
+
+
+def test_refuses_gradient_checkpointing() -> None:
+    model = make_model()
+    # transformers 5 renamed gradient_checkpointing_enable (kept as a deprecated alias).
+    enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
+    enable()
+    refuse(model, {"input_ids": token_batches(1)[0]}, ValueError, "gradient checkpointing")
+    calls = record_layer_calls(make_model(), {"input_ids": token_batches(1)[0]})
+    with pytest.raises(ValueError, match=r"decoder layer 0 .*gradient checkpointing"):
+        graph_decoder_layers(decoder_layers(model), calls)
+
+
+def test_refuses_dropout_in_training_but_not_in_eval() -> None:
+    (tokens,) = token_batches(1)
+    model = make_model(attention_dropout=0.1)
+    refuse(model, {"input_ids": tokens}, ValueError, "attention_dropout=0.1")
+    layers = decoder_layers(make_model())
+    layers[0].mlp.act_fn = nn.Sequential(nn.SiLU(), nn.Dropout(0.2))
+    calls = record_layer_calls(make_model(), {"input_ids": tokens})
+    with pytest.raises(ValueError, match=r"nn.Dropout\(p=0.2\)"):
+        graph_decoder_layers(layers, calls)
+    graph_causal_lm(model.eval(), {"input_ids": tokens}).reset()
+
+
+def test_refuses_outputs_recorded_by_hooks() -> None:
+    (tokens,) = token_batches(1)
+    refuse(make_model(output_hidden_states=True), {"input_ids": tokens}, ValueError,
+           "config.output_hidden_states")
+    # Refused before the recording forward: HF would install its output hooks for good, and
+    # make_graphed_callables refuses modules with hooks. So the model can be graphed after.
+    model = make_model("eager")
+    refuse(model, {"input_ids": tokens, "output_attentions": True}, ValueError,
+           "LlamaForCausalLM is called with output_attentions=True")
+    graph_causal_lm(model, {"input_ids": tokens}).reset()
+
+
+def test_refuses_arguments_that_do_not_fit() -> None:
+    model = make_model()
+    tokens = token_batches(1)[0]
+    order = interleaved_1f1b(pp_size=2, vp_size=2, rank=0, num_microbatches=MICROBATCHES)
+    refuse(model, {"input_ids": tokens}, ValueError, "num_microbatches .* is required",
+           order=order)
+    refuse(model, {"input_ids": tokens}, ValueError, "does not fit 4 layers and "
+           "num_microbatches=3", order=order, num_microbatches=3)
+    refuse(model, {"input_ids": tokens}, ValueError, "go with an order", num_microbatches=2)
+    with pytest.raises(ValueError, match="capture_options may not set order"):
+        graph_causal_lm(model, {"input_ids": tokens}, capture_options={"order": order})
+    with pytest.raises(TypeError, match="sample_inputs must be a mapping"):
+        graph_causal_lm(model, tokens)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"no decoder layers at base_model\.layers"):
+        graph_causal_lm(nn.Linear(2, 2), {"input": tokens})
+    calls = record_layer_calls(model, {"input_ids": tokens})
+    with pytest.raises(ValueError, match="calls has 4 entries but there are 2 layers"):
+        graph_decoder_layers(decoder_layers(model)[:2], calls)
+    with pytest.raises(TypeError, match="must start with the hidden states"):
+        graph_decoder_layers(decoder_layers(model)[:1], LayerCall((), calls[0].kwargs))
+
+
+def load_example() -> Any:
+    spec = importlib.util.spec_from_file_location("hf_llama_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_trains_bitwise_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert load_example().main(["--steps", "2", "--microbatches", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "drop-in (sdpa attention, cpu, 4 graphs)" in printed
+    assert "ordered (sdpa attention, cpu, 8 graphs)" in printed
+    assert "OK: largest difference 0, tolerance 0" in printed
+
+
+# --------------------------------------------------------------------------------------------
+# On a GPU
+# --------------------------------------------------------------------------------------------
+
+
+CUDA_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+CUDA_DTYPES = pytest.mark.parametrize("dtype", list(CUDA_TOLERANCE), ids=["fp32", "bf16"])
+
+
+@pytest.mark.cuda
+@CUDA_DTYPES
+def test_cuda_drop_in_matches_eager(dtype: torch.dtype) -> None:
+    """CUDA kernels (atomics in the embedding's backward) need not repeat bit for bit, even
+    eagerly, so the GPU runs compare within a tolerance; they are often equal."""
+    model = make_model(device="cuda").to(dtype)
+    eager = copy.deepcopy(model)
+    batches = [[tokens] for tokens in token_batches(STEPS, "cuda")]
+    graphed = graph_causal_lm(model, {"input_ids": batches[0][0]})
+    assert graphed.graphed_set.record.device.type == "cuda"
+    difference = max_difference(train(model, drop_in_step, batches),
+                                train(eager, drop_in_step, batches))
+    graphed.reset()
+    assert difference <= CUDA_TOLERANCE[dtype], f"drop-in differs from eager by {difference}"
+
+
+@pytest.mark.cuda
+@CUDA_DTYPES
+def test_cuda_interleaved_order_matches_eager(dtype: torch.dtype) -> None:
+    model = make_model(device="cuda").to(dtype)
+    eager = copy.deepcopy(model)
+    order = interleaved_1f1b(pp_size=2, vp_size=2, rank=0, num_microbatches=MICROBATCHES)
+    batches = [token_batches(MICROBATCHES, "cuda") for _ in range(STEPS)]
+    graphed = graph_causal_lm(model, {"input_ids": batches[0][0]}, order=order,
+                              num_microbatches=MICROBATCHES)
+    graphed_run = train(model, lambda m, batch: pipeline_step(m, graphed, batch), batches)
+    difference = max_difference(graphed_run, train(eager, eager_microbatches, batches))
+    leangraph.reset_all(graphed.graphed)
+    assert difference <= CUDA_TOLERANCE[dtype], f"ordered differs from eager by {difference}"
+
+
+@pytest.mark.cuda
+def test_cuda_example() -> None:
+    assert load_example().main(["--device", "cuda", "--steps", "2"]) == 0
