@@ -1,8 +1,9 @@
 """Graphed decoder layers of a Hugging Face ``transformers`` causal language model.
 
 A HF model calls each decoder layer with the hidden states and keyword arguments it computes
-itself (in transformers 5: ``attention_mask``, ``position_embeddings=(cos, sin)``,
-``position_ids``, ``cache``, ``use_cache``, and whatever the caller passed on), which differ
+itself (in transformers 5.24: ``attention_mask``, ``position_embeddings=(cos, sin)``,
+``position_ids``, ``cache`` (``past_key_values`` in 5.17), ``use_cache``, and whatever the
+caller passed on), which differ
 between versions and attention implementations. So nothing here spells them out:
 :func:`record_layer_calls` runs the model's own forward once and records the call each layer
 gets, and :func:`graph_decoder_layers` captures the layers for exactly those calls.
