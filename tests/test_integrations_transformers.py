@@ -532,7 +532,7 @@ def test_cuda_drop_in_matches_eager(dtype: torch.dtype) -> None:
     eager = copy.deepcopy(model)
     batches = [[tokens] for tokens in token_batches(STEPS, "cuda")]
     graphed = graph_causal_lm(model, {"input_ids": batches[0][0]})
-    assert graphed.graphed_set.record.device.type == "cuda"
+    assert graphed.graphed_set.record.device.startswith("cuda")
     difference = max_difference(train(model, drop_in_step, batches),
                                 train(eager, drop_in_step, batches))
     graphed.reset()
