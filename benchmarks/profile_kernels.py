@@ -1,5 +1,6 @@
-"""GPU time per training step by kernel (GPU only): torch's and leangraph's graphs of the
-16-microbatch benchmark workload, two steps each under ``torch.profiler``.
+"""GPU time per training step by kernel (GPU only): torch's and leangraph's graphs and the
+whole-step graph of the 16-microbatch benchmark workload, two steps each under
+``torch.profiler``.
 
 Prints each method's total self device time per step (graph kernels count twice: under the
 replay and by kernel) and its 22 largest entries. Equal totals
@@ -29,7 +30,7 @@ def main() -> None:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(2):
-                work.step(captured.lookup, captured.blocks)
+                captured.step()
             torch.cuda.synchronize()
         events = [e for e in prof.key_averages() if _self_device_us(e) > 0]
         total = sum(_self_device_us(e) for e in events)

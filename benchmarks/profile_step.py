@@ -1,5 +1,6 @@
-"""Where a graphed training step spends host time (GPU only): torch's and leangraph's graphs of
-the launch-bound benchmark workload (hidden 256, sequence 128, 8 microbatches), stepped in turn.
+"""Where a graphed training step spends host time (GPU only): torch's and leangraph's graphs
+and the whole-step graph of the launch-bound benchmark workload (hidden 256, sequence 128, 8
+microbatches), stepped in turn.
 
 Per round and method it prints the median and minimum of 30 synchronised steps and the host
 time per step of 30 unsynchronised ones (equal to the synchronised time when the host is the
@@ -29,7 +30,7 @@ def main() -> None:
         for _ in range(30):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            work.step(graphed[name].lookup, graphed[name].blocks)
+            graphed[name].step()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         return statistics.median(times) * 1e3, min(times) * 1e3
@@ -38,7 +39,7 @@ def main() -> None:
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(30):
-            work.step(graphed[name].lookup, graphed[name].blocks)
+            graphed[name].step()
         elapsed = time.perf_counter() - start
         torch.cuda.synchronize()
         return elapsed / 30 * 1e3
@@ -54,7 +55,7 @@ def main() -> None:
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(20):
-            work.step(graphed[name].lookup, graphed[name].blocks)
+            graphed[name].step()
         torch.cuda.synchronize()
         profiler.disable()
         text = io.StringIO()

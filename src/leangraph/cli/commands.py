@@ -25,6 +25,7 @@ import leangraph
 from leangraph.schedules import interleaved_1f1b
 
 from .bench import (
+    CUDA_METHODS,
     METHODS,
     BenchConfig,
     BenchResult,
@@ -46,7 +47,8 @@ leangraph: memory-lean CUDA-graph capture for pipeline-parallel PyTorch training
 
   leangraph demo    capture a small transformer stack, train it eagerly and graphed, compare
   leangraph plan    print the memory plan of a pipeline rank (meta tensors: no GPU needed)
-  leangraph bench   eager vs torch.cuda.make_graphed_callables vs leangraph on one rank
+  leangraph bench   eager vs torch.cuda.make_graphed_callables vs leangraph on one rank,
+                    against the whole step as one CUDA graph (the limit)
 
 Without a GPU, demo and bench run on leangraph's CPU reference backend (no memory figures)."""
 
@@ -339,8 +341,10 @@ def _bench_methods(text: str | None, device: str, why_cpu: str) -> tuple[tuple[s
     """The methods to run, and a note on what was left out by default (or "")."""
     if text is None:
         if device == "cpu":
-            note = "torch.cuda.make_graphed_callables needs CUDA, so the torch method is left out"
-            return tuple(m for m in METHODS if m != "torch"), note
+            left_out = " and ".join(CUDA_METHODS)
+            uses = " and ".join(CUDA_METHODS.values())
+            note = f"{uses} need CUDA, so the {left_out} methods are left out"
+            return tuple(m for m in METHODS if m not in CUDA_METHODS), note
         return METHODS, ""
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in METHODS]
@@ -349,11 +353,14 @@ def _bench_methods(text: str | None, device: str, why_cpu: str) -> tuple[tuple[s
         raise UsageError(f"--methods: {wrong}; choose from {','.join(METHODS)} (comma-separated)")
     if len(set(names)) < len(names):
         raise UsageError(f"--methods {text}: a method is named twice; name each once")
-    if "torch" in names and device == "cpu":
+    on_cuda = [name for name in names if name in CUDA_METHODS]
+    if on_cuda and device == "cpu":
+        them = " and ".join(on_cuda)
+        uses = ", ".join(CUDA_METHODS[name] for name in on_cuda)
         raise UsageError(
-            f"--methods {text}: the torch method needs a CUDA GPU "
-            f"(torch.cuda.make_graphed_callables) and this bench runs on the CPU ({why_cpu}); "
-            "leave torch out of --methods or run on a GPU"
+            f"--methods {text}: the {them} method{'s need' if len(on_cuda) > 1 else ' needs'} "
+            f"a CUDA GPU ({uses}) and this bench runs on the CPU ({why_cpu}); leave {them} out "
+            "of --methods or run on a GPU"
         )
     return tuple(name for name in METHODS if name in names), ""
 
@@ -603,9 +610,10 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
         formatter_class=_HelpFormatter,
         help="eager vs torch.cuda.make_graphed_callables vs leangraph on one pipeline rank",
         description="Train one pipeline rank's blocks eagerly, with torch's "
-        "make_graphed_callables and with leangraph's, one after the other from the same "
-        "weights, and print memory and time per method. On the CPU: a small workload, "
-        "eager and leangraph only, times only.",
+        "make_graphed_callables, with leangraph's, and as one CUDA graph of the whole step "
+        "(whole-step, the limit), one after the other from the same weights, and print memory "
+        "and time per method, each step time also as a ratio to whole-step's (x limit). On "
+        "the CPU: a small workload, eager and leangraph only, times only.",
     )
     _add_workload_options(bench, GPU_WORKLOAD, CPU_WORKLOAD)
     bench.add_argument(
@@ -618,8 +626,10 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--methods",
         metavar="LIST",
-        help="comma-separated, from eager,torch,leangraph (default: all three on a GPU, "
-        "eager,leangraph on the CPU: torch's needs CUDA)",
+        help=f"comma-separated, from {','.join(METHODS)} (default: all on a GPU, "
+        f"{','.join(m for m in METHODS if m not in CUDA_METHODS)} on the CPU: "
+        f"{' and '.join(CUDA_METHODS)} need CUDA); whole-step is the whole training step "
+        "captured as one CUDA graph, the limit the others' 'x limit' compares with",
     )
     bench.add_argument(
         "--rounds",
