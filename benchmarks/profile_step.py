@@ -4,7 +4,8 @@ microbatches), stepped in turn.
 
 Per round and method it prints the median and minimum of 30 synchronised steps and the host
 time per step of 30 unsynchronised ones (equal to the synchronised time when the host is the
-bottleneck), then a cProfile of 20 steps of each.
+bottleneck), then per method its launches per step (the bench's ``count_launches``, as
+``leangraph bench --launches`` counts them) and a cProfile of 20 steps.
 Usage: PYTHONPATH=src python3 benchmarks/profile_step.py
 """
 
@@ -18,7 +19,7 @@ import time
 
 import torch
 
-from leangraph.cli.bench import LAUNCH_BOUND, BenchWorkload, graph_methods
+from leangraph.cli.bench import LAUNCH_BOUND, BenchWorkload, count_launches, graph_methods
 
 
 def main() -> None:
@@ -52,6 +53,11 @@ def main() -> None:
                 f"ms; host per step {host(name):.2f} ms"
             )
     for name in graphed:
+        launches = count_launches(graphed[name].step)
+        print(
+            f"== {name}: graph launches/step {launches.graph_launches:.0f}, kernels outside "
+            f"graphs/step {launches.kernel_launches:.0f}"
+        )
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(20):

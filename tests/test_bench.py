@@ -1,6 +1,6 @@
 """`leangraph bench` on the CPU backend: runs end to end, losses agree, JSON is complete; its
 public pieces (the workload, the captures, the plots) as the benchmark scripts use them; the
-whole-step graph's step as far as the CPU runs it, and on a GPU."""
+whole-step graph's step and the launch counts as far as the CPU runs them, and on a GPU."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import copy
 import json
 import time
 from dataclasses import asdict, replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,12 +19,15 @@ from leangraph.cli.bench import (
     BenchConfig,
     BenchResult,
     BenchWorkload,
+    LaunchCounts,
     MethodResult,
     RoundTimes,
     WholeStepGraph,
     capture_method,
+    count_launches,
     format_table,
     graph_methods,
+    launch_counts,
     plot_bars,
     plot_timeline,
     run_bench,
@@ -123,6 +127,10 @@ def test_bench_config_refuses_what_cannot_run():
         _tiny(methods=("torch",))
     with pytest.raises(ValueError, match=r"the whole-step method needs a CUDA device \(torch.cuda.CUDAGraph\)"):
         _tiny(methods=("eager", "whole-step"))
+    with pytest.raises(ValueError, match="launch counts need a CUDA device"):
+        _tiny(launch_steps=3)
+    with pytest.raises(ValueError, match="launch_steps must be at least 0, got -1"):
+        _tiny(launch_steps=-1)
 
 
 def test_capture_method_refuses_unknown_names_and_torch_options():
@@ -256,50 +264,101 @@ def test_whole_step_capture_needs_cuda_and_step_needs_a_capture():
         whole.capture()
 
 
-# ------------------------------------------------------------------------- table, JSON
+# ------------------------------------------------------------------ table, JSON, launches
+
+
+def _launches(graphs: float, kernels: float, in_graphs: float) -> LaunchCounts:
+    return LaunchCounts(steps=3, graph_launches=graphs, kernel_launches=kernels,
+                        gpu_kernels=kernels + in_graphs, gpu_kernels_in_graphs=in_graphs)
 
 
 def _limit_result() -> BenchResult:
-    """A result of all four methods with made-up times."""
+    """A result of all four methods with made-up times and launch counts."""
     result = _gpu_like_result(None)
     times = {"eager": 0.1033, "torch": 0.0287, "leangraph": 0.0258, "whole-step": 0.0085}
+    launches = {"eager": _launches(0, 2600, 0), "torch": _launches(128, 800, 1800),
+                "leangraph": _launches(128, 800.5, 1800), "whole-step": _launches(1, 0, 2600)}
     result.methods["whole-step"] = MethodResult("whole-step", step_peak_bytes=3600 * MIB)
     for name, m in result.methods.items():
-        m.step_seconds = times[name]
+        m.step_seconds, m.launches = times[name], launches[name]
     result.losses_agree["whole-step"] = True
     result.rounds = {name: RoundTimes([0.5, 0.4], [t, 2 * t]) for name, t in times.items()
                      if name != "eager"}
     return result
 
 
-def test_table_gives_step_times_against_the_limit():
+def test_table_gives_step_times_against_the_limit_and_launches_per_step():
     table = format_table(_limit_result()).splitlines()
-    titles = ["step ms", "x limit", "loss"]
+    titles = ["step ms", "x limit", "graph launches/step", "kernels outside graphs/step", "loss"]
     where = [table[0].index(title) for title in titles]
     assert where == sorted(where) and table[0].endswith("loss")
     rows = {line.split()[0]: line.split() for line in table[2:6]}
-    assert rows["torch"][-2:] == ["3.38x", "ok"]
-    assert rows["leangraph"][-2:] == ["3.04x", "ok"]
-    assert rows["whole-step"][-2:] == ["1.00x", "ok"]
-    assert rows["eager"][-2:] == ["12.15x", "ref"]
+    assert rows["torch"][-4:] == ["3.38x", "128", "800", "ok"]
+    assert rows["leangraph"][-4:] == ["3.04x", "128", "800.5", "ok"]
+    assert rows["whole-step"][-4:] == ["1.00x", "1", "0", "ok"]
+    assert rows["eager"][-4:] == ["12.15x", "0", "2600", "ref"]
     rounds = table[table.index("2 rounds, median [min-max] (x limit: of the medians):") + 2:]
     assert rounds[0].split()[0] == "torch" and rounds[0].split()[-1] == "3.38x"
 
 
-def test_table_without_the_limit_keeps_its_columns():
+def test_table_without_the_limit_or_launches_keeps_its_columns():
     result = _gpu_like_result(None)
     header = format_table(result).splitlines()[0]
-    assert "x limit" not in header
+    assert "x limit" not in header and "launches" not in header
     assert header.split()[-1] == "loss"
 
 
-def test_json_carries_the_limit_ratios():
+def test_json_carries_the_limit_ratios_and_launch_counts():
     data = json.loads(json.dumps(_limit_result().to_json()))
     ratios = data["step_ratios_to_whole_step"]
     assert ratios["whole-step"] == 1.0 and ratios["torch"] == pytest.approx(0.0287 / 0.0085)
     # medians of the rounds: leangraph [25.8, 51.6] ms, whole-step [8.5, 17] ms
     assert data["round_step_ratios_to_whole_step"]["leangraph"] == pytest.approx(38.7 / 12.75)
+    assert data["methods"]["torch"]["launches"] == {
+        "steps": 3, "graph_launches": 128, "kernel_launches": 800, "gpu_kernels": 2600,
+        "gpu_kernels_in_graphs": 1800}
     assert "step_ratios_to_whole_step" not in _gpu_like_result(None).to_json()
+
+
+def _event(name: str, correlation: int, on_gpu: bool = False) -> SimpleNamespace:
+    """The three fields of a torch.profiler event that the launch count reads."""
+    device = torch.autograd.DeviceType.CUDA if on_gpu else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(name=name, id=correlation, device_type=device)
+
+
+def test_launch_counts_tell_graph_launches_from_kernels_outside_graphs():
+    events = []
+    for step in range(2):
+        base = 100 * step
+        events += [
+            _event("aten::add_", base), _event("cudaLaunchKernel", base + 1),
+            _event("void at::native::vectorized_elementwise_kernel", base + 1, on_gpu=True),
+            _event("cudaLaunchKernelExC_v11060", base + 2), _event("gemm", base + 2, on_gpu=True),
+            _event("cudaGraphLaunch_v10000", base + 3),
+            *(_event(f"graph kernel {k}", base + 3, on_gpu=True) for k in range(5)),
+            _event("cudaMemcpyAsync", base + 4),
+            _event("Memcpy DtoD (Device -> Device)", base + 4, on_gpu=True),
+            _event("Memset (Device)", base + 5, on_gpu=True),
+        ]
+    counts = launch_counts(events, steps=2)
+    assert counts == LaunchCounts(steps=2, graph_launches=1, kernel_launches=2, gpu_kernels=7,
+                                  gpu_kernels_in_graphs=5)
+    assert counts.gpu_kernels_outside_graphs == 2
+
+
+def test_a_launch_count_that_disagrees_with_the_gpu_is_noted_under_the_table():
+    result = _limit_result()
+    assert not [line for line in format_table(result).splitlines() if line.startswith("note")]
+    result.methods["torch"].launches = _launches(128, 800, 1800)
+    result.methods["torch"].launches = replace(result.methods["torch"].launches, gpu_kernels=2700)
+    notes = [line for line in format_table(result).splitlines() if line.startswith("note")]
+    assert notes == ["note: torch: 800 kernel launch calls per step, but the GPU ran 900 kernels "
+                     "outside graphs"]
+
+
+def test_count_launches_needs_a_step():
+    with pytest.raises(ValueError, match="at least one step, got 0"):
+        count_launches(lambda: None, 0)
 
 
 # ----------------------------------------------------------------------------- on a GPU
@@ -323,13 +382,21 @@ def test_whole_step_graph_trains_as_eager_on_cuda():
 
 
 @pytest.mark.cuda
-def test_bench_on_cuda_compares_with_the_limit():
-    result = run_bench(_tiny(rounds=1, **CUDA_TINY))
+def test_bench_on_cuda_counts_launches_and_compares_with_the_limit():
+    result = run_bench(_tiny(launch_steps=2, rounds=1, **CUDA_TINY))
     assert result.losses_agree == {"torch": True, "leangraph": True, "whole-step": True}
+    launches = {name: m.launches for name, m in result.methods.items()}
+    graphs = 2 * 4 * 1  # chunks x microbatches x layers: one forward, one backward each
+    assert launches["whole-step"].graph_launches == 1
+    assert launches["whole-step"].kernel_launches == 0
+    assert launches["torch"].graph_launches == launches["leangraph"].graph_launches == 2 * graphs
+    assert launches["eager"].graph_launches == 0 and launches["eager"].kernel_launches > 0
+    for name, counts in launches.items():
+        assert counts.kernel_launches == counts.gpu_kernels_outside_graphs, name
     assert result.limit_ratio("whole-step") == 1.0
     assert result.limit_ratio("eager") > 1.0
     assert set(result.rounds) == {"torch", "leangraph", "whole-step"}
     for name in ("torch", "leangraph", "whole-step"):
         assert result.methods[name].held_bytes is not None
     table = format_table(result)
-    assert "x limit" in table
+    assert "x limit" in table and "kernels outside graphs/step" in table

@@ -138,6 +138,8 @@ USAGE_ERRORS = [
      "the whole-step method needs a CUDA GPU (torch.cuda.CUDAGraph)"),
     (["bench", "--device", "cpu", "--methods", "torch,whole-step"], "leangraph bench",
      "the torch and whole-step methods need a CUDA GPU"),
+    (["bench", "--device", "cpu", "--launches"], "leangraph bench",
+     "--launches counts CUDA kernel and graph launches"),
     (["plan", "--dtype", "fp8"], "leangraph plan", "invalid choice: 'fp8'"),
     (["plan", "--vp", "2", "--microbatches", "2"], "leangraph plan",
      "--microbatches 2 must be a multiple of --pp 4"),

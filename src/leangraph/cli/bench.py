@@ -12,6 +12,8 @@ memory held when that method starts (weights and data included there, so "above 
 * ``held``: reserved right after capture;
 * times: capture wall time and the median step time; with ``rounds`` the graphed methods
   are then captured and timed again, in turn, that many times (median and spread);
+* with ``launch_steps``: kernel and graph launches per step (:func:`count_launches`), from
+  that many profiled steps of each method once all timing (rounds included) is done.
 
 torch's callables are listed in the schedule's forward order (its best case: it captures all
 forwards in that order, then all backwards in reverse). Its graphs are then replayed in the
@@ -25,16 +27,19 @@ step time is also given as a ratio to it (``x limit``) when it ran.
 The evidence scripts of ``benchmarks/`` build on the same pieces: :class:`BenchWorkload` (the
 workload and its training step), :func:`capture_torch`, :func:`capture_leangraph`,
 :func:`capture_whole_step` and :func:`capture_method` (one graphed method over a copy of the
-blocks), :func:`graph_methods`, :data:`LAUNCH_BOUND`.
+blocks), :func:`graph_methods`, :func:`profile_steps`, :func:`count_launches`,
+:func:`self_device_us`, :data:`LAUNCH_BOUND`.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -68,6 +73,8 @@ from .workloads import (
 __all__ = [
     "CUDA_METHODS",
     "GRAPHED_METHODS",
+    "GRAPH_LAUNCH_CALLS",
+    "KERNEL_LAUNCH_CALLS",
     "LAUNCH_BOUND",
     "LIMIT",
     "METHODS",
@@ -75,6 +82,7 @@ __all__ = [
     "BenchResult",
     "BenchWorkload",
     "Captured",
+    "LaunchCounts",
     "MethodResult",
     "RoundTimes",
     "WholeStepGraph",
@@ -82,11 +90,15 @@ __all__ = [
     "capture_method",
     "capture_torch",
     "capture_whole_step",
+    "count_launches",
     "format_table",
     "graph_methods",
+    "launch_counts",
     "plot_bars",
     "plot_timeline",
+    "profile_steps",
     "run_bench",
+    "self_device_us",
     "timeline_references",
 ]
 
@@ -123,6 +135,7 @@ class BenchConfig:
     methods: tuple[str, ...] = METHODS
     device: str = "cuda"
     rounds: int = 0  # extra rounds timing the graphed methods in turn (see RoundTimes)
+    launch_steps: int = 0  # steps profiled per method after all timing (0: no launch counts)
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.methods if name not in METHODS]
@@ -132,6 +145,12 @@ class BenchConfig:
         for name in self.methods:
             if name in CUDA_METHODS and not cuda:
                 raise ValueError(f"the {name} method needs a CUDA device ({CUDA_METHODS[name]})")
+        if self.launch_steps < 0:
+            raise ValueError(f"launch_steps must be at least 0, got {self.launch_steps}")
+        if self.launch_steps and not cuda:
+            raise ValueError(
+                "launch counts need a CUDA device (they read torch.profiler's CUDA activity)"
+            )
 
 
 LAUNCH_BOUND = BenchConfig(
@@ -140,6 +159,30 @@ LAUNCH_BOUND = BenchConfig(
     steps=50,
 )
 """The launch-bound workload of ``docs/benchmarks.md``: small blocks, host-bound steps."""
+
+
+@dataclass(frozen=True)
+class LaunchCounts:
+    """What one training step launches, per step, from ``torch.profiler``'s CUDA activity.
+
+    ``kernel_launches``: kernels the host launched one by one (a ``cudaLaunchKernel``-like
+    call each: eager ops, autograd's gradient accumulation outside graphs); ``graph_launches``:
+    ``cudaGraphLaunch`` calls, each running a whole graph; ``gpu_kernels``: kernels the GPU
+    ran, in graphs or not, of which ``gpu_kernels_in_graphs`` came from a graph launch (by
+    CUPTI correlation). ``gpu_kernels - gpu_kernels_in_graphs`` counts the kernels outside
+    graphs again from the GPU's side, a check on ``kernel_launches``.
+    """
+
+    steps: int
+    graph_launches: float
+    kernel_launches: float
+    gpu_kernels: float
+    gpu_kernels_in_graphs: float
+
+    @property
+    def gpu_kernels_outside_graphs(self) -> float:
+        """Kernels the GPU ran outside graphs, per step (equal to ``kernel_launches``)."""
+        return self.gpu_kernels - self.gpu_kernels_in_graphs
 
 
 @dataclass
@@ -155,6 +198,7 @@ class MethodResult:
     memory_check_seconds: float | None = None  # part of capture_seconds (leangraph)
     start_allocated_bytes: int | None = None  # allocated at the start: the zero of the above
     losses: list[float] = field(default_factory=list)
+    launches: LaunchCounts | None = None  # with BenchConfig.launch_steps
 
 
 @dataclass
@@ -600,6 +644,100 @@ def graph_methods(
     return graphed
 
 
+KERNEL_LAUNCH_CALLS = (
+    "cudaLaunchKernel",
+    "cudaLaunchCooperativeKernel",
+    "cuLaunchKernel",
+    "cuLaunchCooperativeKernel",
+)
+"""Name prefixes of the CUDA runtime and driver calls that launch one kernel, as
+``torch.profiler`` names them (``cudaLaunchKernelExC`` and the ``_ptsz`` forms included)."""
+GRAPH_LAUNCH_CALLS = ("cudaGraphLaunch", "cuGraphLaunch")
+"""Name prefixes of the calls that launch a whole CUDA graph."""
+
+
+def self_device_us(event: Any) -> float:
+    """Self device time of a ``torch.profiler`` average or event, in µs (torch 2.4 names it
+    ``self_cuda_time_total``, later versions ``self_device_time_total``)."""
+    value = getattr(event, "self_device_time_total", None)
+    return float(event.self_cuda_time_total if value is None else value)
+
+
+def profile_steps(step: Callable[[], object], steps: int) -> Any:
+    """``steps`` calls of ``step`` under ``torch.profiler`` with CPU and CUDA activity,
+    synchronised before the first and after the last (CUDA only); the finished profiler, for
+    its ``events()`` and ``key_averages()``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if _cuda_version() < (12, 6):
+        # torch's own profiler does this with CUDA graphs in the process: re-initialising
+        # CUPTI after a teardown crashed with graphs before CUDA 12.6, and the bench
+        # profiles once per method.
+        os.environ.setdefault("TEARDOWN_CUPTI", "0")
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        # torch 2.11 warns, once per process, that a second profiler keeps only its own
+        # events, which is what each count wants.
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    return prof
+
+
+def _cuda_version() -> tuple[int, ...]:
+    text = torch.version.cuda or "0"
+    return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
+
+
+def launch_counts(events: Iterable[Any], steps: int) -> LaunchCounts:
+    """Count what ``steps`` profiled steps launched: ``events`` are ``torch.profiler``
+    events (each with ``name``, ``device_type`` and ``id``, the CUPTI correlation id of a
+    launch call and of the kernels it ran). Memory copies and sets are not kernels."""
+    graph_calls: set[int] = set()
+    device_kernels: list[int] = []
+    graph_launches = kernel_launches = 0
+    for event in events:
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            if not event.name.startswith(("Memcpy", "Memset")):
+                device_kernels.append(event.id)
+        elif event.name.startswith(GRAPH_LAUNCH_CALLS):
+            graph_launches += 1
+            graph_calls.add(event.id)
+        elif event.name.startswith(KERNEL_LAUNCH_CALLS):
+            kernel_launches += 1
+    in_graphs = sum(1 for correlation in device_kernels if correlation in graph_calls)
+    return LaunchCounts(
+        steps=steps,
+        graph_launches=graph_launches / steps,
+        kernel_launches=kernel_launches / steps,
+        gpu_kernels=len(device_kernels) / steps,
+        gpu_kernels_in_graphs=in_graphs / steps,
+    )
+
+
+def count_launches(step: Callable[[], object], steps: int = 3) -> LaunchCounts:
+    """Kernel and graph launches per training step over ``steps`` profiled calls of
+    ``step`` (:func:`profile_steps`, :func:`launch_counts`); run it warm, after timing.
+
+    Raises:
+        ValueError: for ``steps`` below 1.
+        RuntimeError: when the profiler saw kernels run but no launch call of a known name
+            (counting nothing would read as a perfect graph).
+    """
+    if steps < 1:
+        raise ValueError(f"count_launches needs at least one step, got {steps}")
+    counts = launch_counts(profile_steps(step, steps).events(), steps)
+    if counts.gpu_kernels and not (counts.graph_launches or counts.kernel_launches):
+        raise RuntimeError(
+            f"torch.profiler saw {counts.gpu_kernels:.0f} kernels per step on the GPU but no "
+            f"launch call named {', '.join(KERNEL_LAUNCH_CALLS + GRAPH_LAUNCH_CALLS)}: this "
+            "torch names them otherwise, so the bench cannot count them"
+        )
+    return counts
+
+
 def _sampling_replay(
     captured: Captured, layout: Layout, points: list[TimelinePoint]
 ) -> LayerLookup:
@@ -629,6 +767,37 @@ def _training_phase(
         return None
     progress.begin(name, measured + 1 + config.steps, "steps")
     return lambda done: progress.advance(measured + done)
+
+
+def _count_all_launches(
+    work: BenchWorkload, methods: dict[str, MethodResult], progress: PhaseProgress | None
+) -> None:
+    """Each method's launch counts over ``config.launch_steps`` profiled steps, once all
+    timing is done: steps timed after a profile can be slower (on an H200, torch's 16-
+    microbatch steps took 76 ms before a profile of eager's steps and 90-92 ms after it). A
+    graphed method is captured afresh for it, from the same initial blocks, and stepped once
+    untimed before the profile; what a step launches is the same at every capture."""
+    steps = work.config.launch_steps
+    for name, result in methods.items():
+        if progress is not None:
+            progress.begin(f"launch counts: {name} (torch.profiler over {plural(steps, 'step')})")
+        result.launches = _method_launches(work, name, steps)
+
+
+def _method_launches(work: BenchWorkload, name: str, steps: int) -> LaunchCounts:
+    """:func:`count_launches` of ``name`` on fresh blocks, after one untimed step."""
+    if name == "eager":
+        blocks = copy.deepcopy(work.blocks)
+        lookup = work.eager_lookup(blocks)
+        work.step(lookup, blocks)
+        return count_launches(lambda: work.step(lookup, blocks), steps)
+    _Meter(work.config.device)  # collect, synchronise and empty the cache first
+    captured = capture_method(work, name)
+    try:
+        captured.step()
+        return count_launches(captured.step, steps)
+    finally:
+        captured.release()
 
 
 def _bench_eager(work: BenchWorkload, progress: PhaseProgress | None) -> MethodResult:
@@ -742,6 +911,8 @@ def run_bench(config: BenchConfig, progress: PhaseProgress | None = None) -> Ben
     settings = asdict(config)
     settings["shape"] = {**asdict(config.shape), "dtype": str(config.shape.dtype)}
     rounds = _run_rounds(work, progress) if config.rounds else {}
+    if config.launch_steps:
+        _count_all_launches(work, methods, progress)
     return BenchResult(settings, methods, agree, report=report, rounds=rounds)
 
 
@@ -778,9 +949,16 @@ def _times(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _per_step(launches: LaunchCounts | None, figure: str) -> str:
+    if launches is None:
+        return "-"
+    value = float(getattr(launches, figure))
+    return f"{value:.0f}" if value == round(value) else f"{value:.1f}"
+
+
 def _table_columns(result: BenchResult) -> list[tuple[str, int, _Cell]]:
     """The first table's columns after the method's name: (header, width, cell); ``x limit``
-    when whole-step ran, the loss verdict last."""
+    when whole-step ran, the launch counts when they were taken, the loss verdict last."""
 
     def memory(figure: str) -> _Cell:
         def cell(name: str, m: MethodResult) -> str:
@@ -811,7 +989,33 @@ def _table_columns(result: BenchResult) -> list[tuple[str, int, _Cell]]:
     ]
     if LIMIT in result.methods:
         columns.append(("x limit", 7, lambda name, _: _times(result.limit_ratio(name))))
+    if any(m.launches is not None for m in result.methods.values()):
+        columns += [
+            ("graph launches/step", 19, lambda _, m: _per_step(m.launches, "graph_launches")),
+            (
+                "kernels outside graphs/step",
+                27,
+                lambda _, m: _per_step(m.launches, "kernel_launches"),
+            ),
+        ]
     return [*columns, ("loss", 6, loss)]
+
+
+def _launch_notes(result: BenchResult) -> list[str]:
+    """A line per method whose launch calls and GPU-side count of kernels outside graphs
+    differ: the profiler then named a launch call this bench does not know, or lost events."""
+    notes = []
+    for name, m in result.methods.items():
+        counts = m.launches
+        if (
+            counts is not None
+            and abs(counts.kernel_launches - counts.gpu_kernels_outside_graphs) > 0.5
+        ):
+            notes.append(
+                f"note: {name}: {counts.kernel_launches:.0f} kernel launch calls per step, but "
+                f"the GPU ran {counts.gpu_kernels_outside_graphs:.0f} kernels outside graphs"
+            )
+    return notes
 
 
 def _rounds_lines(result: BenchResult) -> list[str]:
@@ -833,13 +1037,14 @@ def _rounds_lines(result: BenchResult) -> list[str]:
 
 def format_table(result: BenchResult) -> str:
     """The result as a fixed-width table: MiB and ratios to the eager step peak, times, step
-    times as ratios to the whole-step graph's (``x limit``), the rounds."""
+    times as ratios to the whole-step graph's (``x limit``), launches per step, the rounds."""
     columns = _table_columns(result)
     header = " ".join([f"{'method':<10}"] + [f"{title:>{width}}" for title, width, _ in columns])
     lines = [header, "-" * len(header)]
     for name, m in result.methods.items():
         cells = [f"{cell(name, m):>{width}}" for _, width, cell in columns]
         lines.append(" ".join([f"{name:<10}", *cells]))
+    lines += _launch_notes(result)
     if result.rounds:
         lines += _rounds_lines(result)
     return "\n".join(lines)

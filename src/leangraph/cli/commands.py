@@ -41,6 +41,8 @@ from .workloads import BlockShape, make_blocks, plural, sample_hidden
 __all__ = ["CommandError", "UsageError", "build_parser", "main", "progress_bar"]
 
 MIB = 1024 * 1024
+LAUNCH_STEPS = 3
+"""Steps ``bench --launches`` profiles per method: launches repeat exactly from step to step."""
 
 DESCRIPTION = """\
 leangraph: memory-lean CUDA-graph capture for pipeline-parallel PyTorch training.
@@ -379,6 +381,11 @@ def _check_bench_outputs(args: argparse.Namespace, device: str, methods: Sequenc
         _needs_matplotlib(flag)
     if args.plot is not None and "leangraph" not in methods:
         raise UsageError("--plot draws leangraph's memory timeline: add leangraph to --methods")
+    if args.launches and device == "cpu":
+        raise UsageError(
+            "--launches counts CUDA kernel and graph launches (torch.profiler's CUDA activity): "
+            "nothing to count on the CPU; run on a GPU or drop --launches"
+        )
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -399,6 +406,7 @@ def _bench(args: argparse.Namespace) -> int:
         device=device,
         shape=_shape(work),
         rounds=args.rounds,
+        launch_steps=LAUNCH_STEPS if args.launches else 0,
     )
     if device == "cpu":
         print(
@@ -637,6 +645,13 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
         metavar="N",
         default=0,
         help="then capture and time the graphed methods again, taking turns, this many times",
+    )
+    bench.add_argument(
+        "--launches",
+        action="store_true",
+        help=f"once all timing is done, profile {LAUNCH_STEPS} steps of each method "
+        "(torch.profiler; graphed methods captured again) and print its graph launches and "
+        "kernels launched outside graphs per step (GPU only)",
     )
     _add_device(bench)
     _add_threads(bench)
