@@ -36,6 +36,7 @@ from .bench import (
 )
 from .demo import DemoConfig, DemoResult, run_demo
 from .phases import phase_display, progress_bar
+from .replay_micro import ReplayMicroConfig, format_replay_micro, run_replay_micro
 from .workloads import BlockShape, make_blocks, plural, sample_hidden
 
 __all__ = ["CommandError", "UsageError", "build_parser", "main", "progress_bar"]
@@ -392,6 +393,8 @@ def _bench(args: argparse.Namespace) -> int:
     device = _device(args.device)
     why_cpu = "--device cpu" if args.device == "cpu" else "no GPU found"
     work = _workload(args, CPU_WORKLOAD if device == "cpu" else GPU_WORKLOAD)
+    if args.replay_micro or args.replays is not None:
+        return _replay_micro(args, device, why_cpu, work)
     methods, note = _bench_methods(args.methods, device, why_cpu)
     _check_bench_outputs(args, device, methods)
     steps = args.steps if args.steps is not None else (3 if device == "cpu" else 5)
@@ -421,6 +424,54 @@ def _bench(args: argparse.Namespace) -> int:
     _write_bench_outputs(args, result)
     if not result.losses_agree.get("leangraph", True):
         raise CommandError("leangraph's losses differ from eager's (the loss column says DIFF)")
+    return 0
+
+
+_NOT_WITH_REPLAY_MICRO = (
+    ("--methods", lambda a: a.methods is not None),
+    ("--steps", lambda a: a.steps is not None),
+    ("--rounds", lambda a: a.rounds != 0),
+    ("--launches", lambda a: a.launches),
+    ("--plot", lambda a: a.plot is not None),
+    ("--bars", lambda a: a.bars is not None),
+)
+"""The bench's flags that the replay microbenchmark has no use for, and how to tell one given."""
+
+
+def _replay_micro(args: argparse.Namespace, device: str, why_cpu: str, work: Workload) -> int:
+    """``bench --replay-micro``: checked, run, printed (and written with ``--json``)."""
+    if not args.replay_micro:
+        raise UsageError(
+            "--replays: only with --replay-micro (replays per round); add --replay-micro or "
+            "drop --replays"
+        )
+    given = [flag for flag, is_given in _NOT_WITH_REPLAY_MICRO if is_given(args)]
+    if given:
+        raise UsageError(
+            f"{', '.join(given)}: not used with --replay-micro (it times one graphed layer's "
+            "replays, no training steps); drop them or drop --replay-micro"
+        )
+    if device == "cpu":
+        raise UsageError(
+            "--replay-micro times torch.cuda.make_graphed_callables' replays against "
+            f"leangraph's, which needs a CUDA GPU, and this bench runs on the CPU ({why_cpu}); "
+            "run on a GPU"
+        )
+    _output_file(args.json, "--json")
+    replays = {} if args.replays is None else {"replays": args.replays}
+    config = ReplayMicroConfig(shape=_shape(work), device=device, **replays)
+    print(
+        f"replay microbenchmark: one block of hidden {work.hidden}, {work.heads} heads, "
+        f"sequence {work.sequence}, micro-batch {work.micro_batch}, {work.dtype}; "
+        f"{config.rounds} rounds of {config.replays} forward+backward replays per method"
+    )
+    with _intra_op_threads(args.threads, device):
+        result = run_replay_micro(config)
+    print(format_replay_micro(result))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result.to_json(), handle, indent=2)
+        print(f"wrote {args.json} (every round's figures and the config)")
     return 0
 
 
@@ -652,6 +703,21 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
         help=f"once all timing is done, profile {LAUNCH_STEPS} steps of each method "
         "(torch.profiler; graphed methods captured again) and print its graph launches and "
         "kernels launched outside graphs per step (GPU only)",
+    )
+    bench.add_argument(
+        "--replay-micro",
+        action="store_true",
+        help="instead of the bench: the host time of one forward+backward replay of one block "
+        "graphed by torch and by leangraph, side by side, and their ratio (GPU only; give a "
+        "small block, e.g. --hidden 256 --heads 4 --sequence 128, so that the host is the "
+        "bound)",
+    )
+    bench.add_argument(
+        "--replays",
+        type=_count(1),
+        metavar="N",
+        help="with --replay-micro: replays per method and round (default: "
+        f"{ReplayMicroConfig().replays}, in each of {ReplayMicroConfig().rounds} rounds)",
     )
     _add_device(bench)
     _add_threads(bench)
