@@ -1,44 +1,46 @@
-"""GPU time per training step by kernel (GPU only): torch's and leangraph's graphs of the
-16-microbatch benchmark workload, two steps each under ``torch.profiler``.
+"""GPU time per training step by kernel (GPU only): torch's and leangraph's graphs and the
+whole-step graph of the 16-microbatch benchmark workload, two steps each under
+``torch.profiler`` (the bench's own ``profile_steps``).
 
 Prints each method's total self device time per step (graph kernels count twice: under the
-replay and by kernel) and its 22 largest entries. Equal totals
+replay and by kernel), its launches per step (the bench's ``launch_counts``, as
+``leangraph bench --launches`` prints them) and its 22 largest entries. Equal totals
 mean the graphs do the same GPU work, so a step-time difference is idle time between launches.
 Usage: PYTHONPATH=src python3 benchmarks/profile_kernels.py
 """
 
 from __future__ import annotations
 
-from typing import Any
+from leangraph.cli.bench import (
+    BenchConfig,
+    BenchWorkload,
+    graph_methods,
+    launch_counts,
+    profile_steps,
+    self_device_us,
+)
 
-import torch
-from torch.profiler import ProfilerActivity, profile
-
-from leangraph.cli.bench import BenchConfig, BenchWorkload, graph_methods
-
-
-def _self_device_us(event: Any) -> float:
-    # torch 2.4 names it self_cuda_time_total; later versions self_device_time_total.
-    value = getattr(event, "self_device_time_total", None)
-    return float(event.self_cuda_time_total if value is None else value)
+STEPS = 2
 
 
 def main() -> None:
     work = BenchWorkload(BenchConfig(num_microbatches=16))
     for name, captured in graph_methods(work, untimed_steps=2).items():
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(2):
-                work.step(captured.lookup, captured.blocks)
-            torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if _self_device_us(e) > 0]
-        total = sum(_self_device_us(e) for e in events)
-        print(f"== {name}: self device time per step {total / 2 / 1e3:.2f} ms")
-        for event in sorted(events, key=_self_device_us, reverse=True)[:22]:
+        prof = profile_steps(captured.step, STEPS)
+        events = [e for e in prof.key_averages() if self_device_us(e) > 0]
+        total = sum(self_device_us(e) for e in events)
+        launches = launch_counts(prof.events(), STEPS)
+        print(f"== {name}: self device time per step {total / STEPS / 1e3:.2f} ms")
+        print(
+            f"graph launches/step {launches.graph_launches:.0f}, kernels outside graphs/step "
+            f"{launches.kernel_launches:.0f}, kernels on the GPU/step {launches.gpu_kernels:.0f}"
+        )
+        for event in sorted(events, key=self_device_us, reverse=True)[:22]:
             print(
-                f"{event.key[:70]:<70} calls/step {event.count / 2:>6.0f}  "
-                f"ms/step {_self_device_us(event) / 2 / 1e3:8.3f}"
+                f"{event.key[:70]:<70} calls/step {event.count / STEPS:>6.0f}  "
+                f"ms/step {self_device_us(event) / STEPS / 1e3:8.3f}"
             )
+        captured.release()
 
 
 if __name__ == "__main__":

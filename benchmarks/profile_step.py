@@ -1,9 +1,11 @@
-"""Where a graphed training step spends host time (GPU only): torch's and leangraph's graphs of
-the launch-bound benchmark workload (hidden 256, sequence 128, 8 microbatches), stepped in turn.
+"""Where a graphed training step spends host time (GPU only): torch's and leangraph's graphs
+and the whole-step graph of the launch-bound benchmark workload (hidden 256, sequence 128, 8
+microbatches), stepped in turn.
 
 Per round and method it prints the median and minimum of 30 synchronised steps and the host
 time per step of 30 unsynchronised ones (equal to the synchronised time when the host is the
-bottleneck), then a cProfile of 20 steps of each.
+bottleneck), then per method its launches per step (the bench's ``count_launches``, as
+``leangraph bench --launches`` counts them) and a cProfile of 20 steps.
 Usage: PYTHONPATH=src python3 benchmarks/profile_step.py
 """
 
@@ -17,7 +19,7 @@ import time
 
 import torch
 
-from leangraph.cli.bench import LAUNCH_BOUND, BenchWorkload, graph_methods
+from leangraph.cli.bench import LAUNCH_BOUND, BenchWorkload, count_launches, graph_methods
 
 
 def main() -> None:
@@ -29,7 +31,7 @@ def main() -> None:
         for _ in range(30):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            work.step(graphed[name].lookup, graphed[name].blocks)
+            graphed[name].step()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         return statistics.median(times) * 1e3, min(times) * 1e3
@@ -38,7 +40,7 @@ def main() -> None:
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(30):
-            work.step(graphed[name].lookup, graphed[name].blocks)
+            graphed[name].step()
         elapsed = time.perf_counter() - start
         torch.cuda.synchronize()
         return elapsed / 30 * 1e3
@@ -51,10 +53,15 @@ def main() -> None:
                 f"ms; host per step {host(name):.2f} ms"
             )
     for name in graphed:
+        launches = count_launches(graphed[name].step)
+        print(
+            f"== {name}: graph launches/step {launches.graph_launches:.0f}, kernels outside "
+            f"graphs/step {launches.kernel_launches:.0f}"
+        )
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(20):
-            work.step(graphed[name].lookup, graphed[name].blocks)
+            graphed[name].step()
         torch.cuda.synchronize()
         profiler.disable()
         text = io.StringIO()

@@ -1,11 +1,14 @@
 """`leangraph bench` on the CPU backend: runs end to end, losses agree, JSON is complete; its
-public pieces (the workload, the captures, the plots) as the benchmark scripts use them."""
+public pieces (the workload, the captures, the plots) as the benchmark scripts use them; the
+whole-step graph's step and the launch counts as far as the CPU runs them, and on a GPU."""
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import asdict, replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,10 +19,15 @@ from leangraph.cli.bench import (
     BenchConfig,
     BenchResult,
     BenchWorkload,
+    LaunchCounts,
     MethodResult,
+    RoundTimes,
+    WholeStepGraph,
     capture_method,
+    count_launches,
     format_table,
     graph_methods,
+    launch_counts,
     plot_bars,
     plot_timeline,
     run_bench,
@@ -76,7 +84,7 @@ def test_bench_on_the_cpu_by_default_is_small_and_finishes_in_seconds(capsys):
     elapsed = time.perf_counter() - start
     out = capsys.readouterr().out
     assert "8 microbatches, hidden 64, 4 heads, sequence 32" in out and "fp32" in out
-    assert "torch method is left out" in out
+    assert "so the torch and whole-step methods are left out" in out
     rows = [line.split()[0] for line in out.splitlines() if line.split()[-1:] in (["ref"], ["ok"])]
     assert rows == ["eager", "leangraph"]
     # Seconds on an idle laptop; the bound leaves room for a busy test machine.
@@ -117,6 +125,12 @@ def test_bench_config_refuses_what_cannot_run():
         _tiny(methods=("eager", "foo"))
     with pytest.raises(ValueError, match="the torch method needs a CUDA device"):
         _tiny(methods=("torch",))
+    with pytest.raises(ValueError, match=r"the whole-step method needs a CUDA device \(torch.cuda.CUDAGraph\)"):
+        _tiny(methods=("eager", "whole-step"))
+    with pytest.raises(ValueError, match="launch counts need a CUDA device"):
+        _tiny(launch_steps=3)
+    with pytest.raises(ValueError, match="launch_steps must be at least 0, got -1"):
+        _tiny(launch_steps=-1)
 
 
 def test_capture_method_refuses_unknown_names_and_torch_options():
@@ -125,6 +139,8 @@ def test_capture_method_refuses_unknown_names_and_torch_options():
         capture_method(work, "eager")
     with pytest.raises(ValueError, match="the torch method takes no options"):
         capture_method(work, "torch", check_memory=False)
+    with pytest.raises(ValueError, match="the whole-step method takes no options, got progress"):
+        capture_method(work, "whole-step", progress=lambda event: None)
 
 
 def test_graph_methods_graph_a_copy_whose_steps_match_eager():
@@ -133,7 +149,7 @@ def test_graph_methods_graph_a_copy_whose_steps_match_eager():
     assert captured.graphed is not None
     assert all(copy is not block for copy, block in zip(captured.blocks, work.blocks))
     eager = work.step(work.eager_lookup(work.blocks), work.blocks)  # steps do not update weights
-    assert work.step(captured.lookup, captured.blocks) == eager
+    assert captured.step() == eager
     captured.release()
     assert all(graph.is_reset for graph in captured.graphed)
 
@@ -197,3 +213,190 @@ def test_plots_of_a_cpu_run_refuse_to_draw_nothing(tmp_path):
     with pytest.raises(ValueError, match="leangraph was not among its methods"):
         plot_timeline(run_bench(_tiny(methods=("eager",))), tmp_path / "timeline.png")
     assert not any(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------- the whole-step graph
+
+
+def _grads(blocks) -> list[torch.Tensor]:
+    return [p.grad.clone() for block in blocks for p in block.parameters()]
+
+
+def _eager_step(work: BenchWorkload) -> tuple[list[float], list[torch.Tensor]]:
+    blocks = copy.deepcopy(work.blocks)
+    return work.step(work.eager_lookup(blocks), blocks), _grads(blocks)
+
+
+def test_whole_step_runs_eagers_step_on_its_static_inputs():
+    """The step the graph captures is eager's step: the same losses and gradients, from
+    zero every time (the second run does not add to the first's gradients)."""
+    work = BenchWorkload(_tiny(layers_per_chunk=2))
+    losses, grads = _eager_step(work)
+    whole = WholeStepGraph(work, copy.deepcopy(work.blocks))
+    for _ in range(2):
+        assert [float(loss) for loss in whole.run()] == losses
+        for ours, eager in zip(_grads(whole.blocks), grads, strict=True):
+            torch.testing.assert_close(ours, eager, rtol=0, atol=0)
+    assert all(static is not x for static, x in zip(whole.inputs, work.inputs))
+
+
+def test_whole_step_accumulates_each_gradient_in_one_buffer():
+    """What capture relies on: within a step, every microbatch's gradient of a parameter lands
+    in the tensor its first backward created, so a replay rewrites the same ``.grad``."""
+    work = BenchWorkload(_tiny())
+    whole = WholeStepGraph(work, copy.deepcopy(work.blocks))
+    seen: dict[int, set[int]] = {}
+    params = [p for block in whole.blocks for p in block.parameters()]
+    for param in params:
+        param.register_post_accumulate_grad_hook(
+            lambda p: seen.setdefault(id(p), set()).add(p.grad.data_ptr()))
+    whole.run()
+    assert set(seen) == {id(p) for p in params}
+    assert all(len(pointers) == 1 for pointers in seen.values()), seen
+
+
+def test_whole_step_capture_needs_cuda_and_step_needs_a_capture():
+    work = BenchWorkload(_tiny())
+    whole = WholeStepGraph(work, copy.deepcopy(work.blocks))
+    with pytest.raises(RuntimeError, match="the whole-step graph is not captured"):
+        whole.step()
+    with pytest.raises(RuntimeError, match="needs CUDA tensors .* the workload is on cpu"):
+        whole.capture()
+
+
+# ------------------------------------------------------------------ table, JSON, launches
+
+
+def _launches(graphs: float, kernels: float, in_graphs: float) -> LaunchCounts:
+    return LaunchCounts(steps=3, graph_launches=graphs, kernel_launches=kernels,
+                        gpu_kernels=kernels + in_graphs, gpu_kernels_in_graphs=in_graphs)
+
+
+def _limit_result() -> BenchResult:
+    """A result of all four methods with made-up times and launch counts."""
+    result = _gpu_like_result(None)
+    times = {"eager": 0.1033, "torch": 0.0287, "leangraph": 0.0258, "whole-step": 0.0085}
+    launches = {"eager": _launches(0, 2600, 0), "torch": _launches(128, 800, 1800),
+                "leangraph": _launches(128, 800.5, 1800), "whole-step": _launches(1, 0, 2600)}
+    result.methods["whole-step"] = MethodResult("whole-step", step_peak_bytes=3600 * MIB)
+    for name, m in result.methods.items():
+        m.step_seconds, m.launches = times[name], launches[name]
+    result.losses_agree["whole-step"] = True
+    result.rounds = {name: RoundTimes([0.5, 0.4], [t, 2 * t]) for name, t in times.items()
+                     if name != "eager"}
+    return result
+
+
+def test_table_gives_step_times_against_the_limit_and_launches_per_step():
+    table = format_table(_limit_result()).splitlines()
+    titles = ["step ms", "x limit", "graph launches/step", "kernels outside graphs/step", "loss"]
+    where = [table[0].index(title) for title in titles]
+    assert where == sorted(where) and table[0].endswith("loss")
+    rows = {line.split()[0]: line.split() for line in table[2:6]}
+    assert rows["torch"][-4:] == ["3.38x", "128", "800", "ok"]
+    assert rows["leangraph"][-4:] == ["3.04x", "128", "800.5", "ok"]
+    assert rows["whole-step"][-4:] == ["1.00x", "1", "0", "ok"]
+    assert rows["eager"][-4:] == ["12.15x", "0", "2600", "ref"]
+    rounds = table[table.index("2 rounds, median [min-max] (x limit: of the medians):") + 2:]
+    assert rounds[0].split()[0] == "torch" and rounds[0].split()[-1] == "3.38x"
+
+
+def test_table_without_the_limit_or_launches_keeps_its_columns():
+    result = _gpu_like_result(None)
+    header = format_table(result).splitlines()[0]
+    assert "x limit" not in header and "launches" not in header
+    assert header.split()[-1] == "loss"
+
+
+def test_json_carries_the_limit_ratios_and_launch_counts():
+    data = json.loads(json.dumps(_limit_result().to_json()))
+    ratios = data["step_ratios_to_whole_step"]
+    assert ratios["whole-step"] == 1.0 and ratios["torch"] == pytest.approx(0.0287 / 0.0085)
+    # medians of the rounds: leangraph [25.8, 51.6] ms, whole-step [8.5, 17] ms
+    assert data["round_step_ratios_to_whole_step"]["leangraph"] == pytest.approx(38.7 / 12.75)
+    assert data["methods"]["torch"]["launches"] == {
+        "steps": 3, "graph_launches": 128, "kernel_launches": 800, "gpu_kernels": 2600,
+        "gpu_kernels_in_graphs": 1800}
+    assert "step_ratios_to_whole_step" not in _gpu_like_result(None).to_json()
+
+
+def _event(name: str, correlation: int, on_gpu: bool = False) -> SimpleNamespace:
+    """The three fields of a torch.profiler event that the launch count reads."""
+    device = torch.autograd.DeviceType.CUDA if on_gpu else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(name=name, id=correlation, device_type=device)
+
+
+def test_launch_counts_tell_graph_launches_from_kernels_outside_graphs():
+    events = []
+    for step in range(2):
+        base = 100 * step
+        events += [
+            _event("aten::add_", base), _event("cudaLaunchKernel", base + 1),
+            _event("void at::native::vectorized_elementwise_kernel", base + 1, on_gpu=True),
+            _event("cudaLaunchKernelExC_v11060", base + 2), _event("gemm", base + 2, on_gpu=True),
+            _event("cudaGraphLaunch_v10000", base + 3),
+            *(_event(f"graph kernel {k}", base + 3, on_gpu=True) for k in range(5)),
+            _event("cudaMemcpyAsync", base + 4),
+            _event("Memcpy DtoD (Device -> Device)", base + 4, on_gpu=True),
+            _event("Memset (Device)", base + 5, on_gpu=True),
+        ]
+    counts = launch_counts(events, steps=2)
+    assert counts == LaunchCounts(steps=2, graph_launches=1, kernel_launches=2, gpu_kernels=7,
+                                  gpu_kernels_in_graphs=5)
+    assert counts.gpu_kernels_outside_graphs == 2
+
+
+def test_a_launch_count_that_disagrees_with_the_gpu_is_noted_under_the_table():
+    result = _limit_result()
+    assert not [line for line in format_table(result).splitlines() if line.startswith("note")]
+    result.methods["torch"].launches = _launches(128, 800, 1800)
+    result.methods["torch"].launches = replace(result.methods["torch"].launches, gpu_kernels=2700)
+    notes = [line for line in format_table(result).splitlines() if line.startswith("note")]
+    assert notes == ["note: torch: 800 kernel launch calls per step, but the GPU ran 900 kernels "
+                     "outside graphs"]
+
+
+def test_count_launches_needs_a_step():
+    with pytest.raises(ValueError, match="at least one step, got 0"):
+        count_launches(lambda: None, 0)
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+CUDA_TINY = dict(device="cuda", methods=("eager", "torch", "leangraph", "whole-step"))
+
+
+@pytest.mark.cuda
+def test_whole_step_graph_trains_as_eager_on_cuda():
+    work = BenchWorkload(_tiny(layers_per_chunk=2, **CUDA_TINY))
+    losses, grads = _eager_step(work)
+    captured = capture_method(work, "whole-step")
+    for _ in range(2):  # every replay starts from zero gradients
+        torch.testing.assert_close(captured.step(), losses)
+        for ours, eager in zip(_grads(captured.blocks), grads, strict=True):
+            torch.testing.assert_close(ours, eager)
+    captured.release()
+    assert all(p.grad is None for block in captured.blocks for p in block.parameters())
+    with pytest.raises(RuntimeError, match="not captured"):
+        captured.step()
+
+
+@pytest.mark.cuda
+def test_bench_on_cuda_counts_launches_and_compares_with_the_limit():
+    result = run_bench(_tiny(launch_steps=2, rounds=1, **CUDA_TINY))
+    assert result.losses_agree == {"torch": True, "leangraph": True, "whole-step": True}
+    launches = {name: m.launches for name, m in result.methods.items()}
+    graphs = 2 * 4 * 1  # chunks x microbatches x layers: one forward, one backward each
+    assert launches["whole-step"].graph_launches == 1
+    assert launches["whole-step"].kernel_launches == 0
+    assert launches["torch"].graph_launches == launches["leangraph"].graph_launches == 2 * graphs
+    assert launches["eager"].graph_launches == 0 and launches["eager"].kernel_launches > 0
+    for name, counts in launches.items():
+        assert counts.kernel_launches == counts.gpu_kernels_outside_graphs, name
+    assert result.limit_ratio("whole-step") == 1.0
+    assert result.limit_ratio("eager") > 1.0
+    assert set(result.rounds) == {"torch", "leangraph", "whole-step"}
+    for name in ("torch", "leangraph", "whole-step"):
+        assert result.methods[name].held_bytes is not None
+    table = format_table(result)
+    assert "x limit" in table and "kernels outside graphs/step" in table

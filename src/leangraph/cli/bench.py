@@ -1,7 +1,8 @@
-"""``leangraph bench``: eager vs ``torch.cuda.make_graphed_callables`` vs leangraph, one process.
+"""``leangraph bench``: eager vs ``torch.cuda.make_graphed_callables`` vs leangraph vs the
+whole step as one CUDA graph, one process.
 
 One pipeline rank's layers (Megatron interleaved 1F1B order of that rank) are trained for a
-step three ways, each from the same initial weights and on the same data, one after the other
+step four ways, each from the same initial weights and on the same data, one after the other
 with the allocator emptied in between. For every method the figures are taken relative to the
 memory held when that method starts (weights and data included there, so "above the weights"):
 
@@ -10,27 +11,38 @@ memory held when that method starts (weights and data included there, so "above 
 * ``capture_peak``: peak allocated during warm-up plus capture;
 * ``held``: reserved right after capture;
 * times: capture wall time and the median step time; with ``rounds`` the graphed methods
-  are then captured and timed again, in turn, that many times (median and spread).
+  are then captured and timed again, in turn, that many times (median and spread);
+* with ``launch_steps``: kernel and graph launches per step (:func:`count_launches`), from
+  that many profiled steps of each method once all timing (rounds included) is done.
 
 torch's callables are listed in the schedule's forward order (its best case: it captures all
 forwards in that order, then all backwards in reverse). Its graphs are then replayed in the
 pipeline order, which its contract does not cover; the loss check says whether that held.
 
+The ``whole-step`` method is the limit a graphed step is measured against: the rank's whole
+training step (eager's step, every forward and backward of the order) captured by hand as one
+``torch.cuda.CUDAGraph`` (:class:`WholeStepGraph`), one graph launch per step. Every method's
+step time is also given as a ratio to it (``x limit``) when it ran.
+
 The evidence scripts of ``benchmarks/`` build on the same pieces: :class:`BenchWorkload` (the
-workload and its training step), :func:`capture_torch`, :func:`capture_leangraph` and
-:func:`capture_method` (one graphed method over a copy of the blocks), :func:`graph_methods`,
-:data:`LAUNCH_BOUND`.
+workload and its training step), :func:`capture_torch`, :func:`capture_leangraph`,
+:func:`capture_whole_step` and :func:`capture_method` (one graphed method over a copy of the
+blocks), :func:`graph_methods`, :func:`profile_steps`, :func:`count_launches`,
+:func:`self_device_us`, :data:`LAUNCH_BOUND`.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import os
 import statistics
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, cast
 
 import torch
@@ -59,32 +71,49 @@ from .workloads import (
 )
 
 __all__ = [
+    "CUDA_METHODS",
     "GRAPHED_METHODS",
+    "GRAPH_LAUNCH_CALLS",
+    "KERNEL_LAUNCH_CALLS",
     "LAUNCH_BOUND",
+    "LIMIT",
     "METHODS",
     "BenchConfig",
     "BenchResult",
     "BenchWorkload",
     "Captured",
+    "LaunchCounts",
     "MethodResult",
     "RoundTimes",
+    "WholeStepGraph",
     "capture_leangraph",
     "capture_method",
     "capture_torch",
+    "capture_whole_step",
+    "count_launches",
     "format_table",
     "graph_methods",
+    "launch_counts",
     "plot_bars",
     "plot_timeline",
+    "profile_steps",
     "run_bench",
+    "self_device_us",
     "timeline_references",
 ]
 
 MIB = 1024 * 1024
 
-METHODS = ("eager", "torch", "leangraph")
+METHODS = ("eager", "torch", "leangraph", "whole-step")
 """Every method the bench knows, in the order it runs them."""
-GRAPHED_METHODS = ("torch", "leangraph")
+GRAPHED_METHODS = ("torch", "leangraph", "whole-step")
 """The methods that capture graphs (and so have capture figures and timing rounds)."""
+CUDA_METHODS: Mapping[str, str] = MappingProxyType(
+    {"torch": "torch.cuda.make_graphed_callables", "whole-step": "torch.cuda.CUDAGraph"}
+)
+"""The methods that need a CUDA device, each with the torch API that makes it so."""
+LIMIT = "whole-step"
+"""The method every step time is compared with (``x limit``): the whole step as one graph."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,17 +132,24 @@ class BenchConfig:
     )
     steps: int = 5
     warmup_iters: int = 3
-    methods: tuple[str, ...] = ("eager", "torch", "leangraph")
+    methods: tuple[str, ...] = METHODS
     device: str = "cuda"
     rounds: int = 0  # extra rounds timing the graphed methods in turn (see RoundTimes)
+    launch_steps: int = 0  # steps profiled per method after all timing (0: no launch counts)
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.methods if name not in METHODS]
         if unknown:
             raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
-        if "torch" in self.methods and not self.device.startswith("cuda"):
+        cuda = self.device.startswith("cuda")
+        for name in self.methods:
+            if name in CUDA_METHODS and not cuda:
+                raise ValueError(f"the {name} method needs a CUDA device ({CUDA_METHODS[name]})")
+        if self.launch_steps < 0:
+            raise ValueError(f"launch_steps must be at least 0, got {self.launch_steps}")
+        if self.launch_steps and not cuda:
             raise ValueError(
-                "the torch method needs a CUDA device (torch.cuda.make_graphed_callables)"
+                "launch counts need a CUDA device (they read torch.profiler's CUDA activity)"
             )
 
 
@@ -123,6 +159,30 @@ LAUNCH_BOUND = BenchConfig(
     steps=50,
 )
 """The launch-bound workload of ``docs/benchmarks.md``: small blocks, host-bound steps."""
+
+
+@dataclass(frozen=True)
+class LaunchCounts:
+    """What one training step launches, per step, from ``torch.profiler``'s CUDA activity.
+
+    ``kernel_launches``: kernels the host launched one by one (a ``cudaLaunchKernel``-like
+    call each: eager ops, autograd's gradient accumulation outside graphs); ``graph_launches``:
+    ``cudaGraphLaunch`` calls, each running a whole graph; ``gpu_kernels``: kernels the GPU
+    ran, in graphs or not, of which ``gpu_kernels_in_graphs`` came from a graph launch (by
+    CUPTI correlation). ``gpu_kernels - gpu_kernels_in_graphs`` counts the kernels outside
+    graphs again from the GPU's side, a check on ``kernel_launches``.
+    """
+
+    steps: int
+    graph_launches: float
+    kernel_launches: float
+    gpu_kernels: float
+    gpu_kernels_in_graphs: float
+
+    @property
+    def gpu_kernels_outside_graphs(self) -> float:
+        """Kernels the GPU ran outside graphs, per step (equal to ``kernel_launches``)."""
+        return self.gpu_kernels - self.gpu_kernels_in_graphs
 
 
 @dataclass
@@ -138,6 +198,7 @@ class MethodResult:
     memory_check_seconds: float | None = None  # part of capture_seconds (leangraph)
     start_allocated_bytes: int | None = None  # allocated at the start: the zero of the above
     losses: list[float] = field(default_factory=list)
+    launches: LaunchCounts | None = None  # with BenchConfig.launch_steps
 
 
 @dataclass
@@ -183,8 +244,14 @@ class BenchResult:
                 for name in self.methods
             },
         }
+        if LIMIT in self.methods:
+            data["step_ratios_to_whole_step"] = {n: self.limit_ratio(n) for n in self.methods}
         if self.rounds:
             data["rounds"] = {name: asdict(times) for name, times in self.rounds.items()}
+        if LIMIT in self.rounds:
+            data["round_step_ratios_to_whole_step"] = {
+                n: self.limit_ratio(n, rounds=True) for n in self.rounds
+            }
         if self.report is not None:
             data["leangraph_timeline"] = [asdict(p) for p in self.report.timeline]
         return data
@@ -196,6 +263,21 @@ class BenchResult:
         if eager is None or not eager.step_peak_bytes or value is None:
             return None
         return float(value) / eager.step_peak_bytes
+
+    def limit_ratio(self, method: str, *, rounds: bool = False) -> float | None:
+        """Step time of ``method`` over the whole-step graph's: of the first table, or with
+        ``rounds`` of the rounds' medians. None unless both were timed."""
+        times: dict[str, float | None]
+        if rounds:
+            times = {
+                n: statistics.median(t.step_seconds)
+                for n, t in self.rounds.items()
+                if t.step_seconds
+            }
+        else:
+            times = {n: m.step_seconds for n, m in self.methods.items()}
+        limit, value = times.get(LIMIT), times.get(method)
+        return None if not limit or value is None else value / limit
 
 
 class _Meter:
@@ -263,37 +345,51 @@ class BenchWorkload:
         """A fresh sample argument tuple of one graph (a random activation)."""
         return (sample_hidden(self.config.shape, self.config.device),)
 
-    def step(self, lookup: LayerLookup, blocks: list[TransformerBlock]) -> list[float]:
-        """One training step in the order (gradients of ``blocks`` zeroed first); the losses."""
+    def train_step(
+        self,
+        lookup: LayerLookup,
+        blocks: list[TransformerBlock],
+        inputs: list[torch.Tensor] | None = None,
+        targets: list[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """One training step in the order, as every method runs it: gradients of ``blocks``
+        set to None, then every forward and backward through ``lookup`` on ``inputs`` and
+        ``targets`` (default: the workload's). Returns the losses as tensors, so that it can be
+        captured: reading them is the caller's (:meth:`step`, :meth:`WholeStepGraph.step`)."""
+        inputs = self.inputs if inputs is None else inputs
+        targets = self.targets if targets is None else targets
         for block in blocks:
             block.zero_grad(set_to_none=True)
         result = run_order(
             self.order,
             self.layers_per_chunk,
             lookup,
-            self.inputs,
-            lambda out, m: torch.nn.functional.mse_loss(out.float(), self.targets[m].float()),
+            inputs,
+            lambda out, m: torch.nn.functional.mse_loss(out.float(), targets[m].float()),
         )
-        return [float(loss) for loss in result.losses]
+        return result.losses
+
+    def step(self, lookup: LayerLookup, blocks: list[TransformerBlock]) -> list[float]:
+        """One training step in the order (gradients of ``blocks`` zeroed first); the losses."""
+        return [float(loss) for loss in self.train_step(lookup, blocks)]
 
     def timed_steps(
         self,
-        lookup: LayerLookup,
-        blocks: list[TransformerBlock],
+        step: Callable[[], list[float]],
         on_step: Callable[[int], None] | None = None,
     ) -> tuple[list[float], float]:
-        """One untimed step, then ``config.steps`` timed ones: its losses, the median time.
+        """One untimed ``step()``, then ``config.steps`` timed ones: its losses, the median time.
 
         ``on_step`` is called with the number of steps done after each (1 to ``steps + 1``).
         """
-        losses = self.step(lookup, blocks)  # not timed: first replays, lazy inits
+        losses = step()  # not timed: first replays, lazy inits
         times = []
         for done in range(1, self.config.steps + 1):
             if on_step is not None:
                 on_step(done)
             _sync(self.config.device)
             start = time.perf_counter()
-            self.step(lookup, blocks)
+            step()
             _sync(self.config.device)
             times.append(time.perf_counter() - start)
         if on_step is not None:
@@ -307,21 +403,40 @@ class BenchWorkload:
 
 @dataclass(frozen=True)
 class Captured:
-    """One graphed method's result over its own copy of the blocks.
+    """One graphed method's result over its own copy of the blocks of ``work``.
 
-    ``lookup`` gives what to run for (chunk, microbatch, layer); ``graphed`` is leangraph's
-    result (None for torch), for ``memory_report``. The graphs alias their own static
-    buffers until :meth:`release` (leangraph) or until the object is dropped (torch).
+    :meth:`step` trains one step with it. ``lookup`` gives what to run for (chunk, microbatch,
+    layer); the whole-step method has nothing per layer and gives ``whole_step`` instead.
+    ``graphed`` is leangraph's result (None for the others), for ``memory_report``. The graphs
+    alias their own static buffers until :meth:`release` (leangraph, whole-step) or until the
+    object is dropped (torch).
     """
 
-    lookup: LayerLookup
+    work: BenchWorkload
     blocks: list[TransformerBlock]
+    lookup: LayerLookup | None = None
     graphed: tuple[GraphedCallable, ...] | None = None
+    whole_step: WholeStepGraph | None = None
+
+    def __post_init__(self) -> None:
+        if (self.lookup is None) == (self.whole_step is None):
+            raise ValueError("a Captured runs its step through a lookup or a whole-step graph")
+
+    def step(self) -> list[float]:
+        """One training step of this method: :meth:`BenchWorkload.step` through ``lookup``, or
+        one replay of the whole-step graph; its losses."""
+        if self.whole_step is not None:
+            return self.whole_step.step()
+        assert self.lookup is not None  # __post_init__: one of the two
+        return self.work.step(self.lookup, self.blocks)
 
     def release(self) -> None:
-        """Free leangraph's graphs now (``reset_all``); torch's go with the last reference."""
+        """Free leangraph's graphs (``reset_all``) and the whole-step graph now; torch's go
+        with the last reference."""
         if self.graphed is not None:
             reset_all(self.graphed)
+        if self.whole_step is not None:
+            self.whole_step.release()
 
 
 def _forward_positions(work: BenchWorkload) -> dict[tuple[int, int, int], int]:
@@ -368,7 +483,7 @@ def capture_torch(work: BenchWorkload, blocks: list[TransformerBlock]) -> Captur
         num_warmup_iters=work.config.warmup_iters,
     )
     modules = cast(tuple[torch.nn.Module, ...], graphed)  # a tuple of modules in, modules out
-    return Captured(lambda c, m, l: modules[positions[(c, m, l)]], blocks)
+    return Captured(work, blocks, lambda c, m, l: modules[positions[(c, m, l)]])
 
 
 def capture_leangraph(
@@ -392,7 +507,99 @@ def capture_leangraph(
         progress=progress,
         **options,
     )
-    return Captured(lambda c, m, l: graphed[work.layout.graph_index(c, m, l)], blocks, graphed)
+    return Captured(
+        work, blocks, lambda c, m, l: graphed[work.layout.graph_index(c, m, l)], graphed
+    )
+
+
+class WholeStepGraph:
+    """One rank's whole training step, captured by hand as one ``torch.cuda.CUDAGraph``.
+
+    The captured step is :meth:`BenchWorkload.train_step` itself (eager's step: the same
+    blocks, order and loss) over static copies of the workload's inputs and targets, which
+    :meth:`step` copies in again before each replay, as a training loop would its next batch.
+    Parameter gradients are set to None before capture, as eager's step sets them, so each
+    parameter's first backward in the graph creates its ``.grad`` in the graph's pool and the
+    later ones add into it in place (autograd accumulates in place outside ``create_graph``):
+    a replay computes eager's gradients from zero with eager's own kernels, and no zero-fill
+    joins the limit.
+
+    Memory aliasing: the losses :meth:`step` reads and every ``.grad`` of ``blocks`` after a
+    replay are graph-pool tensors, rewritten by each replay and valid until the next one or
+    :meth:`release`.
+    """
+
+    def __init__(self, work: BenchWorkload, blocks: list[TransformerBlock]) -> None:
+        self.work = work
+        self.blocks = blocks
+        self.inputs = [x.clone() for x in work.inputs]
+        self.targets = [t.clone() for t in work.targets]
+        self.losses: list[torch.Tensor] = []
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def run(self) -> list[torch.Tensor]:
+        """The step the graph holds, run eagerly on the static inputs: the warm-up's and the
+        capture's step (and, on the CPU, what the tests compare with eager's)."""
+        lookup = self.work.eager_lookup(self.blocks)
+        return self.work.train_step(lookup, self.blocks, self.inputs, self.targets)
+
+    def capture(self) -> None:
+        """Warm up ``config.warmup_iters`` steps on a side stream, then capture one step on it.
+
+        The warm-up keeps lazy set-up (cuBLAS handles and workspaces, autograd's device
+        threads) out of the graph, on the stream the capture then uses.
+
+        Raises:
+            RuntimeError: when the workload is not on a CUDA device.
+        """
+        if not self.inputs[0].is_cuda:
+            raise RuntimeError(
+                f"the whole-step graph needs CUDA tensors (torch.cuda.CUDAGraph); the "
+                f"workload is on {self.inputs[0].device}"
+            )
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(max(1, self.work.config.warmup_iters)):
+                self.run()
+        torch.cuda.current_stream().wait_stream(side)
+        for block in self.blocks:  # warm-up's gradients go back before capture starts
+            block.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            self.losses = self.run()
+        self.graph = graph
+
+    def step(self) -> list[float]:
+        """Copy the workload's inputs and targets in, replay the step; its losses.
+
+        Raises:
+            RuntimeError: before :meth:`capture` or after :meth:`release`.
+        """
+        if self.graph is None:
+            raise RuntimeError("the whole-step graph is not captured (or was released)")
+        for static, batch in zip(self.inputs + self.targets, self.work.inputs + self.work.targets):
+            static.copy_(batch)
+        self.graph.replay()
+        return [float(loss) for loss in self.losses]
+
+    def release(self) -> None:
+        """Free the graph and its pool now: the graph, its losses and the blocks' gradients
+        (pool tensors) go."""
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph = None
+        self.losses = []
+        for block in self.blocks:
+            block.zero_grad(set_to_none=True)
+
+
+def capture_whole_step(work: BenchWorkload, blocks: list[TransformerBlock]) -> Captured:
+    """Capture the whole training step over ``blocks`` as one graph (CUDA only); see
+    :class:`WholeStepGraph`."""
+    whole = WholeStepGraph(work, blocks)
+    whole.capture()
+    return Captured(work, blocks, whole_step=whole)
 
 
 def capture_method(
@@ -405,19 +612,22 @@ def capture_method(
 ) -> Captured:
     """Graph ``blocks`` (default: a fresh copy of the workload's initial blocks) with ``name``.
 
-    ``progress`` and ``options`` go to leangraph's ``make_graphed_callables``; torch takes
-    neither.
+    ``progress`` and ``options`` go to leangraph's ``make_graphed_callables``; torch and
+    whole-step take neither.
 
     Raises:
-        ValueError: for a name outside :data:`GRAPHED_METHODS`, or options given to torch.
+        ValueError: for a name outside :data:`GRAPHED_METHODS`, or options given to torch or
+            whole-step.
     """
     if name not in GRAPHED_METHODS:
         raise ValueError(f"no graphed method {name!r}; choose from {', '.join(GRAPHED_METHODS)}")
-    if name == "torch" and (options or progress is not None):
-        raise ValueError(f"the torch method takes no options, got {sorted(options) or 'progress'}")
+    if name != "leangraph" and (options or progress is not None):
+        raise ValueError(f"the {name} method takes no options, got {sorted(options) or 'progress'}")
     blocks = copy.deepcopy(work.blocks) if blocks is None else blocks
     if name == "torch":
         return capture_torch(work, blocks)
+    if name == "whole-step":
+        return capture_whole_step(work, blocks)
     return capture_leangraph(work, blocks, progress=progress, **options)
 
 
@@ -430,8 +640,102 @@ def graph_methods(
     for name in names:
         graphed[name] = captured = capture_method(work, name)
         for _ in range(untimed_steps):
-            work.step(captured.lookup, captured.blocks)
+            captured.step()
     return graphed
+
+
+KERNEL_LAUNCH_CALLS = (
+    "cudaLaunchKernel",
+    "cudaLaunchCooperativeKernel",
+    "cuLaunchKernel",
+    "cuLaunchCooperativeKernel",
+)
+"""Name prefixes of the CUDA runtime and driver calls that launch one kernel, as
+``torch.profiler`` names them (``cudaLaunchKernelExC`` and the ``_ptsz`` forms included)."""
+GRAPH_LAUNCH_CALLS = ("cudaGraphLaunch", "cuGraphLaunch")
+"""Name prefixes of the calls that launch a whole CUDA graph."""
+
+
+def self_device_us(event: Any) -> float:
+    """Self device time of a ``torch.profiler`` average or event, in µs (torch 2.4 names it
+    ``self_cuda_time_total``, later versions ``self_device_time_total``)."""
+    value = getattr(event, "self_device_time_total", None)
+    return float(event.self_cuda_time_total if value is None else value)
+
+
+def profile_steps(step: Callable[[], object], steps: int) -> Any:
+    """``steps`` calls of ``step`` under ``torch.profiler`` with CPU and CUDA activity,
+    synchronised before the first and after the last (CUDA only); the finished profiler, for
+    its ``events()`` and ``key_averages()``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if _cuda_version() < (12, 6):
+        # torch's own profiler does this with CUDA graphs in the process: re-initialising
+        # CUPTI after a teardown crashed with graphs before CUDA 12.6, and the bench
+        # profiles once per method.
+        os.environ.setdefault("TEARDOWN_CUPTI", "0")
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        # torch 2.11 warns, once per process, that a second profiler keeps only its own
+        # events, which is what each count wants.
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    return prof
+
+
+def _cuda_version() -> tuple[int, ...]:
+    text = torch.version.cuda or "0"
+    return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
+
+
+def launch_counts(events: Iterable[Any], steps: int) -> LaunchCounts:
+    """Count what ``steps`` profiled steps launched: ``events`` are ``torch.profiler``
+    events (each with ``name``, ``device_type`` and ``id``, the CUPTI correlation id of a
+    launch call and of the kernels it ran). Memory copies and sets are not kernels."""
+    graph_calls: set[int] = set()
+    device_kernels: list[int] = []
+    graph_launches = kernel_launches = 0
+    for event in events:
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            if not event.name.startswith(("Memcpy", "Memset")):
+                device_kernels.append(event.id)
+        elif event.name.startswith(GRAPH_LAUNCH_CALLS):
+            graph_launches += 1
+            graph_calls.add(event.id)
+        elif event.name.startswith(KERNEL_LAUNCH_CALLS):
+            kernel_launches += 1
+    in_graphs = sum(1 for correlation in device_kernels if correlation in graph_calls)
+    return LaunchCounts(
+        steps=steps,
+        graph_launches=graph_launches / steps,
+        kernel_launches=kernel_launches / steps,
+        gpu_kernels=len(device_kernels) / steps,
+        gpu_kernels_in_graphs=in_graphs / steps,
+    )
+
+
+def count_launches(step: Callable[[], object], steps: int = 3) -> LaunchCounts:
+    """Kernel and graph launches per training step over ``steps`` profiled calls of
+    ``step`` (:func:`profile_steps`, :func:`launch_counts`); run it warm, after timing.
+
+    Raises:
+        ValueError: for ``steps`` below 1.
+        RuntimeError: when the profiler saw kernels run but no launch call of a known name
+            (counting nothing would read as a perfect graph).
+    """
+    if steps < 1:
+        raise ValueError(f"count_launches needs at least one step, got {steps}")
+    counts = launch_counts(profile_steps(step, steps).events(), steps)
+    if counts.gpu_kernels and not (counts.graph_launches or counts.kernel_launches):
+        raise RuntimeError(
+            f"torch.profiler saw {counts.gpu_kernels:.0f} kernels per step on the GPU but no "
+            f"launch call named {', '.join(KERNEL_LAUNCH_CALLS + GRAPH_LAUNCH_CALLS)}: this "
+            "torch names them otherwise, so the bench cannot count them"
+        )
+    return counts
 
 
 def _sampling_replay(
@@ -465,6 +769,37 @@ def _training_phase(
     return lambda done: progress.advance(measured + done)
 
 
+def _count_all_launches(
+    work: BenchWorkload, methods: dict[str, MethodResult], progress: PhaseProgress | None
+) -> None:
+    """Each method's launch counts over ``config.launch_steps`` profiled steps, once all
+    timing is done: steps timed after a profile can be slower (on an H200, torch's 16-
+    microbatch steps took 76 ms before a profile of eager's steps and 90-92 ms after it). A
+    graphed method is captured afresh for it, from the same initial blocks, and stepped once
+    untimed before the profile; what a step launches is the same at every capture."""
+    steps = work.config.launch_steps
+    for name, result in methods.items():
+        if progress is not None:
+            progress.begin(f"launch counts: {name} (torch.profiler over {plural(steps, 'step')})")
+        result.launches = _method_launches(work, name, steps)
+
+
+def _method_launches(work: BenchWorkload, name: str, steps: int) -> LaunchCounts:
+    """:func:`count_launches` of ``name`` on fresh blocks, after one untimed step."""
+    if name == "eager":
+        blocks = copy.deepcopy(work.blocks)
+        lookup = work.eager_lookup(blocks)
+        work.step(lookup, blocks)
+        return count_launches(lambda: work.step(lookup, blocks), steps)
+    _Meter(work.config.device)  # collect, synchronise and empty the cache first
+    captured = capture_method(work, name)
+    try:
+        captured.step()
+        return count_launches(captured.step, steps)
+    finally:
+        captured.release()
+
+
 def _bench_eager(work: BenchWorkload, progress: PhaseProgress | None) -> MethodResult:
     blocks = copy.deepcopy(work.blocks)
     on_step = _training_phase(progress, "eager: training", work.config, measured=1)
@@ -477,7 +812,7 @@ def _bench_eager(work: BenchWorkload, progress: PhaseProgress | None) -> MethodR
         start_allocated_bytes=meter.allocated,
         losses=losses,
     )
-    _, result.step_seconds = work.timed_steps(lookup, blocks, on_step)
+    _, result.step_seconds = work.timed_steps(lambda: work.step(lookup, blocks), on_step)
     return result
 
 
@@ -499,6 +834,8 @@ def _announce_capture(work: BenchWorkload, name: str, progress: PhaseProgress | 
         return
     if name == "torch":
         progress.begin("torch: capture (torch.cuda.make_graphed_callables, warm-up included)")
+    elif name == "whole-step":
+        progress.begin("whole-step: capture (one torch.cuda.CUDAGraph, warm-up included)")
     else:
         progress.expect_capture(
             prefix="leangraph: ",
@@ -532,10 +869,12 @@ def _bench_graphed(
     on_step = _training_phase(progress, f"{name}: training", work.config, measured=1)
     meter.restart_peak()
     replay: list[TimelinePoint] = []
-    first = captured.lookup if report is None else _sampling_replay(captured, work.layout, replay)
-    result.losses = work.step(first, captured.blocks)
+    if report is None:
+        result.losses = captured.step()
+    else:
+        result.losses = work.step(_sampling_replay(captured, work.layout, replay), blocks)
     result.step_peak_bytes = meter.peak_reserved()
-    _, result.step_seconds = work.timed_steps(captured.lookup, captured.blocks, on_step)
+    _, result.step_seconds = work.timed_steps(captured.step, on_step)
     captured.release()
     return result, None if report is None else report.with_points(replay)
 
@@ -572,6 +911,8 @@ def run_bench(config: BenchConfig, progress: PhaseProgress | None = None) -> Ben
     settings = asdict(config)
     settings["shape"] = {**asdict(config.shape), "dtype": str(config.shape.dtype)}
     rounds = _run_rounds(work, progress) if config.rounds else {}
+    if config.launch_steps:
+        _count_all_launches(work, methods, progress)
     return BenchResult(settings, methods, agree, report=report, rounds=rounds)
 
 
@@ -595,54 +936,117 @@ def _run_rounds(work: BenchWorkload, progress: PhaseProgress | None) -> dict[str
             _sync(config.device)
             times[name].capture_seconds.append(time.perf_counter() - start)
             on_step = _training_phase(progress, f"{where} training", config, measured=0)
-            times[name].step_seconds.append(
-                work.timed_steps(captured.lookup, captured.blocks, on_step)[1]
-            )
+            times[name].step_seconds.append(work.timed_steps(captured.step, on_step)[1])
             captured.release()
             del captured, blocks
     return times
 
 
+_Cell = Callable[[str, MethodResult], str]
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _per_step(launches: LaunchCounts | None, figure: str) -> str:
+    if launches is None:
+        return "-"
+    value = float(getattr(launches, figure))
+    return f"{value:.0f}" if value == round(value) else f"{value:.1f}"
+
+
+def _table_columns(result: BenchResult) -> list[tuple[str, int, _Cell]]:
+    """The first table's columns after the method's name: (header, width, cell); ``x limit``
+    when whole-step ran, the launch counts when they were taken, the loss verdict last."""
+
+    def memory(figure: str) -> _Cell:
+        def cell(name: str, m: MethodResult) -> str:
+            value, ratio = getattr(m, figure), result.ratio(name, figure)
+            text = "-" if value is None else f"{value / MIB:.0f}"
+            return text if ratio is None else f"{text} ({ratio:.2f}x)"
+
+        return cell
+
+    def loss(name: str, _: MethodResult) -> str:
+        verdict = result.losses_agree.get(name)
+        return "ref" if verdict is None else ("ok" if verdict else "DIFF")
+
+    columns: list[tuple[str, int, _Cell]] = [
+        ("step peak MiB", 20, memory("step_peak_bytes")),
+        ("warm-up+capture peak MiB", 26, memory("capture_peak_bytes")),
+        ("held after capture MiB", 24, memory("held_bytes")),
+        (
+            "capture s",
+            9,
+            lambda _, m: "-" if m.capture_seconds is None else f"{m.capture_seconds:.2f}",
+        ),
+        (
+            "step ms",
+            8,
+            lambda _, m: "-" if m.step_seconds is None else f"{m.step_seconds * 1000:.1f}",
+        ),
+    ]
+    if LIMIT in result.methods:
+        columns.append(("x limit", 7, lambda name, _: _times(result.limit_ratio(name))))
+    if any(m.launches is not None for m in result.methods.values()):
+        columns += [
+            ("graph launches/step", 19, lambda _, m: _per_step(m.launches, "graph_launches")),
+            (
+                "kernels outside graphs/step",
+                27,
+                lambda _, m: _per_step(m.launches, "kernel_launches"),
+            ),
+        ]
+    return [*columns, ("loss", 6, loss)]
+
+
+def _launch_notes(result: BenchResult) -> list[str]:
+    """A line per method whose launch calls and GPU-side count of kernels outside graphs
+    differ: the profiler then named a launch call this bench does not know, or lost events."""
+    notes = []
+    for name, m in result.methods.items():
+        counts = m.launches
+        if (
+            counts is not None
+            and abs(counts.kernel_launches - counts.gpu_kernels_outside_graphs) > 0.5
+        ):
+            notes.append(
+                f"note: {name}: {counts.kernel_launches:.0f} kernel launch calls per step, but "
+                f"the GPU ran {counts.gpu_kernels_outside_graphs:.0f} kernels outside graphs"
+            )
+    return notes
+
+
+def _rounds_lines(result: BenchResult) -> list[str]:
+    count = len(next(iter(result.rounds.values())).capture_seconds)
+    limit = LIMIT in result.rounds
+    lines = [
+        "",
+        f"{count} rounds, median [min-max]{' (x limit: of the medians)' if limit else ''}:",
+        f"{'method':<10} {'capture s':>24} {'step ms':>24}" + (f" {'x limit':>7}" if limit else ""),
+    ]
+    for name, t in result.rounds.items():
+        ratio = f" {_times(result.limit_ratio(name, rounds=True)):>7}" if limit else ""
+        lines.append(
+            f"{name:<10} {RoundTimes.spread(t.capture_seconds):>24} "
+            f"{RoundTimes.spread(t.step_seconds, 1000):>24}{ratio}"
+        )
+    return lines
+
+
 def format_table(result: BenchResult) -> str:
-    """The result as a fixed-width table, MiB and ratios to the eager step peak."""
-
-    def mib(value: int | None) -> str:
-        return "-" if value is None else f"{value / MIB:.0f}"
-
-    def ratio(name: str, figure: str) -> str:
-        value = result.ratio(name, figure)
-        return "" if value is None else f" ({value:.2f}x)"
-
-    def secs(value: float | None) -> str:
-        return "-" if value is None else f"{value * 1000:.1f}"
-
-    header = (
-        f"{'method':<10} {'step peak MiB':>20} {'warm-up+capture peak MiB':>26} "
-        f"{'held after capture MiB':>24} {'capture s':>9} {'step ms':>8} {'loss':>6}"
-    )
+    """The result as a fixed-width table: MiB and ratios to the eager step peak, times, step
+    times as ratios to the whole-step graph's (``x limit``), launches per step, the rounds."""
+    columns = _table_columns(result)
+    header = " ".join([f"{'method':<10}"] + [f"{title:>{width}}" for title, width, _ in columns])
     lines = [header, "-" * len(header)]
     for name, m in result.methods.items():
-        verdict = result.losses_agree.get(name)
-        agree = "ref" if verdict is None else ("ok" if verdict else "DIFF")
-        lines.append(
-            f"{name:<10} {mib(m.step_peak_bytes) + ratio(name, 'step_peak_bytes'):>20} "
-            f"{mib(m.capture_peak_bytes) + ratio(name, 'capture_peak_bytes'):>26} "
-            f"{mib(m.held_bytes) + ratio(name, 'held_bytes'):>24} "
-            f"{'-' if m.capture_seconds is None else f'{m.capture_seconds:.2f}':>9} "
-            f"{secs(m.step_seconds):>8} {agree:>6}"
-        )
+        cells = [f"{cell(name, m):>{width}}" for _, width, cell in columns]
+        lines.append(" ".join([f"{name:<10}", *cells]))
+    lines += _launch_notes(result)
     if result.rounds:
-        count = len(next(iter(result.rounds.values())).capture_seconds)
-        lines += [
-            "",
-            f"{count} rounds, median [min-max]:",
-            f"{'method':<10} {'capture s':>24} {'step ms':>24}",
-        ]
-        for name, t in result.rounds.items():
-            lines.append(
-                f"{name:<10} {RoundTimes.spread(t.capture_seconds):>24} "
-                f"{RoundTimes.spread(t.step_seconds, 1000):>24}"
-            )
+        lines += _rounds_lines(result)
     return "\n".join(lines)
 
 

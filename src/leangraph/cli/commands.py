@@ -25,6 +25,7 @@ import leangraph
 from leangraph.schedules import interleaved_1f1b
 
 from .bench import (
+    CUDA_METHODS,
     METHODS,
     BenchConfig,
     BenchResult,
@@ -35,18 +36,22 @@ from .bench import (
 )
 from .demo import DemoConfig, DemoResult, run_demo
 from .phases import phase_display, progress_bar
+from .replay_micro import ReplayMicroConfig, format_replay_micro, run_replay_micro
 from .workloads import BlockShape, make_blocks, plural, sample_hidden
 
 __all__ = ["CommandError", "UsageError", "build_parser", "main", "progress_bar"]
 
 MIB = 1024 * 1024
+LAUNCH_STEPS = 3
+"""Steps ``bench --launches`` profiles per method: launches repeat exactly from step to step."""
 
 DESCRIPTION = """\
 leangraph: memory-lean CUDA-graph capture for pipeline-parallel PyTorch training.
 
   leangraph demo    capture a small transformer stack, train it eagerly and graphed, compare
   leangraph plan    print the memory plan of a pipeline rank (meta tensors: no GPU needed)
-  leangraph bench   eager vs torch.cuda.make_graphed_callables vs leangraph on one rank
+  leangraph bench   eager vs torch.cuda.make_graphed_callables vs leangraph on one rank,
+                    against the whole step as one CUDA graph (the limit)
 
 Without a GPU, demo and bench run on leangraph's CPU reference backend (no memory figures)."""
 
@@ -339,8 +344,10 @@ def _bench_methods(text: str | None, device: str, why_cpu: str) -> tuple[tuple[s
     """The methods to run, and a note on what was left out by default (or "")."""
     if text is None:
         if device == "cpu":
-            note = "torch.cuda.make_graphed_callables needs CUDA, so the torch method is left out"
-            return tuple(m for m in METHODS if m != "torch"), note
+            left_out = " and ".join(CUDA_METHODS)
+            uses = " and ".join(CUDA_METHODS.values())
+            note = f"{uses} need CUDA, so the {left_out} methods are left out"
+            return tuple(m for m in METHODS if m not in CUDA_METHODS), note
         return METHODS, ""
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in METHODS]
@@ -349,11 +356,14 @@ def _bench_methods(text: str | None, device: str, why_cpu: str) -> tuple[tuple[s
         raise UsageError(f"--methods: {wrong}; choose from {','.join(METHODS)} (comma-separated)")
     if len(set(names)) < len(names):
         raise UsageError(f"--methods {text}: a method is named twice; name each once")
-    if "torch" in names and device == "cpu":
+    on_cuda = [name for name in names if name in CUDA_METHODS]
+    if on_cuda and device == "cpu":
+        them = " and ".join(on_cuda)
+        uses = ", ".join(CUDA_METHODS[name] for name in on_cuda)
         raise UsageError(
-            f"--methods {text}: the torch method needs a CUDA GPU "
-            f"(torch.cuda.make_graphed_callables) and this bench runs on the CPU ({why_cpu}); "
-            "leave torch out of --methods or run on a GPU"
+            f"--methods {text}: the {them} method{'s need' if len(on_cuda) > 1 else ' needs'} "
+            f"a CUDA GPU ({uses}) and this bench runs on the CPU ({why_cpu}); leave {them} out "
+            "of --methods or run on a GPU"
         )
     return tuple(name for name in METHODS if name in names), ""
 
@@ -372,12 +382,19 @@ def _check_bench_outputs(args: argparse.Namespace, device: str, methods: Sequenc
         _needs_matplotlib(flag)
     if args.plot is not None and "leangraph" not in methods:
         raise UsageError("--plot draws leangraph's memory timeline: add leangraph to --methods")
+    if args.launches and device == "cpu":
+        raise UsageError(
+            "--launches counts CUDA kernel and graph launches (torch.profiler's CUDA activity): "
+            "nothing to count on the CPU; run on a GPU or drop --launches"
+        )
 
 
 def _bench(args: argparse.Namespace) -> int:
     device = _device(args.device)
     why_cpu = "--device cpu" if args.device == "cpu" else "no GPU found"
     work = _workload(args, CPU_WORKLOAD if device == "cpu" else GPU_WORKLOAD)
+    if args.replay_micro or args.replays is not None:
+        return _replay_micro(args, device, why_cpu, work)
     methods, note = _bench_methods(args.methods, device, why_cpu)
     _check_bench_outputs(args, device, methods)
     steps = args.steps if args.steps is not None else (3 if device == "cpu" else 5)
@@ -392,6 +409,7 @@ def _bench(args: argparse.Namespace) -> int:
         device=device,
         shape=_shape(work),
         rounds=args.rounds,
+        launch_steps=LAUNCH_STEPS if args.launches else 0,
     )
     if device == "cpu":
         print(
@@ -406,6 +424,54 @@ def _bench(args: argparse.Namespace) -> int:
     _write_bench_outputs(args, result)
     if not result.losses_agree.get("leangraph", True):
         raise CommandError("leangraph's losses differ from eager's (the loss column says DIFF)")
+    return 0
+
+
+_NOT_WITH_REPLAY_MICRO = (
+    ("--methods", lambda a: a.methods is not None),
+    ("--steps", lambda a: a.steps is not None),
+    ("--rounds", lambda a: a.rounds != 0),
+    ("--launches", lambda a: a.launches),
+    ("--plot", lambda a: a.plot is not None),
+    ("--bars", lambda a: a.bars is not None),
+)
+"""The bench's flags that the replay microbenchmark has no use for, and how to tell one given."""
+
+
+def _replay_micro(args: argparse.Namespace, device: str, why_cpu: str, work: Workload) -> int:
+    """``bench --replay-micro``: checked, run, printed (and written with ``--json``)."""
+    if not args.replay_micro:
+        raise UsageError(
+            "--replays: only with --replay-micro (replays per round); add --replay-micro or "
+            "drop --replays"
+        )
+    given = [flag for flag, is_given in _NOT_WITH_REPLAY_MICRO if is_given(args)]
+    if given:
+        raise UsageError(
+            f"{', '.join(given)}: not used with --replay-micro (it times one graphed layer's "
+            "replays, no training steps); drop them or drop --replay-micro"
+        )
+    if device == "cpu":
+        raise UsageError(
+            "--replay-micro times torch.cuda.make_graphed_callables' replays against "
+            f"leangraph's, which needs a CUDA GPU, and this bench runs on the CPU ({why_cpu}); "
+            "run on a GPU"
+        )
+    _output_file(args.json, "--json")
+    replays = {} if args.replays is None else {"replays": args.replays}
+    config = ReplayMicroConfig(shape=_shape(work), device=device, **replays)
+    print(
+        f"replay microbenchmark: one block of hidden {work.hidden}, {work.heads} heads, "
+        f"sequence {work.sequence}, micro-batch {work.micro_batch}, {work.dtype}; "
+        f"{config.rounds} rounds of {config.replays} forward+backward replays per method"
+    )
+    with _intra_op_threads(args.threads, device):
+        result = run_replay_micro(config)
+    print(format_replay_micro(result))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result.to_json(), handle, indent=2)
+        print(f"wrote {args.json} (every round's figures and the config)")
     return 0
 
 
@@ -603,9 +669,10 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
         formatter_class=_HelpFormatter,
         help="eager vs torch.cuda.make_graphed_callables vs leangraph on one pipeline rank",
         description="Train one pipeline rank's blocks eagerly, with torch's "
-        "make_graphed_callables and with leangraph's, one after the other from the same "
-        "weights, and print memory and time per method. On the CPU: a small workload, "
-        "eager and leangraph only, times only.",
+        "make_graphed_callables, with leangraph's, and as one CUDA graph of the whole step "
+        "(whole-step, the limit), one after the other from the same weights, and print memory "
+        "and time per method, each step time also as a ratio to whole-step's (x limit). On "
+        "the CPU: a small workload, eager and leangraph only, times only.",
     )
     _add_workload_options(bench, GPU_WORKLOAD, CPU_WORKLOAD)
     bench.add_argument(
@@ -618,8 +685,10 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--methods",
         metavar="LIST",
-        help="comma-separated, from eager,torch,leangraph (default: all three on a GPU, "
-        "eager,leangraph on the CPU: torch's needs CUDA)",
+        help=f"comma-separated, from {','.join(METHODS)} (default: all on a GPU, "
+        f"{','.join(m for m in METHODS if m not in CUDA_METHODS)} on the CPU: "
+        f"{' and '.join(CUDA_METHODS)} need CUDA); whole-step is the whole training step "
+        "captured as one CUDA graph, the limit the others' 'x limit' compares with",
     )
     bench.add_argument(
         "--rounds",
@@ -627,6 +696,28 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
         metavar="N",
         default=0,
         help="then capture and time the graphed methods again, taking turns, this many times",
+    )
+    bench.add_argument(
+        "--launches",
+        action="store_true",
+        help=f"once all timing is done, profile {LAUNCH_STEPS} steps of each method "
+        "(torch.profiler; graphed methods captured again) and print its graph launches and "
+        "kernels launched outside graphs per step (GPU only)",
+    )
+    bench.add_argument(
+        "--replay-micro",
+        action="store_true",
+        help="instead of the bench: the host time of one forward+backward replay of one block "
+        "graphed by torch and by leangraph, side by side, and their ratio (GPU only; give a "
+        "small block, e.g. --hidden 256 --heads 4 --sequence 128, so that the host is the "
+        "bound)",
+    )
+    bench.add_argument(
+        "--replays",
+        type=_count(1),
+        metavar="N",
+        help="with --replay-micro: replays per method and round (default: "
+        f"{ReplayMicroConfig().replays}, in each of {ReplayMicroConfig().rounds} rounds)",
     )
     _add_device(bench)
     _add_threads(bench)
