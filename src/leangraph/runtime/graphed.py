@@ -83,7 +83,7 @@ class GraphedCallable:
         )
         self._grads: GradRouting | None = GradRouting(record, pending)
         self._weight = WeightStep(record) if record.split_backward else None
-        self._autograd_params = self._params_for_autograd(record)
+        self._autograd_params = _params_for_autograd(record)
         self._debug_outputs = debug_outputs
         self._guard: OutputGuard | None = None
         self._forward_generation = 0
@@ -236,20 +236,6 @@ class GraphedCallable:
                     "requires_grad=True; capture again to train it"
                 )
 
-    @staticmethod
-    def _params_for_autograd(record: GraphRecord) -> tuple[torch.Tensor, ...]:
-        """What a replay's autograd node takes besides the inputs: the parameters, whose
-        gradients it returns. A split backward returns none (the weight step delivers them),
-        and autograd would still run their accumulators, and their post-accumulate-grad hooks,
-        with no gradient; an empty leaf that requires grad stands in for them, so the outputs
-        require grad exactly when eager's would."""
-        if not record.split_backward:
-            return record.params
-        if not record.trained_params():
-            return ()
-        device = record.static_outputs[0].device
-        return (torch.empty(0, device=device, requires_grad=True),)
-
     def _warn_ungraded(self, leaves: Sequence[torch.Tensor]) -> None:
         """An input that requires grad only at replay gets no gradient from the backward
         graph (torch's drop-in accepts it the same way): say so once per input."""
@@ -283,7 +269,7 @@ class GraphedCallable:
         with self._lock:
             record = self._require_ready("replay its forward graph")
             self._check_no_pending_backward(record)
-            copies = self._inputs_to_copy(record, inputs)
+            copies = _inputs_to_copy(self._label, record, inputs)
             # Checked before anything is copied: static inputs may be shared with other graphs.
             self._sequence.expect(self._index, StepKind.FORWARD, may_repeat=record.retain_graph)
             for static, value in copies:
@@ -299,25 +285,6 @@ class GraphedCallable:
                 self._guard = OutputGuard(self._label, self._forward_generation)
                 outputs = tuple(self._guard.wrap(o) for o in outputs)
             return outputs
-
-    def _inputs_to_copy(
-        self, record: GraphRecord, inputs: Sequence[torch.Tensor]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The (static buffer, value) pairs a forward replay copies: every input that is not
-        its buffer already. A chained input must be the previous layer's output itself."""
-        copies = []
-        for index, (static, value) in enumerate(zip(record.static_inputs, inputs)):
-            if same_buffer(static, value):
-                continue
-            source = record.chained_from[index]
-            if source is not None:
-                raise ValueError(
-                    f"{self._label} input {index} is the output buffer of {source} "
-                    "(chained layers share it); pass that graph's output itself, got another "
-                    "tensor. Capture with share_buffers=False to feed layers anything"
-                )
-            copies.append((static, value))
-        return copies
 
     def _replay_backward(
         self, grads: Sequence[torch.Tensor], generation: int, clone_inputs: Sequence[bool]
@@ -355,6 +322,40 @@ class GraphedCallable:
             if self._weight is not None:  # no parameter gradient: the stand-in gets none
                 routed = routed[: len(clone_inputs)] + (None,) * len(self._autograd_params)
             return routed
+
+
+def _params_for_autograd(record: GraphRecord) -> tuple[torch.Tensor, ...]:
+    """What a replay's autograd node takes besides the inputs: the parameters, whose
+    gradients it returns. A split backward returns none (the weight step delivers them),
+    and autograd would still run their accumulators, and their post-accumulate-grad hooks,
+    with no gradient; an empty leaf that requires grad stands in for them, so the outputs
+    require grad exactly when eager's would."""
+    if not record.split_backward:
+        return record.params
+    if not record.trained_params():
+        return ()
+    device = record.static_outputs[0].device
+    return (torch.empty(0, device=device, requires_grad=True),)
+
+
+def _inputs_to_copy(
+    label: str, record: GraphRecord, inputs: Sequence[torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (static buffer, value) pairs a forward replay copies: every input that is not
+    its buffer already. A chained input must be the previous layer's output itself."""
+    copies = []
+    for index, (static, value) in enumerate(zip(record.static_inputs, inputs)):
+        if same_buffer(static, value):
+            continue
+        source = record.chained_from[index]
+        if source is not None:
+            raise ValueError(
+                f"{label} input {index} is the output buffer of {source} "
+                "(chained layers share it); pass that graph's output itself, got another "
+                "tensor. Capture with share_buffers=False to feed layers anything"
+            )
+        copies.append((static, value))
+    return copies
 
 
 class _Replay(torch.autograd.Function):
