@@ -49,6 +49,8 @@ from leangraph import (
 from leangraph.order import parse_order
 from leangraph.schedules import from_pipelining
 
+from ._options import capture_options
+
 __all__ = ["GraphedPipeline", "StageModules", "graph_pipeline_stages", "stage_placement"]
 
 # torch's V-shaped schedules place their stages themselves (their constructors rebuild
@@ -57,8 +59,6 @@ __all__ = ["GraphedPipeline", "StageModules", "graph_pipeline_stages", "stage_pl
 _V_SCHEDULE_NAMES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 # Options graph_pipeline_stages computes itself; passing them as capture options is refused.
-_OWN_OPTIONS = frozenset({"order", "num_layers_per_chunk", "sample_kwargs"})
-
 _KIND_WORDS = {
     StepKind.FORWARD: "forward",
     StepKind.BACKWARD: "backward",
@@ -376,15 +376,13 @@ def _checked_indices(given: Sequence[int], pp_size: int, count: int) -> tuple[in
 
 
 def _capture_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    options = dict(options or {})
-    refused = sorted(_OWN_OPTIONS.intersection(options))
-    if refused:
-        raise ValueError(
-            f"capture_options may not set {', '.join(refused)}: graph_pipeline_stages "
-            "computes the order and layout from the schedule and the stages, and calls layers "
-            "with positional arguments only"
-        )
-    return options
+    return capture_options(
+        options,
+        why=(
+            "graph_pipeline_stages computes the order and layout from the schedule and the stages, "
+            "and calls layers with positional arguments only"
+        ),
+    )
 
 
 def _device(device: torch.device | str | None, inputs: Sequence[tuple[Any, ...]]) -> torch.device:

@@ -42,6 +42,8 @@ from torch.utils import _pytree as pytree
 from leangraph import GraphedCallable, GraphedSet, Layout, Step, make_graphed_callables
 from leangraph.order import parse_order, unordered_layout
 
+from ._options import capture_options
+
 __all__ = [
     "SUPPORTED_ATTENTION",
     "GraphedDecoderLayers",
@@ -54,9 +56,6 @@ __all__ = [
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 """The ``config._attn_implementation`` values whose layers are graphed (and tested)."""
-
-# Options graph_decoder_layers computes itself; passing them as capture options is refused.
-_OWN_OPTIONS = frozenset({"order", "num_layers_per_chunk", "sample_kwargs"})
 
 # Constants a graph may take in a layer call: they are compared with the captured value at
 # every replay. Anything else (a Cache, a BlockMask) is state a replay cannot honour.
@@ -569,11 +568,7 @@ def _callable_of(layout: Layout, index: int) -> int:
 
 
 def _capture_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    options = dict(options or {})
-    refused = sorted(_OWN_OPTIONS.intersection(options))
-    if refused:
-        raise ValueError(
-            f"capture_options may not set {', '.join(refused)}: graph_decoder_layers passes "
-            "the order and the recorded calls itself"
-        )
-    return options
+    return capture_options(
+        options,
+        why=("graph_decoder_layers passes the order and the recorded calls itself"),
+    )
