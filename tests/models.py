@@ -47,8 +47,14 @@ def mse(target: Sequence[torch.Tensor]):
     return lambda out, m: torch.nn.functional.mse_loss(out, target[m])
 
 
-def train_both(order, layers_per_chunk, width, microbatches, steps, device="cpu", seed=0):
-    """Train eager and graphed copies of the same layers in ``order``; return both histories."""
+def train_both(order, layers_per_chunk, width, microbatches, steps, device="cpu", seed=0,
+               set_to_none=True, hook_logs=None, **capture_options):
+    """Train eager and graphed copies of the same layers in ``order``; return both histories.
+
+    ``set_to_none`` is ``zero_grad``'s argument (a bool, or a function of the step); with
+    ``hook_logs`` (a dict), each copy's post-accumulate-grad hooks append ``(layer, name)``
+    to ``hook_logs["eager"]`` / ``hook_logs["graphed"]`` as they fire, one list per step.
+    ``capture_options`` go to ``make_graphed_callables``."""
     count = sum(layers_per_chunk)
     eager = make_layers(count, width, device, seed)
     graphed_layers = copy.deepcopy(eager)
@@ -59,7 +65,8 @@ def train_both(order, layers_per_chunk, width, microbatches, steps, device="cpu"
     samples = tuple((torch.randn(4, width, device=device, requires_grad=True),)
                     for _ in range(layout.num_graphs))
     graphed = leangraph.make_graphed_callables(
-        tuple(graphed_layers), samples, order=order, num_layers_per_chunk=list(layers_per_chunk))
+        tuple(graphed_layers), samples, order=order, num_layers_per_chunk=list(layers_per_chunk),
+        **capture_options)
 
     def eager_layer(c, m, l):
         return eager[layout.callable_index(c, l)]
@@ -71,8 +78,17 @@ def train_both(order, layers_per_chunk, width, microbatches, steps, device="cpu"
     for name, lookup, params in (("eager", eager_layer, eager),
                                  ("graphed", graph_layer, graphed_layers)):
         optim = torch.optim.SGD([p for layer in params for p in layer.parameters()], lr=0.05)
+        if hook_logs is not None:
+            log = hook_logs.setdefault(name, [])
+            for index, layer in enumerate(params):
+                for pname, p in layer.named_parameters():
+                    p.register_post_accumulate_grad_hook(
+                        lambda _, key=(index, pname), log=log: log[-1].append(key))
         for step in range(steps):
-            optim.zero_grad(set_to_none=True)
+            optim.zero_grad(set_to_none=set_to_none(step) if callable(set_to_none)
+                            else set_to_none)
+            if hook_logs is not None:
+                hook_logs[name].append([])
             result = run_order(order, layers_per_chunk, lookup, list(data[step]), mse(target))
             grads = [p.grad.clone() for layer in params for p in layer.parameters()]
             optim.step()

@@ -216,11 +216,17 @@ class CaptureOptions:
     check_memory: bool
     pre_warmup_hook: Callable[[], None] | None = None
     post_warmup_hook: Callable[[], None] | None = None
+    fuse_grad_accumulation: bool = False
 
     def __post_init__(self) -> None:
         count = self.num_warmup_iters
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"num_warmup_iters must be an int >= 0, got {count!r}")
+        if not isinstance(self.fuse_grad_accumulation, bool):
+            raise TypeError(
+                "fuse_grad_accumulation must be a bool, got "
+                f"{type(self.fuse_grad_accumulation).__name__} {self.fuse_grad_accumulation!r}"
+            )
 
 
 _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

@@ -59,6 +59,7 @@ class CaptureKeywords(TypedDict, total=False):
     pre_warmup_hook: Callable[[], None] | None
     post_warmup_hook: Callable[[], None] | None
     capture_time_hooks: Sequence[Mapping[str, Sequence[Callable[..., None]]] | None] | None
+    fuse_grad_accumulation: bool
 
 
 # A module comes back as itself, a plain function as a GraphedCallable: a module is also
@@ -102,6 +103,7 @@ def make_graphed_callables(
     pre_warmup_hook: Callable[[], None] | None = None,
     post_warmup_hook: Callable[[], None] | None = None,
     capture_time_hooks: Sequence[Mapping[str, Sequence[Callable[..., None]]] | None] | None = None,
+    fuse_grad_accumulation: bool = False,
 ) -> Any:
     """Capture callables into forward and backward graphs, optionally in a pipeline order.
 
@@ -141,6 +143,15 @@ def make_graphed_callables(
         pre_warmup_hook, post_warmup_hook: Called once before and after the whole warm-up.
         capture_time_hooks: One dict of hook lists per callable (or None); they run around
             warm-up and capture steps, never at replay (:mod:`leangraph.hooks`).
+        fuse_grad_accumulation: Add parameter gradients into their accumulation buffers
+            inside the backward graphs, so autograd launches nothing per parameter: into
+            ``param.main_grad`` where a parameter has one (Megatron-LM's convention, with its
+            ``grad_added_to_main_grad`` flag set), else into a buffer attached as
+            ``param.grad`` from the first backward of each step on. ``.grad`` and
+            ``main_grad`` then alias memory the graphs write until they are reset; clear
+            ``.grad`` with ``zero_grad()`` (either ``set_to_none``), never by assigning
+            another tensor (the next replay raises). Hooks on the parameters' accumulators
+            fire once per parameter per backward, in eager's order (docs/concepts.md).
 
     Raises:
         ValueError, TypeError, RuntimeError: for misuse, before any warm-up where it can be
@@ -155,6 +166,7 @@ def make_graphed_callables(
         check_memory=check_memory,
         pre_warmup_hook=pre_warmup_hook,
         post_warmup_hook=post_warmup_hook,
+        fuse_grad_accumulation=fuse_grad_accumulation,
     )
     call = validate_call(callables, sample_args, sample_kwargs, order, num_layers_per_chunk)
     check_capturable(call, _already_graphed)

@@ -74,6 +74,8 @@ class GraphBackend(Protocol):
     """Creates graph pairs and owns the resources they share."""
 
     name: str
+    # Whether capturing runs the work too (the CPU trace does; CUDA capture only records).
+    capture_runs_work: bool
 
     def warmup(self) -> AbstractContextManager[None]:
         """Context in which eager warm-up passes run."""

@@ -166,6 +166,7 @@ class CpuBackend:
     """Graph backend for CPU tensors (development and tests), with an emulated pool."""
 
     name = "cpu"
+    capture_runs_work = True
 
     def __init__(self) -> None:
         self._free: dict[_PoolKey, list[torch.Tensor]] = {}

@@ -46,6 +46,7 @@ class CudaBackend:
     """
 
     name = "cuda"
+    capture_runs_work = False
 
     def __init__(self, device: torch.device, pool: Any | None = None) -> None:
         self.device = device

@@ -8,6 +8,7 @@ the exception propagates.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 import weakref
@@ -27,6 +28,7 @@ from ..probe import GraphFacts
 from ..progress import ProgressCallback
 from ..report import CaptureRecord
 from ..runtime.signature import CallSignature
+from .accumulation import AccumulationTarget, allocate_targets, check_fusable, unchanged_by
 from .capture import run_capture
 from .graph import GraphBuilder, GraphSource
 from .record import GraphRecord, ModuleBinding, ParameterSharing
@@ -60,6 +62,9 @@ def build_graphs(
         Whatever the callables raise, with a note naming the phase, graph and step.
     """
     sources = graph_sources(call, facts, hooks, options)
+    if options.fuse_grad_accumulation:
+        for source in sources:
+            check_fusable(source.label, _trained(source))
     builders = [GraphBuilder(source, backend.new_pair()) for source in sources]
     try:
         capture = _warm_up_and_capture(call, builders, buffer_plan, backend, options, progress)
@@ -98,14 +103,23 @@ def _warm_up_and_capture(
     recorder.end_warmup()
     # Allocated after warm-up, so warm-up's peak does not carry them.
     buffers = None if buffer_plan is None else StaticBuffers.allocate(buffer_plan)
-    run_capture(
-        plan,
-        builders,
-        backend=backend,
-        buffers=buffers,
-        observers=observers,
-        steps_before=warmup_steps,
-    )
+    targets: list[tuple[AccumulationTarget, ...]] = []
+    if options.fuse_grad_accumulation:
+        targets = allocate_targets([_trained(b.source) for b in builders])
+        for builder, graph_targets in zip(builders, targets):
+            builder.fuse_into(graph_targets)
+    # A capture that runs its work adds capture-time gradients into the targets: keep what
+    # they held (an adopted .grad, a main_grad) and put it back, as a CUDA capture leaves it.
+    kept = unchanged_by(targets) if backend.capture_runs_work else contextlib.nullcontext()
+    with kept:
+        run_capture(
+            plan,
+            builders,
+            backend=backend,
+            buffers=buffers,
+            observers=observers,
+            steps_before=warmup_steps,
+        )
     return recorder.finish()
 
 
@@ -148,6 +162,15 @@ def graph_sources(
             )
         )
     return sources
+
+
+def _trained(source: GraphSource) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters a graph trains, with their names, in gradient order."""
+    return [
+        (name, param)
+        for name, param, trains in zip(source.param_names, source.params, source.facts.trains)
+        if trains
+    ]
 
 
 def _binding(fn: object) -> ModuleBinding | None:

@@ -7,6 +7,7 @@ plan's order; :meth:`GraphBuilder.record` then freezes what capture made into a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from ..hooks import CaptureHooks
 from ..order import GraphId, StepKind
 from ..probe import GraphFacts, output_template
 from ..runtime.signature import CallSignature
+from .accumulation import AccumulationTarget, FusedGradients, add_into, hook_relay
 from .record import GraphRecord, ModuleBinding, ParameterSharing
 
 __all__ = ["GraphBuilder", "GraphSource"]
@@ -64,6 +66,8 @@ class GraphBuilder:
         self._static_grads: tuple[torch.Tensor | None, ...] = ()
         self._static_weight_grads: tuple[torch.Tensor | None, ...] = ()
         self._released = False
+        self._accumulate: tuple[AccumulationTarget, ...] = ()
+        self._eager_order: list[int] = []  # trained parameters, as eager's backward reaches them
 
     @property
     def label(self) -> str:
@@ -214,29 +218,51 @@ class GraphBuilder:
                 for o, rg in zip(self._static_outputs, self._output_requires_grad)
             )
 
+    def fuse_into(self, targets: tuple[AccumulationTarget, ...]) -> None:
+        """Add the trained parameters' gradients into ``targets`` inside the backward graph
+        (in-graph accumulation; set before capture)."""
+        self._accumulate = targets
+
     def _grad_body(
-        self, targets: Callable[[], tuple[torch.Tensor, ...]], retain: bool
+        self, targets: Callable[[], tuple[torch.Tensor, ...]], retain: bool, *, params: bool
     ) -> Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor | None]]:
         """A backward body differentiating the outputs w.r.t. ``targets()`` (looked up when
-        the body runs, at capture). A backend records what it runs; a parameter frozen after
-        capture still gets its gradient computed at replay, and autograd drops it."""
+        the body runs, at capture), the trained parameters last when ``params``. A backend
+        records what it runs; a parameter frozen after capture still gets its gradient
+        computed at replay, and autograd drops it. With in-graph accumulation the parameter
+        gradients are added into their targets in the graph, and the order in which the
+        backward reaches the parameters (eager's order for their hooks) is noted."""
         seeds = [g for g in self._static_grad_outputs if g is not None]
+        accumulate = self._accumulate if params else ()
 
         def body(outputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor | None]:
             wanted = targets()
             live = [t for t in wanted if t.requires_grad]
             if not live:
                 return (None,) * len(wanted)
-            grads = iter(
-                torch.autograd.grad(
-                    self._differentiable(outputs),
-                    live,
-                    grad_outputs=seeds,
-                    allow_unused=True,
-                    retain_graph=retain,
+            watching = [
+                target.param.register_hook(functools.partial(_note_reached, self._eager_order, i))
+                for i, target in enumerate(accumulate)
+            ]
+            try:
+                grads = iter(
+                    torch.autograd.grad(
+                        self._differentiable(outputs),
+                        live,
+                        grad_outputs=seeds,
+                        allow_unused=True,
+                        retain_graph=retain,
+                    )
                 )
-            )
-            return tuple(next(grads) if t.requires_grad else None for t in wanted)
+            finally:
+                for handle in watching:
+                    handle.remove()
+            result = tuple(next(grads) if t.requires_grad else None for t in wanted)
+            if accumulate:
+                param_grads = result[len(result) - len(accumulate) :]
+                reached = [(t, g) for t, g in zip(accumulate, param_grads) if g is not None]
+                add_into([t for t, _ in reached], [g for _, g in reached])
+            return result
 
         return body
 
@@ -256,13 +282,17 @@ class GraphBuilder:
         hooks.run("backward_pre")
         if self.source.split_backward:  # the weight step still needs the saved activations
             if self._input_targets(self._static_inputs):  # none: there is no graph to record
-                body = self._grad_body(lambda: self._input_targets(self._static_inputs), True)
+                body = self._grad_body(
+                    lambda: self._input_targets(self._static_inputs), True, params=False
+                )
                 self._static_grads = self.pair.capture_backward(body, retain_graph=True)
             hooks.run("backward")
             return
         retain = self.source.retain_graph
         body = self._grad_body(
-            lambda: self._input_targets(self._static_inputs) + self._param_targets(), retain
+            lambda: self._input_targets(self._static_inputs) + self._param_targets(),
+            retain,
+            params=True,
         )
         self._static_grads = self.pair.capture_backward(body, retain_graph=retain)
         hooks.run("backward")
@@ -280,7 +310,7 @@ class GraphBuilder:
         hooks = self.source.hooks
         hooks.run("backward_pre")
         if self._param_targets():
-            body = self._grad_body(self._param_targets, retain)
+            body = self._grad_body(self._param_targets, retain, params=True)
             self._static_weight_grads = self.pair.capture_weight(body, retain_graph=retain)
         elif not retain:  # nothing to record: just let the activations go
             self.pair.release_saved()
@@ -331,11 +361,26 @@ class GraphBuilder:
             retain_graph=source.retain_graph,
             sharing=source.sharing,
             module=source.module,
+            fused=self._fused_gradients(),
         )
+
+    def _fused_gradients(self) -> FusedGradients | None:
+        """The in-graph accumulation's record: the targets, and a relay reaching the
+        parameters the backward reached, in that order. Made after the capture pass, graph
+        by graph, so a later layer's relay is newer (its hooks first, as in eager)."""
+        if not self._accumulate:
+            return None
+        reached = list(dict.fromkeys(self._eager_order))
+        params = [self._accumulate[i].param for i in reached]
+        return FusedGradients(self._accumulate, hook_relay(params) if params else None)
 
     def abandon(self) -> None:
         """Release the pair after a failed build."""
         self.pair.reset()
+
+
+def _note_reached(order: list[int], index: int, _: torch.Tensor) -> None:
+    order.append(index)
 
 
 def _describe(keys: Sequence[BufferKey]) -> str:

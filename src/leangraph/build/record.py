@@ -14,6 +14,7 @@ from ..backends.base import GraphPair
 from ..leaves import LeafTemplate
 from ..order import GraphId
 from ..runtime.signature import CallSignature
+from .accumulation import FusedGradients
 
 __all__ = ["GraphRecord", "ModuleBinding", "ParameterSharing"]
 
@@ -67,6 +68,7 @@ class GraphRecord:
         retain_graph: Whether a backward may replay more than once per forward.
         sharing: Which other graphs train one of its parameters.
         module: The module binding for graphed module forwards, else None.
+        fused: With in-graph gradient accumulation, its targets and hook relay, else None.
     """
 
     index: int
@@ -91,6 +93,7 @@ class GraphRecord:
     retain_graph: bool
     sharing: ParameterSharing
     module: ModuleBinding | None
+    fused: FusedGradients | None
 
     @property
     def has_backward(self) -> bool:

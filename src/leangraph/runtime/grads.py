@@ -34,7 +34,8 @@ class GradRouting:
     def __init__(self, record: GraphRecord, pending: PendingBackwards) -> None:
         self._static_grads = record.static_grads
         self._input_requires_grad = tuple(s.requires_grad for s in record.signature.specs)
-        self._params = record.params
+        # With in-graph accumulation the parameters' gradients stay in the graphs' buffers.
+        self._params = record.params if record.fused is None else ()
         self._param_trains = record.param_trains
         self._peers = record.sharing.peers
         self._shared_param_ids = record.sharing.shared_param_ids

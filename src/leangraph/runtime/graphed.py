@@ -24,6 +24,7 @@ from ..build.record import GraphRecord
 from ..errors import GraphResetError
 from ..order import GraphId, StepKind
 from ..result import GraphedSet
+from .accumulation import InGraphAccumulation
 from .grads import GradRouting
 from .guard import OutputGuard
 from .pending import BackwardToken, PendingBackwards
@@ -82,7 +83,10 @@ class GraphedCallable:
             if not trains
         )
         self._grads: GradRouting | None = GradRouting(record, pending)
-        self._weight = WeightStep(record) if record.split_backward else None
+        self._fused = (
+            None if record.fused is None else InGraphAccumulation(record.label, record.fused)
+        )
+        self._weight = WeightStep(record, self._fused) if record.split_backward else None
         self._autograd_params = _params_for_autograd(record)
         self._debug_outputs = debug_outputs
         self._guard: OutputGuard | None = None
@@ -309,8 +313,13 @@ class GraphedCallable:
             for static, grad in zip(record.static_grad_outputs, grads):
                 if static is not None and not same_buffer(static, grad):
                     static.copy_(grad)
+            fused = self._fused if self._weight is None else None  # else: at the weight step
+            if fused is not None:
+                fused.before_replay()
             if record.static_grads:
                 record.pair.replay_backward()
+            if fused is not None:
+                fused.after_replay()
             self._backward_generation = generation
             self._pending.clear(self._index)
             if self._weight is not None:
@@ -319,17 +328,24 @@ class GraphedCallable:
                 self._guard.invalidate(f"the backward of {self._label} ran")
             assert self._grads is not None
             routed = self._grads.scatter(clone_inputs)
-            if self._weight is not None:  # no parameter gradient: the stand-in gets none
+            if self._weight is not None or self._fused is not None:
+                # No parameter gradient: the stand-in or the relay gets none (a relay's
+                # accumulators then run their hooks, the gradients being in place already).
                 routed = routed[: len(clone_inputs)] + (None,) * len(self._autograd_params)
             return routed
 
 
 def _params_for_autograd(record: GraphRecord) -> tuple[torch.Tensor, ...]:
     """What a replay's autograd node takes besides the inputs: the parameters, whose
-    gradients it returns. A split backward returns none (the weight step delivers them),
-    and autograd would still run their accumulators, and their post-accumulate-grad hooks,
-    with no gradient; an empty leaf that requires grad stands in for them, so the outputs
-    require grad exactly when eager's would."""
+    gradients it returns. With in-graph accumulation, the relay instead: the gradients are
+    in place already, and the relay's accumulators run their hooks in eager's order. A
+    split backward returns none (the weight step delivers them), and autograd would still
+    run their accumulators, and their post-accumulate-grad hooks, with no gradient; an
+    empty leaf that requires grad stands in for them, so the outputs require grad exactly
+    when eager's would."""
+    if record.fused is not None and not record.split_backward:
+        relay = record.fused.relay
+        return () if relay is None else (relay,)
     if not record.split_backward:
         return record.params
     if not record.trained_params():

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from ..build.accumulation import fire_relay
 from ..build.record import GraphRecord
+from .accumulation import InGraphAccumulation
 
 __all__ = ["WeightStep"]
 
@@ -21,8 +23,9 @@ __all__ = ["WeightStep"]
 class WeightStep:
     """The weight step of one graph captured with a split backward."""
 
-    def __init__(self, record: GraphRecord) -> None:
+    def __init__(self, record: GraphRecord, fused: InGraphAccumulation | None) -> None:
         self._label = record.label
+        self._fused = fused
         self._pair = record.pair
         self._params = record.trained_params()
         self._grads = record.static_weight_grads
@@ -56,9 +59,18 @@ class WeightStep:
             RuntimeError: if no backward awaits its weight step.
         """
         self.require_due()
+        fused = self._fused
+        if fused is not None:
+            fused.before_replay()
         if self._grads:
             self._pair.replay_weight()
         self._pending = None
+        if fused is not None:
+            # The graph added the gradients; the accumulators only run their hooks.
+            fused.after_replay()
+            if fused.relay is not None:
+                fire_relay(fused.relay)
+            return
         pairs = [(p, g) for p, g in zip(self._params, self._grads) if g is not None]
         if not pairs:
             return

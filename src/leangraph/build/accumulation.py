@@ -1,0 +1,219 @@
+"""In-graph gradient accumulation (``fuse_grad_accumulation=True``), as capture sets it up.
+
+Eager autograd adds every parameter's gradient into its ``.grad`` with one kernel per
+parameter per microbatch, launched from Python-free C++ but outside any graph. Fused, each
+backward graph adds its parameters' gradients into their accumulation buffers itself, so a
+replay launches nothing per parameter. The buffer is ``param.main_grad`` where the parameter
+has one (Megatron-LM's convention: a buffer its DDP zeroes in place), else a tensor leangraph
+attaches as ``param.grad`` (the caller's ``.grad`` itself when it already has one of the
+parameter's layout). Every graph training a parameter adds into the same buffer.
+
+Autograd's accumulators must still run: post-accumulate-grad hooks and the hooks DDP and
+Megatron-core register on the accumulator nodes are how frameworks learn a gradient is ready.
+A replay therefore hands autograd a *relay*: a zero-element tensor whose autograd graph
+reaches each parameter's accumulator through a node of its own, created so that the engine
+(which runs ready nodes newest first) visits them in the order eager's backward reached the
+parameters, recorded during capture. The replay returns no gradient to the relay, so the
+accumulators run without accumulating, and their hooks fire once per parameter per
+backward pass, in eager's order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "AccumulationTarget",
+    "FusedGradients",
+    "add_into",
+    "allocate_targets",
+    "check_fusable",
+    "fire_relay",
+    "hook_relay",
+    "unchanged_by",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class AccumulationTarget:
+    """Where one parameter's gradient is added inside the backward graphs.
+
+    ``buffer`` is ``param.main_grad`` (``into_main_grad``) or the tensor attached as
+    ``param.grad``. It is the caller's gradient memory, not a graph-owned buffer: replays add
+    into it until the graphs are reset.
+    """
+
+    param: torch.nn.Parameter
+    name: str
+    buffer: torch.Tensor
+    into_main_grad: bool
+
+
+@dataclass(frozen=True, eq=False)
+class FusedGradients:
+    """One graph's share of the accumulation: its targets in gradient order, and the relay
+    its replays hand autograd (None when it trains no parameter)."""
+
+    targets: tuple[AccumulationTarget, ...]
+    relay: torch.Tensor | None
+
+
+def _main_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if isinstance(main_grad, torch.Tensor) else None
+
+
+def check_fusable(label: str, params: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+    """Refuse, before warm-up, parameters whose gradient cannot be added into a buffer.
+
+    Raises:
+        ValueError: for a ``main_grad`` of another shape or device, or not floating point.
+        RuntimeError: if this torch's accumulators skip hooks for a missing gradient.
+    """
+    if params and not _accumulators_run_hooks_without_gradient():
+        raise RuntimeError(
+            f"{label}: fuse_grad_accumulation=True needs a torch whose autograd runs "
+            "post-accumulate-grad hooks for a parameter that got no gradient; torch "
+            f"{torch.__version__} does not, so the hooks would not fire; use the default "
+            "fuse_grad_accumulation=False"
+        )
+    for name, param in params:
+        main_grad = _main_grad(param)
+        if main_grad is None:
+            continue
+        if (
+            main_grad.shape != param.shape
+            or main_grad.device != param.device
+            or not main_grad.is_floating_point()
+        ):
+            raise ValueError(
+                f"{label} parameter {name!r}: fuse_grad_accumulation=True adds its gradient "
+                f"into main_grad, which must be a floating-point tensor of shape "
+                f"{tuple(param.shape)} on {param.device}; got {main_grad.dtype} of shape "
+                f"{tuple(main_grad.shape)} on {main_grad.device}"
+            )
+
+
+@functools.lru_cache(maxsize=1)
+def _accumulators_run_hooks_without_gradient() -> bool:
+    """Whether an accumulator reached with no gradient runs its post-accumulate-grad hooks
+    (the relay relies on it): tried once on the CPU."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    fired: list[bool] = []
+    param.register_post_accumulate_grad_hook(lambda _: fired.append(True))
+    with torch.enable_grad():
+        root = _NoGradient.apply(hook_relay([param]))
+    torch.autograd.backward(root)
+    return bool(fired) and param.grad is None
+
+
+class _NoGradient(torch.autograd.Function):
+    """A node that returns no gradient to its input: reaching it runs the relay."""
+
+    @staticmethod
+    def forward(ctx: object, relay: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), device=relay.device)
+
+    @staticmethod
+    def backward(ctx: object, _: torch.Tensor) -> None:
+        return None
+
+
+def fire_relay(relay: torch.Tensor) -> None:
+    """Run the accumulators ``relay`` reaches (their hooks), outside any other backward."""
+    with torch.enable_grad():
+        root = _NoGradient.apply(relay)
+    torch.autograd.backward(root)
+
+
+def hook_relay(params_in_eager_order: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+    """A zero-element tensor whose backward reaches each parameter's accumulator, in order.
+
+    Each parameter gets a zero-element view (its own node, no memory); the views are made
+    last parameter first, so the first one's node is the newest and the engine runs it, and
+    at once its accumulator, before the next. A view's node is fixed when the concatenation
+    takes it, so in-place updates of the parameters (optimizer steps) do not renumber it.
+    """
+    with torch.enable_grad():
+        views = [torch.as_strided(p, (0,), (1,)) for p in reversed(params_in_eager_order)]
+        return torch.cat(views)
+
+
+def allocate_targets(
+    params_of: Sequence[Sequence[tuple[str, torch.nn.Parameter]]],
+) -> list[tuple[AccumulationTarget, ...]]:
+    """The targets of each graph's trained parameters (``params_of[g]``: names and
+    parameters, in gradient order), one per parameter shared by every graph training it.
+    Made after warm-up, outside any capture.
+
+    A parameter's existing ``.grad`` is adopted when it has the parameter's layout (values
+    kept: accumulation continues from them); otherwise a buffer is allocated (zero) and, where
+    a ``.grad`` of another layout exists, it is copied in and the buffer attached instead.
+    """
+    made: dict[int, AccumulationTarget] = {}
+    result = []
+    for params in params_of:
+        targets = []
+        for name, param in params:
+            target = made.get(id(param))
+            if target is None:
+                target = made[id(param)] = _make_target(name, param)
+            targets.append(target)
+        result.append(tuple(targets))
+    return result
+
+
+@contextlib.contextmanager
+def unchanged_by(targets: Sequence[Sequence[AccumulationTarget]]) -> Iterator[None]:
+    """Put the targets' values back after the block (a capture that runs its work)."""
+    buffers = {id(t.buffer): t.buffer for graph in targets for t in graph}
+    kept = [(b, b.clone()) for b in buffers.values()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept:
+                buffer.copy_(value)
+
+
+def add_into(targets: Sequence[AccumulationTarget], grads: Sequence[torch.Tensor]) -> None:
+    """Add ``grads`` into ``targets`` (inside a capture: the graph does it at every replay),
+    one multi-tensor kernel per pair of dtypes; each sum rounds as ``buffer.add_(grad)``."""
+    groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], ...]] = {}
+    for target, grad in zip(targets, grads):
+        buffers, values = groups.setdefault((target.buffer.dtype, grad.dtype), ([], []))
+        buffers.append(target.buffer)
+        values.append(grad)
+    with torch.no_grad():
+        for buffers, values in groups.values():
+            torch._foreach_add_(buffers, values)
+
+
+def _make_target(name: str, param: torch.nn.Parameter) -> AccumulationTarget:
+    main_grad = _main_grad(param)
+    if main_grad is not None:
+        return AccumulationTarget(param, name, main_grad, into_main_grad=True)
+    grad = param.grad
+    if grad is not None and _has_layout_of(grad, param):
+        return AccumulationTarget(param, name, grad, into_main_grad=False)
+    buffer = torch.zeros_like(param, memory_format=torch.preserve_format)
+    if grad is not None:
+        buffer.copy_(grad)
+        param.grad = buffer
+    return AccumulationTarget(param, name, buffer, into_main_grad=False)
+
+
+def _has_layout_of(grad: torch.Tensor, param: torch.Tensor) -> bool:
+    return (
+        grad.dtype == param.dtype
+        and grad.shape == param.shape
+        and grad.stride() == param.stride()
+        and grad.device == param.device
+        and grad.layout == torch.strided
+        and not grad.requires_grad
+    )

@@ -1,0 +1,82 @@
+"""In-graph gradient accumulation at replay: the state checks around a backward replay.
+
+The backward graph adds into the buffers capture chose (:mod:`leangraph.build.accumulation`);
+this module keeps those buffers the parameters' gradients. Before a replay, a parameter whose
+``.grad`` was set to None (``zero_grad()``'s default) gets its buffer zeroed and attached again;
+one whose ``.grad`` or ``main_grad`` was replaced by another tensor is refused, since the graph
+would add into memory that is no longer the parameter's gradient. After it, parameters under
+Megatron-LM's protocol are told their gradient is already in ``main_grad``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..build.accumulation import AccumulationTarget, FusedGradients
+
+__all__ = ["InGraphAccumulation"]
+
+
+class InGraphAccumulation:
+    """The accumulation state of one graph's parameters (fused gradient accumulation)."""
+
+    def __init__(self, label: str, fused: FusedGradients) -> None:
+        self._label = label
+        self._targets = fused.targets
+        self.relay = fused.relay
+        # Megatron-core's DDP marks the parameters it manages with this flag; its gradient-ready
+        # hook adds .grad into main_grad unless the flag says that happened already.
+        self._megatron = tuple(
+            (t.param, torch.zeros((), dtype=t.param.dtype, device=t.param.device))
+            for t in fused.targets
+            if t.into_main_grad and hasattr(t.param, "grad_added_to_main_grad")
+        )
+
+    def before_replay(self) -> None:
+        """Make every target the parameter's gradient again; raise for a replaced one.
+
+        Raises:
+            RuntimeError: for a parameter frozen since capture, or whose ``.grad`` or
+                ``main_grad`` is another tensor than the one the graph adds into.
+        """
+        cleared: list[AccumulationTarget] = []
+        for target in self._targets:
+            param = target.param
+            if not param.requires_grad:
+                raise RuntimeError(
+                    f"{self._label} parameter {target.name!r} must require grad as at capture: "
+                    "with fuse_grad_accumulation=True its backward graph adds its gradient "
+                    "whatever it requires; capture again to freeze it"
+                )
+            if target.into_main_grad:
+                if getattr(param, "main_grad", None) is not target.buffer:
+                    raise RuntimeError(self._replaced(target, "main_grad"))
+                continue
+            grad = param.grad
+            if grad is target.buffer:
+                continue
+            if grad is not None:
+                raise RuntimeError(self._replaced(target, ".grad"))
+            cleared.append(target)
+        if cleared:
+            buffers = [t.buffer for t in cleared]
+            torch._foreach_zero_(buffers)
+            for target, buffer in zip(cleared, buffers):
+                target.param.grad = buffer
+
+    def after_replay(self) -> None:
+        """Tell Megatron's hooks the gradient is in ``main_grad`` (and give its
+        ``overlap_grad_reduce`` check a ``.grad``: a broadcast zero, which the hook drops)."""
+        for param, zero in self._megatron:
+            param.grad_added_to_main_grad = True
+            if param.grad is None:
+                param.grad = zero.expand(param.shape)
+
+    def _replaced(self, target: AccumulationTarget, what: str) -> str:
+        return (
+            f"{self._label} parameter {target.name!r}: {what} is another tensor than at "
+            f"capture; with fuse_grad_accumulation=True the backward graph adds into the "
+            f"{what} it saw then, so this replay would train wrongly. Clear gradients with "
+            "zero_grad() (set_to_none=True or False) instead of assigning a new tensor, or "
+            "capture again"
+        )

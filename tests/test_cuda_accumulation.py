@@ -1,0 +1,77 @@
+"""In-graph gradient accumulation on a real GPU (skipped without one): exact against eager in
+``.grad`` and Megatron-style ``main_grad``, hooks in eager's order (the accumulators run on
+autograd's CPU thread there), and no accumulation kernel launched outside the graphs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import leangraph
+import leangraph.schedules
+from models import Block, assert_histories_equal, train_both
+from test_runtime_accumulation import ZB, _Megatron
+
+pytestmark = pytest.mark.cuda
+
+INTERLEAVED = leangraph.schedules.interleaved_1f1b(pp_size=2, vp_size=2, rank=0, num_microbatches=4)
+
+
+@pytest.mark.parametrize(("order", "layers", "microbatches"), [
+    (INTERLEAVED, [2, 2], 4), (ZB, [1, 1], 2)], ids=["interleaved", "zero-bubble"])
+def test_fused_training_is_exact_with_hooks_in_eager_order_on_cuda(order, layers, microbatches):
+    logs: dict[str, list] = {}
+    history, graphed = train_both(order, layers, width=64, microbatches=microbatches, steps=4,
+                                  device="cuda", set_to_none=lambda step: step % 2 == 0,
+                                  hook_logs=logs, fuse_grad_accumulation=True)
+    assert_histories_equal(history, exact=True)
+    assert logs["graphed"] == logs["eager"]
+    assert all(len(step) == sum(layers) * 6 * microbatches for step in logs["eager"])
+    leangraph.reset_all(graphed)
+
+
+def test_bf16_gradients_accumulate_into_fp32_main_grad_exactly_on_cuda():
+    torch.manual_seed(0)
+    eager = Block(256).to("cuda", torch.bfloat16)
+    module = copy.deepcopy(eager)
+    ddp_eager = _Megatron(eager, overlap_grad_reduce=True)
+    ddp_graphed = _Megatron(module, overlap_grad_reduce=True)
+    sample = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = leangraph.make_graphed_callables(module, (sample,), fuse_grad_accumulation=True)
+    for _ in range(2):
+        for _ in range(4):
+            x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
+            eager(x).float().square().sum().backward()
+            graphed(x).float().square().sum().backward()
+        assert ddp_graphed.ready == ddp_eager.ready
+        for a, b in zip(eager.parameters(), module.parameters()):
+            assert torch.equal(a.main_grad, b.main_grad)
+        for ddp in (ddp_eager, ddp_graphed):
+            ddp.ready.clear()
+            ddp.zero_grad_buffer()
+
+
+def _adds_outside_graphs(fuse: bool) -> int:
+    """Accumulation ops autograd runs outside the graphs in one step of 4 microbatches."""
+    torch.manual_seed(0)
+    module = Block(64).cuda()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(8, 64, device="cuda", requires_grad=True),),
+        fuse_grad_accumulation=fuse)
+    inputs = [torch.randn(8, 64, device="cuda") for _ in range(4)]
+    for x in inputs:  # a first step: .grad exists from here on, as in training
+        graphed(x).sum().backward()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for x in inputs:
+            graphed(x).sum().backward()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages()
+               if e.key in ("aten::add_", "aten::_foreach_add_", "aten::add"))
+
+
+def test_fused_backward_launches_no_accumulation_outside_the_graphs():
+    assert _adds_outside_graphs(fuse=False) >= 4 * 6 - 6  # the control: autograd's adds
+    assert _adds_outside_graphs(fuse=True) == 0

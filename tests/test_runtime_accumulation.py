@@ -1,0 +1,234 @@
+"""In-graph gradient accumulation (``fuse_grad_accumulation=True``; build/accumulation.py,
+runtime/accumulation.py): gradients equal eager's bitwise in ``.grad`` and ``main_grad``, with
+both ``zero_grad`` modes, drop-in and in pipeline orders; accumulator hooks fire once per
+parameter per backward in eager's order; replaced gradients are refused (CPU backend; the
+CUDA versions are in test_cuda.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import leangraph
+import leangraph.schedules
+from helpers import raises
+from models import Block, assert_histories_equal, train_both
+
+ZB = [1, 2, 1, -2, 2, -1, -2.5, -2, -1.5, -1, -2.5, -1.5]
+
+
+def _block_pair(width: int = 8, dtype: torch.dtype = torch.float32):
+    torch.manual_seed(0)
+    eager = Block(width).to(dtype)
+    return eager, copy.deepcopy(eager)
+
+
+def _log_hooks(module: torch.nn.Module, log: list[str]) -> None:
+    for name, p in module.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, name=name: log.append(name))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_drop_in_accumulates_like_eager_over_microbatches_and_steps(set_to_none):
+    eager, graphed_module = _block_pair()
+    eager_log: list[str] = []
+    graphed_log: list[str] = []
+    _log_hooks(eager, eager_log)
+    _log_hooks(graphed_module, graphed_log)
+    graphed = leangraph.make_graphed_callables(
+        graphed_module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, graphed_module)]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for _ in range(3):  # gradient accumulation over microbatches
+            x = torch.randn(4, 8, generator=gen)
+            eager(x).square().sum().backward()
+            graphed(x).square().sum().backward()
+        assert graphed_log == eager_log and len(eager_log) == 3 * 6
+        eager_log.clear()
+        graphed_log.clear()
+        for a, b in zip(eager.parameters(), graphed_module.parameters()):
+            assert torch.equal(a.grad, b.grad)
+        for optim in optims:
+            optim.step()
+            optim.zero_grad(set_to_none=set_to_none)
+    for a, b in zip(eager.parameters(), graphed_module.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_no_accumulation_outside_the_graph():
+    """The replay's autograd hands the parameters no gradient: their ``.grad`` stays the
+    buffer the graph adds into, the same tensor across microbatches and steps."""
+    _, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
+    graphed(torch.randn(4, 8)).sum().backward()
+    buffers = [p.grad for p in module.parameters()]
+    assert all(b is not None for b in buffers)
+    graphed(torch.randn(4, 8)).sum().backward()
+    module.zero_grad(set_to_none=True)
+    graphed(torch.randn(4, 8)).sum().backward()
+    assert all(p.grad is b for p, b in zip(module.parameters(), buffers))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False, lambda step: step % 2 == 0],
+                         ids=["none", "zero", "alternating"])
+def test_interleaved_order_trains_exactly_and_hooks_follow_eager(set_to_none):
+    order = leangraph.schedules.interleaved_1f1b(
+        pp_size=2, vp_size=2, rank=0, num_microbatches=4)
+    logs: dict[str, list] = {}
+    history, graphed = train_both(order, [2, 2], width=8, microbatches=4, steps=3,
+                                  set_to_none=set_to_none, hook_logs=logs,
+                                  fuse_grad_accumulation=True)
+    assert_histories_equal(history, exact=True)
+    # Once per parameter per backward (4 layers x 6 parameters x 4 microbatches), in order.
+    assert [len(step) for step in logs["eager"]] == [96] * 3
+    assert logs["graphed"] == logs["eager"]
+    leangraph.reset_all(graphed)
+
+
+def test_zero_bubble_weight_steps_accumulate_in_graph_with_hooks_at_the_weight_step():
+    logs: dict[str, list] = {}
+    history, graphed = train_both(ZB, [1, 1], width=8, microbatches=2, steps=3, hook_logs=logs,
+                                  fuse_grad_accumulation=True)
+    assert_histories_equal(history, exact=True)
+    assert logs["graphed"] == logs["eager"]
+    leangraph.reset_all(graphed)
+
+
+class _Megatron:
+    """The part of Megatron-core's DDP the fused path meets: ``main_grad`` buffers (fp32)
+    zeroed in place, the ``grad_added_to_main_grad`` flag, and a gradient-ready hook on each
+    parameter's accumulator node that adds ``.grad`` into ``main_grad`` unless the flag is
+    set, clears ``.grad`` and (with ``overlap_grad_reduce``) requires one to be there."""
+
+    def __init__(self, module: torch.nn.Module, overlap_grad_reduce: bool) -> None:
+        self.params = list(module.parameters())
+        self.ready: list[int] = []
+        self._nodes = []
+        for index, p in enumerate(self.params):
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            p.grad_added_to_main_grad = False
+            node = p.expand_as(p).grad_fn.next_functions[0][0]
+            node.register_hook(self._hook(index, p, overlap_grad_reduce))
+            self._nodes.append(node)  # Megatron keeps them too: the hooks live on the node
+
+    def _hook(self, index, p, overlap_grad_reduce):
+        def hook(*_):
+            if overlap_grad_reduce:
+                assert p.grad is not None, "param.grad being None is not safe with overlap"
+            if p.grad is not None and not p.grad_added_to_main_grad:
+                p.main_grad.add_(p.grad.data)
+            p.grad = None
+            self.ready.append(index)
+        return hook
+
+    def zero_grad_buffer(self) -> None:
+        for p in self.params:
+            p.main_grad.zero_()
+            p.grad_added_to_main_grad = False
+
+
+@pytest.mark.parametrize("overlap_grad_reduce", [False, True])
+def test_main_grad_follows_megatrons_protocol_exactly_in_bf16(overlap_grad_reduce):
+    eager, module = _block_pair(dtype=torch.bfloat16)
+    ddp_eager = _Megatron(eager, overlap_grad_reduce)
+    ddp_graphed = _Megatron(module, overlap_grad_reduce)
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True),),
+        fuse_grad_accumulation=True)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        for _ in range(3):
+            x = torch.randn(4, 8, generator=gen).to(torch.bfloat16)
+            eager(x).float().square().sum().backward()
+            graphed(x).float().square().sum().backward()
+        assert ddp_graphed.ready == ddp_eager.ready and len(ddp_eager.ready) == 3 * 6
+        for a, b in zip(eager.parameters(), module.parameters()):
+            assert b.main_grad.dtype == torch.float32
+            assert torch.equal(a.main_grad, b.main_grad)
+            assert a.grad is None and b.grad is None
+        for ddp in (ddp_eager, ddp_graphed):
+            ddp.ready.clear()
+            ddp.zero_grad_buffer()
+
+
+def test_a_parameter_shared_by_two_graphs_fires_its_hooks_once_per_backward():
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(8, 8)
+    eager_layers = [shared, shared]
+    graphed_shared = copy.deepcopy(shared)
+    counts = {"eager": 0, "graphed": 0}
+    shared.weight.register_post_accumulate_grad_hook(
+        lambda _: counts.__setitem__("eager", counts["eager"] + 1))
+    graphed_shared.weight.register_post_accumulate_grad_hook(
+        lambda _: counts.__setitem__("graphed", counts["graphed"] + 1))
+    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(2))
+    graphed = leangraph.make_graphed_callables(
+        (graphed_shared, graphed_shared), samples, order=[1, -1], num_layers_per_chunk=[2],
+        fuse_grad_accumulation=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    eager_layers[1](eager_layers[0](x)).sum().backward()
+    graphed[1](graphed[0](x)).sum().backward()
+    assert counts == {"eager": 1, "graphed": 1}
+    assert torch.equal(shared.weight.grad, graphed_shared.weight.grad)
+
+
+def test_replaced_grad_is_refused_naming_the_parameter():
+    _, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
+    graphed(torch.randn(4, 8)).sum().backward()
+    module.up.weight.grad = torch.zeros_like(module.up.weight)
+    with raises(RuntimeError, "parameter 'up.weight': .grad is another tensor than at capture",
+                "zero_grad()"):
+        graphed(torch.randn(4, 8)).sum().backward()
+
+
+def test_replaced_main_grad_and_a_parameter_frozen_since_capture_are_refused():
+    _, module = _block_pair()
+    _Megatron(module, overlap_grad_reduce=False)
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
+    module.down.bias.main_grad = torch.zeros(8)
+    with raises(RuntimeError, "parameter 'down.bias': main_grad is another tensor than at capture"):
+        graphed(torch.randn(4, 8)).sum().backward()
+    _, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
+    module.norm.weight.requires_grad_(False)
+    with raises(RuntimeError, "parameter 'norm.weight' must require grad as at capture"):
+        graphed(torch.randn(4, 8)).sum().backward()
+
+
+def test_existing_grad_is_adopted_and_accumulation_continues_from_it():
+    eager, module = _block_pair()
+    x = torch.randn(4, 8)
+    eager(x).sum().backward()
+    module(x).sum().backward()
+    before = [p.grad for p in module.parameters()]
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
+    y = torch.randn(4, 8)
+    eager(y).sum().backward()
+    graphed(y).sum().backward()
+    for a, b, g in zip(eager.parameters(), module.parameters(), before):
+        assert b.grad is g and torch.equal(a.grad, b.grad)
+
+
+def test_option_and_main_grad_misuse_raise_before_warm_up():
+    _, module = _block_pair()
+    warmed: list[bool] = []
+    with raises(TypeError, "fuse_grad_accumulation must be a bool, got int 1"):
+        leangraph.make_graphed_callables(
+            module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=1)
+    module.up.weight.main_grad = torch.zeros(3)
+    with raises(ValueError, "parameter 'up.weight': fuse_grad_accumulation=True adds its gradient "
+                "into main_grad, which must be a floating-point tensor of shape (16, 8) on cpu; "
+                "got torch.float32 of shape (3,) on cpu"):
+        leangraph.make_graphed_callables(
+            module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+            pre_warmup_hook=lambda: warmed.append(True))
+    assert warmed == []
