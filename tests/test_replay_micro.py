@@ -36,16 +36,17 @@ def test_config_refuses_the_cpu_and_empty_rounds():
 
 def test_graphed_layer_refuses_an_unknown_method():
     block = make_blocks(1, TINY, "cpu")[0]
-    with pytest.raises(ValueError, match="no replay method 'eager'; choose from torch, leangraph"):
+    with pytest.raises(ValueError, match="no replay method 'eager'; choose from torch, leangraph, leangraph-fused"):
         graphed_layer("eager", block, sample_hidden(TINY, "cpu"))
 
 
-def test_timed_replays_of_leangraphs_layer_accumulate_eagers_gradients():
+@pytest.mark.parametrize("method", ["leangraph", "leangraph-fused"])
+def test_timed_replays_of_leangraphs_layer_accumulate_eagers_gradients(method):
     """What a round times: forward+backward replays, one after the other, gradients adding
     up in ``.grad`` as over a step's microbatches (CPU reference backend)."""
     block = make_blocks(1, TINY, "cpu")[0]
     eager = copy.deepcopy(block)
-    layer = graphed_layer("leangraph", block, sample_hidden(TINY, "cpu"))
+    layer = graphed_layer(method, block, sample_hidden(TINY, "cpu"))
     x = sample_hidden(TINY, "cpu")
     grad = torch.randn_like(x)
     synced = []
@@ -82,7 +83,8 @@ def test_replay_micro_times_both_methods_on_cuda():
     result = run_replay_micro(ReplayMicroConfig(shape=TINY, replays=5, rounds=3,
                                                 warmup_replays=2))
     for figures in (result.host_us, result.wall_us):
-        assert set(figures) == {"torch", "leangraph"}
+        assert set(figures) == {"torch", "leangraph", "leangraph-fused"}
         assert all(len(v) == 3 and min(v) > 0 for v in figures.values())
     assert result.ratio() > 0
     assert "leangraph / torch" in format_replay_micro(result)
+    assert "leangraph-fused / torch" in format_replay_micro(result)

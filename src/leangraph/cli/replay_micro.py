@@ -46,8 +46,10 @@ __all__ = [
     "time_replays",
 ]
 
-REPLAY_METHODS = ("torch", "leangraph")
-"""The methods the microbenchmark compares, in the order of its first round."""
+REPLAY_METHODS = ("torch", "leangraph", "leangraph-fused")
+"""The methods the microbenchmark compares, in the order of its first round
+(``leangraph-fused``: with ``fuse_grad_accumulation=True``, which accumulates the parameter
+gradients inside the backward graph instead of through autograd)."""
 
 Layer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -90,9 +92,9 @@ class ReplayMicroResult:
         """The median over rounds of ``method``'s host (or wall) µs per replay."""
         return statistics.median((self.wall_us if wall else self.host_us)[method])
 
-    def ratio(self) -> float:
-        """leangraph's median host time per replay over torch's."""
-        return self.median("leangraph") / self.median("torch")
+    def ratio(self, method: str = "leangraph") -> float:
+        """``method``'s median host time per replay over torch's."""
+        return self.median(method) / self.median("torch")
 
     def to_json(self) -> dict[str, Any]:
         """Plain data for ``json.dump``: the config, every round, the medians, the ratio."""
@@ -103,6 +105,7 @@ class ReplayMicroResult:
             "median_host_us": {m: self.median(m) for m in self.host_us},
             "median_wall_us": {m: self.median(m, wall=True) for m in self.wall_us},
             "leangraph_over_torch_host": self.ratio(),
+            "over_torch_host": {m: self.ratio(m) for m in self.host_us if m != "torch"},
         }
 
 
@@ -118,9 +121,13 @@ def graphed_layer(method: str, block: torch.nn.Module, sample: torch.Tensor) -> 
     if method == "torch":
         graphed = torch.cuda.make_graphed_callables((block,), ((sample,),))
         return cast(Layer, graphed[0])  # a tuple of one module in, of one module out
-    if method == "leangraph":
+    if method in ("leangraph", "leangraph-fused"):
         graphs = make_graphed_callables(
-            (block,), ((sample,),), order=[1, -1], num_layers_per_chunk=1
+            (block,),
+            ((sample,),),
+            order=[1, -1],
+            num_layers_per_chunk=1,
+            fuse_grad_accumulation=method == "leangraph-fused",
         )
         return cast(Layer, graphs[0])
     raise ValueError(f"no replay method {method!r}; choose from {', '.join(REPLAY_METHODS)}")
@@ -167,7 +174,8 @@ def run_replay_micro(config: ReplayMicroConfig) -> ReplayMicroResult:
             host_ns, wall_ns = time_replays(replays[method], config.replays, torch.cuda.synchronize)
             host[method].append(host_ns / config.replays / 1e3)
             wall[method].append(wall_ns / config.replays / 1e3)
-    reset_all(layers["leangraph"])  # torch's graphs go with the last reference to them
+    for method in REPLAY_METHODS[1:]:
+        reset_all(layers[method])  # torch's graphs go with the last reference to them
     settings = asdict(config)
     settings["shape"] = {**asdict(config.shape), "dtype": str(config.shape.dtype)}
     return ReplayMicroResult(settings, host, wall)
@@ -188,12 +196,14 @@ def format_replay_micro(result: ReplayMicroResult) -> str:
     def spread(values: list[float]) -> str:
         return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
 
-    header = f"{'method':<10} {'host µs/replay':>24} {'wall µs/replay':>24}"
+    header = f"{'method':<16} {'host µs/replay':>24} {'wall µs/replay':>24}"
     lines = [header, "-" * len(header)]
     for method in result.host_us:
         lines.append(
-            f"{method:<10} {spread(result.host_us[method]):>24} "
+            f"{method:<16} {spread(result.host_us[method]):>24} "
             f"{spread(result.wall_us[method]):>24}"
         )
-    lines.append(f"leangraph / torch, host medians: {result.ratio():.2f}x")
+    for method in result.host_us:
+        if method != "torch":
+            lines.append(f"{method} / torch, host medians: {result.ratio(method):.2f}x")
     return "\n".join(lines)
