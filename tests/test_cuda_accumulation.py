@@ -37,9 +37,12 @@ def test_bf16_gradients_accumulate_into_fp32_main_grad_exactly_on_cuda():
     eager = Block(256).to("cuda", torch.bfloat16)
     module = copy.deepcopy(eager)
     ddp_eager = _Megatron(eager, overlap_grad_reduce=True)
-    ddp_graphed = _Megatron(module, overlap_grad_reduce=True)
+    # The accumulator hooks come after graphing: held accumulator nodes made on the default
+    # stream break a capture (test_cuda_faults.py), as they do torch's own.
+    ddp_graphed = _Megatron(module, overlap_grad_reduce=True, hooks=False)
     sample = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     graphed = leangraph.make_graphed_callables(module, (sample,), fuse_grad_accumulation=True)
+    ddp_graphed.register_hooks()
     for _ in range(2):
         for _ in range(4):
             x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)

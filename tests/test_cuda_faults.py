@@ -292,3 +292,24 @@ def test_r7_device_mismatch_on_cuda():
     with pytest.raises(ValueError, match=r"input 0 must stay on cpu, got cuda:0"):
         on_cpu(_sample())
     leangraph.reset_all((graphed, on_cpu))
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_capture_broken_by_a_held_default_stream_accumulator_explains_and_recovers(fuse):
+    """An accumulator node made on the default stream and still held (DDP keeps them) makes
+    torch sync that stream with the capture, which CUDA refuses: the error says what to do,
+    and the failed capture leaves the CUDA generators usable (random ops and later captures
+    work; torch leaves them in capture mode when capture_end fails)."""
+    torch.manual_seed(0)
+    module = Block(64).cuda()
+    held = [p.expand_as(p).grad_fn.next_functions[0][0] for p in module.parameters()]
+    sample = torch.randn(8, 64, device="cuda", requires_grad=True)
+    with pytest.raises(Exception) as info:
+        leangraph.make_graphed_callables(module, (sample,), fuse_grad_accumulation=fuse)
+    assert "gradient accumulator was made on the default stream" in notes(info.value)
+    del held
+    torch.rand(4, device="cuda")  # the generator left capture mode
+    dropping = torch.nn.Sequential(Block(64), torch.nn.Dropout(0.1)).cuda()
+    graphed = leangraph.make_graphed_callables(dropping, (sample,))
+    graphed(torch.randn(8, 64, device="cuda")).sum().backward()
+    assert all(p.grad is not None for p in dropping.parameters())

@@ -104,15 +104,22 @@ class _Megatron:
     parameter's accumulator node that adds ``.grad`` into ``main_grad`` unless the flag is
     set, clears ``.grad`` and (with ``overlap_grad_reduce``) requires one to be there."""
 
-    def __init__(self, module: torch.nn.Module, overlap_grad_reduce: bool) -> None:
+    def __init__(self, module: torch.nn.Module, overlap_grad_reduce: bool,
+                 hooks: bool = True) -> None:
         self.params = list(module.parameters())
         self.ready: list[int] = []
-        self._nodes = []
-        for index, p in enumerate(self.params):
+        self._overlap = overlap_grad_reduce
+        self._nodes: list = []
+        for p in self.params:
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             p.grad_added_to_main_grad = False
+        if hooks:
+            self.register_hooks()
+
+    def register_hooks(self) -> None:
+        for index, p in enumerate(self.params):
             node = p.expand_as(p).grad_fn.next_functions[0][0]
-            node.register_hook(self._hook(index, p, overlap_grad_reduce))
+            node.register_hook(self._hook(index, p, self._overlap))
             self._nodes.append(node)  # Megatron keeps them too: the hooks live on the node
 
     def _hook(self, index, p, overlap_grad_reduce):

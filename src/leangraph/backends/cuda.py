@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -104,8 +105,9 @@ class CudaBackend:
                 graph.capture_begin(pool=self.pool)
                 try:
                     result = body()
-                except BaseException:
+                except BaseException as exc:
                     _abandon_capture(graph)
+                    _explain(exc)
                     raise
                 graph.capture_end()
         finally:
@@ -135,9 +137,36 @@ def _abandon_capture(graph: torch.cuda.CUDAGraph) -> None:
     """End a capture whose body failed, so the stream leaves capture mode."""
     # The capture is invalid by now and the body's exception is the one to report;
     # torch.AcceleratorError is not always a RuntimeError, hence Exception.
-    with contextlib.suppress(Exception):
+    try:
         graph.capture_end()
+    except Exception:
+        # torch takes the CUDA generators out of capture mode only when capture_end
+        # succeeds; left in it, every later random op raises "Offset increment outside graph
+        # capture". An empty capture on this stream runs their prologue and epilogue again.
+        graph.reset()
+        with contextlib.suppress(Exception), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "the CUDA graph is empty"
+            settle = torch.cuda.CUDAGraph()
+            settle.capture_begin()
+            settle.capture_end()
+            settle.reset()
+        return
     graph.reset()
+
+
+_STALE_ACCUMULATOR = "legacy stream depend on a capturing"
+
+
+def _explain(exc: BaseException) -> None:
+    """Add what to do to a capture failure whose cause leangraph can tell."""
+    if _STALE_ACCUMULATOR in str(exc):
+        exc.add_note(
+            "leangraph: a parameter's gradient accumulator was made on the default stream "
+            "before capture and is still held (by DistributedDataParallel, a hook registered "
+            "on it, or a live autograd graph); torch then syncs that stream with the capture. "
+            "Wrap the model in DDP, or register accumulator hooks, after graphing it, or do so "
+            "under a side stream (torch's CUDA-graph notes on DDP)"
+        )
 
 
 class CudaGraphPair:
