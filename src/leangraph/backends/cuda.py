@@ -159,8 +159,9 @@ _STALE_ACCUMULATOR = "legacy stream depend on a capturing"
 
 def _explain(exc: BaseException) -> None:
     """Add what to do to a capture failure whose cause leangraph can tell."""
-    if _STALE_ACCUMULATOR in str(exc):
-        exc.add_note(
+    add_note = getattr(exc, "add_note", None)  # Python >= 3.11
+    if add_note is not None and _STALE_ACCUMULATOR in str(exc):
+        add_note(
             "leangraph: a parameter's gradient accumulator was made on the default stream "
             "before capture and is still held (by DistributedDataParallel, a hook registered "
             "on it, or a live autograd graph); torch then syncs that stream with the capture. "
