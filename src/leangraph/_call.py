@@ -10,6 +10,7 @@ modules); :class:`CaptureOptions` holds the options of ``make_graphed_callables`
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -255,6 +256,16 @@ def check_capturable(call: Call, already_graphed: Callable[[Any], bool]) -> None
         _check_distinct_modules(call.callables)
 
 
+def _fsdp_module_class() -> type | None:
+    """FSDP2's module class (``fully_shard`` turns modules into subclasses of it), if its
+    module is imported: a module was sharded only if it is."""
+    for path in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        found = getattr(sys.modules.get(path), "FSDPModule", None)
+        if isinstance(found, type):
+            return found
+    return None
+
+
 def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[Any], bool]) -> None:
     if already_graphed(fn):
         raise ValueError(
@@ -270,10 +281,18 @@ def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[An
             f"({', '.join(f'_global{kind}' for kind in global_hooks)}); graphs cannot replay "
             "them; remove them (torch.nn.modules.module.register_module_*_hook) before capture"
         )
+    fsdp = _fsdp_module_class()
     for name, module in fn.named_modules():
+        where = f"submodule {name!r}" if name else "the module"
+        if fsdp is not None and isinstance(module, fsdp):
+            raise ValueError(
+                f"callables[{index}] ({type(fn).__name__}): {where} is sharded by FSDP2's "
+                "fully_shard, whose hooks all-gather and free its parameters around every "
+                "forward and backward; graphs cannot replay them, and FSDP2 does not compose "
+                "with graphed layers (docs/composition.md)"
+            )
         hooks = [kind for kind in _MODULE_HOOKS if getattr(module, kind, None)]
         if hooks:
-            where = f"submodule {name!r}" if name else "the module"
             raise ValueError(
                 f"callables[{index}] ({type(fn).__name__}): {where} has {', '.join(hooks)}, "
                 "which graphs cannot replay; remove them before capture"

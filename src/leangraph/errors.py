@@ -48,4 +48,14 @@ def phase_note(phase: str, label: str, position: str) -> Iterator[None]:
         add_note = getattr(exc, "add_note", None)  # Python >= 3.11
         if add_note is not None:
             add_note(f"leangraph: raised during {phase} of {label}, at {position}")
+            if "CUDAGeneratorImpl" in str(exc):
+                add_note(_GENERATOR_HINT)
         raise
+
+
+_GENERATOR_HINT = (
+    "leangraph: CUDA refuses to read or set the CUDA generator while a graph captures; "
+    "torch.utils.checkpoint does both (preserve_rng_state=True, its default). Checkpoint "
+    "around the graphed callable instead, or pass preserve_rng_state=False where the "
+    "checkpointed code draws no random numbers (docs/composition.md)"
+)

@@ -252,9 +252,31 @@ def _measure(
         output_leaves, output_tree = pytree.tree_flatten(returned)
         template = output_template(label, output_leaves)
         outputs = [t for t in output_leaves if isinstance(t, torch.Tensor)]
+        _refuse_reentrant_checkpoint(label, outputs)
         memory = _layer_memory(inputs, params, buffers, outputs, saved_tensors)
     named = fn.named_parameters() if isinstance(fn, torch.nn.Module) else ()
     return GraphFacts(memory, output_tree, template, tuple(p.requires_grad for _, p in named))
+
+
+def _refuse_reentrant_checkpoint(label: str, outputs: Sequence[torch.Tensor]) -> None:
+    """Refuse ``torch.utils.checkpoint(..., use_reentrant=True)`` inside the callable: its
+    backward raises under ``torch.autograd.grad``, which warm-up and capture differentiate
+    with, so say so before any warm-up rather than let torch's message surface from there."""
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.name().startswith("CheckpointFunctionBackward"):
+            raise ValueError(
+                f"{label} runs torch.utils.checkpoint with use_reentrant=True, whose backward "
+                "refuses torch.autograd.grad (which leangraph's warm-up and capture use); "
+                "expected use_reentrant=False inside a graphed callable, or the checkpoint "
+                "around it (docs/composition.md)"
+            )
+        stack.extend(n for n, _ in node.next_functions if n is not None)
 
 
 def output_template(label: str, leaves: Sequence[Any]) -> LeafTemplate:

@@ -108,6 +108,7 @@ class _Call:
     list_fills: tuple[_ListFill, ...]
     layout: int
     out: tuple[int | None, ...]
+    collective: bool = False
 
     def run(self, env: Env) -> None:
         args: list[Any] = list(self.args)
@@ -127,6 +128,8 @@ class _Call:
                 else:
                     kwargs[where] = items
         result = self.func(*args, **kwargs)
+        if self.collective:
+            _wait(result)
         if self.layout == _SINGLE:
             target = self.out[0]
             if target is not None:
@@ -136,6 +139,16 @@ class _Call:
         for target, value in zip(self.out, values):
             if target is not None:
                 env[target] = value
+
+
+def _wait(result: Any) -> None:
+    """Wait for the work a collective returned: at capture the callable's Python waited
+    (``dist.all_reduce`` does, or a later ``work.wait()``), which a replay does not run; a
+    replay waits at once, so what it reads next is the collective's result, as on a CUDA
+    stream that orders the collective's kernels before the next ones."""
+    for value in pytree.tree_leaves(result):
+        if isinstance(value, torch.ScriptObject) and hasattr(value, "wait"):
+            value.wait()
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +234,14 @@ class _Binding:
         self.internal: list[tuple[torch.Tensor, int]] = []
         self.external: set[StorageWeakRef] = set()
 
-    def call(self, func: torch._ops.OpOverload, layout: int, out: tuple[int | None, ...]) -> _Call:
+    def call(
+        self,
+        func: torch._ops.OpOverload,
+        layout: int,
+        out: tuple[int | None, ...],
+        *,
+        collective: bool,
+    ) -> _Call:
         return _Call(
             func,
             tuple(self.args),
@@ -231,6 +251,7 @@ class _Binding:
             tuple(self.lists),
             layout,
             out,
+            collective,
         )
 
 
@@ -242,6 +263,7 @@ class _OpFacts:
     mutable: bool
     inplace_view: bool
     random: bool
+    collective: bool
 
 
 @functools.cache
@@ -252,6 +274,9 @@ def _facts(func: torch._ops.OpOverload) -> _OpFacts:
         mutable=func._schema.is_mutable,
         inplace_view=torch.Tag.inplace_view in tags,
         random=torch.Tag.nondeterministic_seeded in tags,
+        # torch.distributed's collectives (c10d's in-place ones return their tensors and a
+        # Work to wait on; the functional ones wait in a wait_tensor call of their own).
+        collective=func.namespace in ("c10d", "_c10d_functional"),
     )
 
 
@@ -297,7 +322,8 @@ class _Builder:
                 "recomputing its forward)",
                 "a replay draws on from the generator as it is then and cannot repeat that "
                 "reset; CUDA refuses to seed or restore a generator during capture too. Seed "
-                "before the capture; checkpoint with preserve_rng_state=False",
+                "before the capture; checkpoint around the graphed callable, not inside it "
+                "(preserve_rng_state=False would recompute other dropout masks)",
             )
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Binding:
@@ -402,9 +428,10 @@ class _Builder:
             # CUDA graph keeps the addresses; internal tensors need it redone.
             wanted = bool(binding.internal)
         else:
-            wanted = facts.mutable or any(slot is not None for slot in out)
+            # A collective talks to other ranks, whose replays run it too: always replayed.
+            wanted = facts.mutable or facts.collective or any(slot is not None for slot in out)
         if wanted:
-            self._steps.append(binding.call(func, layout, out))
+            self._steps.append(binding.call(func, layout, out, collective=facts.collective))
 
     def _follow_mutations(
         self, func: torch._ops.OpOverload, internal: Sequence[tuple[torch.Tensor, int]]

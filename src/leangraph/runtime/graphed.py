@@ -88,6 +88,7 @@ class GraphedCallable:
         )
         self._weight = WeightStep(record, self._fused) if record.split_backward else None
         self._autograd_params = _params_for_autograd(record)
+        self._param_slots = _parameter_slots(record)
         self._debug_outputs = debug_outputs
         self._guard: OutputGuard | None = None
         self._forward_generation = 0
@@ -141,6 +142,7 @@ class GraphedCallable:
                 eager = binding.eager_forward()
                 if eager is not None:
                     return eager(*args, **kwargs)
+            _check_parameters(self._label, self._param_slots)
         record = self._require_ready("call")
         leaves = self._signature.bind(args, kwargs)
         self._check_frozen_params()
@@ -352,6 +354,40 @@ def _params_for_autograd(record: GraphRecord) -> tuple[torch.Tensor, ...]:
         return ()
     device = record.static_outputs[0].device
     return (torch.empty(0, device=device, requires_grad=True),)
+
+
+_Slot = tuple[weakref.ref[torch.nn.Module], str, str, torch.nn.Parameter]
+
+
+def _parameter_slots(record: GraphRecord) -> tuple[_Slot, ...]:
+    """Where a graphed module's captured parameters are registered: (owning module, name,
+    parameter), so a replay can see that they are still the module's."""
+    module = record.module.module() if record.module is not None else None
+    if module is None:
+        return ()
+    slots = []
+    for name, param in zip(record.param_names, record.params):
+        path, _, local = name.rpartition(".")
+        owner = module.get_submodule(path) if path else module
+        slots.append((weakref.ref(owner), local, name, param))
+    return tuple(slots)
+
+
+def _check_parameters(label: str, slots: Sequence[_Slot]) -> None:
+    """Refuse a replay of a module whose parameters were replaced after capture (FSDP2's
+    ``fully_shard`` swaps in sharded and all-gathered ones): the graph reads and trains the
+    captured tensors only, so the module's new parameters would silently get no gradient."""
+    for owner_ref, local, name, param in slots:
+        owner = owner_ref()
+        current = None if owner is None else owner._parameters.get(local)
+        if owner is not None and current is not param:
+            raise RuntimeError(
+                f"{label} parameter {name!r} must be the tensor it was captured with, got "
+                f"another {type(current).__name__}: the graph reads and trains the captured "
+                "one, so the new one would get no gradient. Replace parameters before "
+                "capture; FSDP2's fully_shard swaps them at every forward and does not "
+                "compose with a graphed module (docs/composition.md)"
+            )
 
 
 def _inputs_to_copy(
