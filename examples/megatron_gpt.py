@@ -39,7 +39,7 @@ from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from leangraph.integrations import megatron as leangraph_megatron
+from leangraph.integrations.megatron import install
 from leangraph.integrations.megatron_cpu import cpu_shim
 
 SEQ, BATCH, VOCAB, HIDDEN = 8, 2, 64, 16  # BATCH: sequences per microbatch
@@ -183,7 +183,7 @@ def train(setup: Setup, *, graphed: bool) -> list[dict[str, list[Any]]]:
     config, chunks = build_model(setup, graphed=graphed)
     if not graphed:
         return train_steps(setup, config, chunks)
-    with leangraph_megatron.install():
+    with install():
         helper = TECudaGraphHelper(chunks, config, SEQ, BATCH)
         helper.create_cudagraphs()  # leangraph captures, in Megatron's pipeline order
         try:
