@@ -19,8 +19,6 @@ import argparse
 import importlib.util
 import json
 import os
-import socket
-import subprocess
 import sys
 import traceback
 from dataclasses import asdict
@@ -34,6 +32,7 @@ from torch import nn
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (extra 'megatron')")
 
 import leangraph  # noqa: E402
+from helpers import free_port, rank_reports  # noqa: E402
 from leangraph.integrations import megatron as lgm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,38 +178,14 @@ def _no_shim() -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _launch(world: int, device: str, out: Path) -> list[dict[str, Any]]:
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(rank), "--world",
-                               str(world), "--port", str(port), "--out", str(out), "--device",
-                               device], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-             for rank in range(world)]
-    logs = []
-    for proc in procs:
-        try:
-            logs.append(proc.communicate(timeout=TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"the {world} worker(s) did not finish in {TIMEOUT_S} s")
-    reports = []
-    for rank, proc in enumerate(procs):
-        path = out / f"rank{rank}.json"
-        report = json.loads(path.read_text()) if path.exists() else {}
-        if proc.returncode != 0 or "error" in report:
-            pytest.fail(f"rank {rank} failed (exit {proc.returncode}):\n"
-                        f"{report.get('error', '')}\n{logs[rank][-4000:]}")
-        reports.append(report)
-    return reports
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    commands = [[sys.executable, __file__, "--rank", str(rank), "--world", str(world), "--port",
+                 str(port), "--out", str(out), "--device", device] for rank in range(world)]
+    return rank_reports(commands, out, env=env, cwd=ROOT, timeout=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
