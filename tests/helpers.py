@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import socket
+import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -94,3 +99,37 @@ def build_stage(callables, sample_args, *, order=None, num_layers_per_chunk=None
     built = build_graphs(call, facts, buffer_plan, backend or CpuBackend(), options,
                          hooks=normalize_hooks(None, call.callables), progress=None)
     return call, built
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface (for a process group's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rank_reports(commands: Sequence[Sequence[str]], out: Path, *, env: Mapping[str, str],
+                 cwd: Path, timeout: float) -> list[dict[str, Any]]:
+    """Run one worker process per rank; each writes ``out/rank<r>.json``. Their reports, or a
+    test failure naming the rank that failed (its ``"error"``, exit status and log tail) or the
+    timeout."""
+    procs = [subprocess.Popen(list(command), env=dict(env), cwd=cwd, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for command in commands]
+    logs = []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"the {len(procs)} rank(s) did not finish in {timeout} s (a hang in a "
+                        "step)")
+    reports = []
+    for rank, proc in enumerate(procs):
+        path = out / f"rank{rank}.json"
+        report = json.loads(path.read_text()) if path.exists() else {}
+        if proc.returncode != 0 or "error" in report:
+            pytest.fail(f"rank {rank} failed (exit {proc.returncode}):\n"
+                        f"{report.get('error', '')}\n{logs[rank][-4000:]}")
+        reports.append(report)
+    return reports

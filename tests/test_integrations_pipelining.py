@@ -20,8 +20,6 @@ import copy
 import importlib.util
 import json
 import os
-import socket
-import subprocess
 import sys
 import traceback
 from collections.abc import Iterator
@@ -42,6 +40,7 @@ from leangraph.integrations.pipelining import (
     graph_pipeline_stages,
     stage_placement,
 )
+from helpers import free_port, rank_reports
 from models import Block
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -261,12 +260,6 @@ def check_case(case: Case, results: list[dict[str, Any]]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _worker(rank: int, port: int, out: Path) -> None:
     """Run every case on ``rank`` of two; write what each reported to ``out/rank<r>.json``."""
     torch.set_num_threads(1)
@@ -318,31 +311,13 @@ def _example(rank: int) -> bool:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Both ranks' reports (the workers run once for the whole module)."""
     out = tmp_path_factory.mktemp("pipelining")
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"),
                                            os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(rank), "--port",
-                               str(port), "--out", str(out)], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    logs = []
-    for proc in procs:
-        try:
-            logs.append(proc.communicate(timeout=TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"the two ranks did not finish in {TIMEOUT_S} s (a hang in a step)")
-    reports = []
-    for rank, proc in enumerate(procs):
-        path = out / f"rank{rank}.json"
-        report = json.loads(path.read_text()) if path.exists() else {}
-        if proc.returncode != 0 or "error" in report:
-            pytest.fail(f"rank {rank} failed (exit {proc.returncode}):\n"
-                        f"{report.get('error', '')}\n{logs[rank][-4000:]}")
-        reports.append(report)
-    return reports
+    commands = [[sys.executable, __file__, "--rank", str(rank), "--port", str(port), "--out",
+                 str(out)] for rank in (0, 1)]
+    return rank_reports(commands, out, env=env, cwd=ROOT, timeout=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", [_present(case) for case in CASES])

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CLI = ROOT / "src" / "leangraph" / "cli"
 PUBLIC_CORE = {"leangraph", "leangraph.order", "leangraph.schedules", "leangraph.progress",
                "leangraph.report", "leangraph.memory", "leangraph.integrations.pipelining",
-               "leangraph.integrations.transformers"}
+               "leangraph.integrations.transformers", "leangraph.integrations.megatron",
+               "leangraph.integrations.megatron_cpu"}
 EXAMPLE_EXTRAS: set[str] = set()
 
 TOOL_FILES = sorted(CLI.glob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py"))

@@ -1,0 +1,368 @@
+"""Tests of leangraph.integrations.megatron: leangraph behind Megatron-core's CUDA-graph path.
+
+A tiny GPT (Megatron's local layer spec, bf16, Megatron's DDP with ``main_grad``) is built by
+``examples/megatron_gpt.py`` and trained through Megatron's own schedule
+(``get_forward_backward_func``) eagerly and with the graphs Megatron's ``TECudaGraphHelper``
+captures through the adapter; losses, ``main_grad`` and parameters must be bitwise equal over
+three optimizer steps. Megatron's parallel state is process-global, so every training run
+happens in worker processes (this file run as a script): one for PP=1, two over gloo for
+PP=2 (with and without VP=2), one on a GPU for the ``cuda`` test. CPU runs use
+``leangraph.integrations.megatron_cpu.cpu_shim()``. The adapter's own checks run in this
+process on small modules (the CPU reference backend).
+
+Skipped where megatron-core is not installed (``pip install -e ".[megatron]"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (extra 'megatron')")
+
+import leangraph  # noqa: E402
+from helpers import free_port, rank_reports  # noqa: E402
+from leangraph.integrations import megatron as lgm  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "megatron_gpt.py"
+TIMEOUT_S = 400
+
+
+def _example() -> Any:
+    """examples/megatron_gpt.py as a module (loaded once per process)."""
+    name = "megatron_gpt_example"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLE)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # its dataclass looks itself up there
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side: training runs inside a process group
+# --------------------------------------------------------------------------------------------
+
+# name -> (world size, Setup keyword arguments)
+CASES = {
+    "pp1": (1, {"pp": 1, "microbatches": 2}),
+    "pp1-overlap-grad-reduce": (1, {"pp": 1, "microbatches": 2, "overlap_grad_reduce": True}),
+    "pp2": (2, {"pp": 2, "microbatches": 4}),
+    "pp2-vp2": (2, {"pp": 2, "vp": 2, "microbatches": 4}),
+}
+
+
+def _graphed_run(example: Any, setup: Any) -> tuple[list[dict], dict[str, Any]]:
+    """Train with Megatron's helper capturing through the adapter; what it captured."""
+    from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+    config, chunks = example.build_model(setup, graphed=True)
+    with lgm.install():
+        helper = TECudaGraphHelper(chunks, config, example.SEQ, example.BATCH)
+        helper.create_cudagraphs()
+        layers = [layer for chunk in helper.callables_per_chunk for layer in chunk]
+        graphs = [graph for layer in layers for graph in layer.cuda_graphs]
+        history = example.train_steps(setup, config, chunks)
+        helper.delete_cuda_graphs()
+    facts = {
+        "layers": len(layers),
+        "graphs": len(graphs),
+        "kinds": sorted({type(graph).__name__ for graph in graphs}),
+        "all_reset": all(graph.graphed.is_reset for graph in graphs),
+        "uninstalled": not lgm.installed(),
+    }
+    return history, facts
+
+
+def _compare(eager: list[dict], graphed: list[dict]) -> tuple[dict[str, int], list[str]]:
+    counts = {"losses": 0, "grads": 0, "params": 0}
+    mismatches = []
+    for step, (e, g) in enumerate(zip(eager, graphed)):
+        for kind in counts:
+            if len(e[kind]) != len(g[kind]):
+                mismatches.append(f"step {step}: {kind} counts differ")
+            for index, (a, b) in enumerate(zip(e[kind], g[kind])):
+                counts[kind] += 1
+                if not torch.equal(a, b):
+                    diff = (a.double() - b.double()).abs().max().item()
+                    mismatches.append(f"step {step}: {kind}[{index}] differs by {diff:.3g}")
+    return counts, mismatches
+
+
+def _reset_error(example: Any, setup: Any) -> str:
+    """Reset one graph, then train: the replay must raise GraphResetError."""
+    from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+    config, chunks = example.build_model(setup, graphed=True)
+    with lgm.install():
+        helper = TECudaGraphHelper(chunks, config, example.SEQ, example.BATCH)
+        helper.create_cudagraphs()
+        helper.callables_per_chunk[0][0].cuda_graphs[0].reset()
+        try:
+            example.train_steps(setup, config, chunks)
+        except leangraph.GraphResetError as exc:
+            return f"GraphResetError: {exc}"
+        finally:
+            helper.delete_cuda_graphs()
+    return "no error"
+
+
+def run_case(name: str, device: str) -> dict[str, Any]:
+    example = _example()
+    setup = example.Setup(**CASES[name][1], device=device)
+    eager = example.train(setup, graphed=False)
+    graphed, facts = _graphed_run(example, setup)
+    counts, mismatches = _compare(eager, graphed)
+    return {"counts": counts, "mismatches": mismatches, **facts, "setup": asdict(setup)}
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    from leangraph.integrations.megatron_cpu import cpu_shim
+
+    torch.set_num_threads(1)
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group(
+        "nccl" if args.device == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=args.rank,
+        world_size=args.world,
+    )
+    example = _example()
+    results: dict[str, Any] = {}
+    out = Path(args.out) / f"rank{args.rank}.json"
+    try:
+        shim = cpu_shim() if args.device == "cpu" else _no_shim()
+        with shim:
+            for name, (world, kwargs) in CASES.items():
+                if world != args.world or (args.device == "cuda" and name != "pp1"):
+                    continue
+                example.initialize(example.Setup(**kwargs), args.rank, args.world)
+                results[name] = run_case(name, args.device)
+                if name == "pp1" and args.device == "cpu":
+                    results["reset"] = _reset_error(example, example.Setup(**kwargs))
+                if name in ("pp1", "pp2-vp2") and args.device == "cpu":
+                    results[f"example-{name}"] = bool(example.run(example.Setup(**kwargs)))
+                example.finalize()
+    except BaseException:
+        results["error"] = traceback.format_exc()
+        out.write_text(json.dumps(results))
+        os._exit(1)  # a peer may wait on this rank forever
+    out.write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _no_shim() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------------------------
+# Test side
+# --------------------------------------------------------------------------------------------
+
+
+def _launch(world: int, device: str, out: Path) -> list[dict[str, Any]]:
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    commands = [[sys.executable, __file__, "--rank", str(rank), "--world", str(world), "--port",
+                 str(port), "--out", str(out), "--device", device] for rank in range(world)]
+    return rank_reports(commands, out, env=env, cwd=ROOT, timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _launch(1, "cpu", tmp_path_factory.mktemp("megatron1"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _launch(2, "cpu", tmp_path_factory.mktemp("megatron2"))
+
+
+def check_case(name: str, reports: list[dict[str, Any]]) -> None:
+    """Every rank trained bitwise like eager, through graphs the adapter made."""
+    world, kwargs = CASES[name]
+    microbatches_captured = kwargs["microbatches"] if kwargs["pp"] > 1 else 1
+    losses = 0
+    for rank, report in enumerate(reports):
+        result = report[name]
+        assert result["mismatches"] == [], f"rank {rank}: {result['mismatches']}"
+        assert result["counts"]["params"] > 0 and result["counts"]["grads"] > 0, result
+        assert result["kinds"] == ["MegatronGraphedLayer"], result
+        assert result["graphs"] == result["layers"] * microbatches_captured > 0, result
+        assert result["all_reset"] and result["uninstalled"], result
+        losses += result["counts"]["losses"]
+    # Only the last stage reports losses: one per microbatch and step.
+    assert losses == 3 * kwargs["microbatches"], reports
+
+
+@pytest.mark.parametrize("name", [n for n, (world, _) in CASES.items() if world == 1])
+def test_pp1_trains_bitwise_like_eager(name: str, one_rank: list[dict[str, Any]]) -> None:
+    check_case(name, one_rank)
+
+
+@pytest.mark.parametrize("name", [n for n, (world, _) in CASES.items() if world == 2])
+def test_two_ranks_train_bitwise_like_eager(name: str, two_ranks: list[dict[str, Any]]) -> None:
+    check_case(name, two_ranks)
+
+
+def test_a_reset_graph_refuses_to_replay(one_rank: list[dict[str, Any]]) -> None:
+    assert one_rank[0]["reset"].startswith("GraphResetError"), one_rank[0]["reset"]
+
+
+def test_the_example_trains_bitwise_like_eager(one_rank, two_ranks) -> None:
+    assert one_rank[0]["example-pp1"] is True
+    assert [report["example-pp2-vp2"] for report in two_ranks] == [True, True]
+
+
+@pytest.mark.cuda
+def test_pp1_on_one_gpu_trains_bitwise_like_eager(tmp_path: Path) -> None:
+    check_case("pp1", _launch(1, "cuda", tmp_path))
+
+
+# --------------------------------------------------------------------------------------------
+# In this process: install, versions, the adapter's checks (small modules, CPU backend)
+# --------------------------------------------------------------------------------------------
+
+
+def test_install_patches_and_uninstall_restores() -> None:
+    from megatron.core.transformer import cuda_graphs, transformer_layer
+
+    before = (cuda_graphs.HAVE_TE_GRAPHS, cuda_graphs.is_te_min_version,
+              transformer_layer.TransformerLayer._get_te_cuda_graph_replay_args,
+              hasattr(cuda_graphs, "make_graphed_callables"))
+    patches = lgm.install()
+    try:
+        assert lgm.installed()
+        assert patches.names == tuple(patch.name for patch in lgm.PATCHES)
+        assert cuda_graphs.HAVE_TE_GRAPHS is True
+        assert cuda_graphs.is_te_min_version is lgm.te_min_version
+        with pytest.raises(RuntimeError, match="already installed"):
+            lgm.install()
+    finally:
+        patches.uninstall()
+    patches.uninstall()  # idempotent
+    assert not lgm.installed()
+    assert before == (cuda_graphs.HAVE_TE_GRAPHS, cuda_graphs.is_te_min_version,
+                      transformer_layer.TransformerLayer._get_te_cuda_graph_replay_args,
+                      hasattr(cuda_graphs, "make_graphed_callables"))
+
+
+def test_install_refuses_an_unsupported_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    import megatron.core
+
+    monkeypatch.setattr(megatron.core, "__version__", "0.15.2")
+    with pytest.raises(RuntimeError, match=r"supports megatron-core 0\.16\.x, got 0\.15\.2"):
+        lgm.install()
+    assert not lgm.installed()
+
+
+def test_install_refuses_options_it_sets() -> None:
+    with pytest.raises(ValueError, match="capture_options may not set order"):
+        lgm.install(capture_options={"order": [1, -1]})
+
+
+def test_te_min_version_answers_for_the_adapters_features() -> None:
+    for version in ("1.10.0", "2.6.0", "2.7.0", "2.7.0.dev0", "2.10.0"):
+        assert lgm.te_min_version(version), version
+    assert not lgm.te_min_version("2.11.0")
+    assert not lgm.te_min_version("2.10.0", check_equality=False)
+
+
+class Layer(nn.Module):
+    """A layer with Megatron's call shape: hidden states and keyword arguments."""
+
+    def __init__(self, params_dtype: torch.dtype = torch.float32, fp8: str | None = None):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.config = type("Config", (), {"params_dtype": params_dtype, "fp8": fp8})()
+
+    def forward(self, hidden_states, attention_mask=None, context=None):
+        out = self.linear(hidden_states)
+        return (out.masked_fill(attention_mask, 0.0) if attention_mask is not None else out,)
+
+
+def _capture(layer: nn.Module, **options: Any) -> Any:
+    hidden = torch.randn(2, 4, requires_grad=True)
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    return lgm.make_graphed_callables((layer,), ((hidden,),), sample_kwargs=[{"attention_mask":
+                                      mask}], _order=[1, -1], **options)[0]
+
+
+def test_graphed_layer_replays_with_megatrons_call_convention() -> None:
+    layer = Layer()
+    graphed = _capture(layer, allow_unused_input=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    mask = torch.tensor([[True, False, False, False]] * 2)
+    (out,) = graphed(x, attention_mask=mask, context=None, rotary_pos_emb=None,
+                     is_first_microbatch=True)
+    (expected,) = layer(x, attention_mask=mask)
+    assert torch.equal(out, expected)
+    out.sum().backward()
+    assert x.grad is not None and layer.linear.weight.grad is not None
+    assert graphed.graphed_set is graphed.graphed.graphed_set
+    graphed.reset()
+    with pytest.raises(leangraph.GraphResetError):
+        graphed(x, attention_mask=mask)
+
+
+def test_graphed_layer_refuses_a_tensor_it_did_not_capture() -> None:
+    graphed = _capture(Layer(), allow_unused_input=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="keyword argument 'context' was not captured"):
+        graphed(x, attention_mask=torch.zeros(2, 4, dtype=torch.bool), context=x)
+    graphed.reset()
+
+
+def test_fp8_is_refused_before_warm_up() -> None:
+    with pytest.raises(ValueError, match=r"config\.fp8='hybrid'; fp8/fp4 scaling state"):
+        _capture(Layer(fp8="hybrid"))
+    with pytest.raises(ValueError, match="fp8_enabled=True"):
+        _capture(Layer(), fp8_enabled=(True,))
+
+
+def test_hidden_states_of_another_dtype_than_the_layer_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"dtype torch\.float32 but the layer trains in "
+                                         r"torch\.bfloat16"):
+        _capture(Layer(params_dtype=torch.bfloat16))
+
+
+def test_backward_dw_runs_the_weight_step_of_a_split_order() -> None:
+    layer = Layer()
+    hidden = torch.randn(2, 4, requires_grad=True)
+    graphed = lgm.make_graphed_callables((layer,), ((hidden,),), _order=[1, -1, -1.5])[0]
+    x = torch.randn(2, 4, requires_grad=True)
+    graphed(x)[0].sum().backward()
+    assert x.grad is not None and layer.linear.weight.grad is None
+    graphed.backward_dw()
+    assert layer.linear.weight.grad is not None
+    graphed.reset()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cpu")
+    _worker(parser.parse_args())
