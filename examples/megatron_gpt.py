@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.models.gpt import GPTModel
@@ -70,6 +70,10 @@ def initialize(setup: Setup, rank: int, world: int) -> None:
     init_num_microbatches_calculator(
         rank, None, setup.microbatches * BATCH * (world // setup.pp), BATCH, world // setup.pp
     )
+    if setup.device == "cuda":
+        # Megatron's attention forks its CUDA generator tracker, which needs its seeds (on
+        # the CPU the shim stands in for the tracker).
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
 def finalize() -> None:
