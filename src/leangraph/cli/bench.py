@@ -34,7 +34,9 @@ blocks), :func:`graph_methods`, :func:`profile_steps`, :func:`count_launches`,
 from __future__ import annotations
 
 import copy
+import functools
 import gc
+import inspect
 import os
 import statistics
 import time
@@ -48,6 +50,7 @@ from typing import Any, cast
 import torch
 
 from leangraph import (
+    CaptureMemoryError,
     GraphedCallable,
     make_graphed_callables,
     memory_report,
@@ -63,7 +66,7 @@ from .local_pipeline import LayerLookup, run_order
 from .phases import PhaseProgress, steps_per_pass
 from .workloads import (
     BlockShape,
-    TransformerBlock,
+    Shape,
     hidden_batches,
     make_blocks,
     plural,
@@ -72,10 +75,12 @@ from .workloads import (
 
 __all__ = [
     "CUDA_METHODS",
+    "FUSED",
     "GRAPHED_METHODS",
     "GRAPH_LAUNCH_CALLS",
     "KERNEL_LAUNCH_CALLS",
     "LAUNCH_BOUND",
+    "LEANGRAPH_METHODS",
     "LIMIT",
     "METHODS",
     "BenchConfig",
@@ -92,28 +97,56 @@ __all__ = [
     "capture_whole_step",
     "count_launches",
     "format_table",
+    "fused_unavailable",
     "graph_methods",
     "launch_counts",
+    "method_unavailable",
     "plot_bars",
     "plot_timeline",
     "profile_steps",
     "run_bench",
+    "run_guarded",
     "self_device_us",
     "timeline_references",
 ]
 
 MIB = 1024 * 1024
 
-METHODS = ("eager", "torch", "leangraph", "whole-step")
+FUSED = "leangraph-fused"
+"""leangraph with in-graph gradient accumulation (``fuse_grad_accumulation=True``)."""
+METHODS = ("eager", "torch", "leangraph", FUSED, "whole-step")
 """Every method the bench knows, in the order it runs them."""
-GRAPHED_METHODS = ("torch", "leangraph", "whole-step")
+GRAPHED_METHODS = ("torch", "leangraph", FUSED, "whole-step")
 """The methods that capture graphs (and so have capture figures and timing rounds)."""
+LEANGRAPH_METHODS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {"leangraph": MappingProxyType({}), FUSED: MappingProxyType({"fuse_grad_accumulation": True})}
+)
+"""The methods that call ``leangraph.make_graphed_callables``, each with its options."""
 CUDA_METHODS: Mapping[str, str] = MappingProxyType(
     {"torch": "torch.cuda.make_graphed_callables", "whole-step": "torch.cuda.CUDAGraph"}
 )
 """The methods that need a CUDA device, each with the torch API that makes it so."""
 LIMIT = "whole-step"
 """The method every step time is compared with (``x limit``): the whole step as one graph."""
+
+
+def fused_unavailable() -> str | None:
+    """Why the leangraph-fused method cannot run with the installed leangraph, or None."""
+    if "fuse_grad_accumulation" in inspect.signature(make_graphed_callables).parameters:
+        return None
+    return (
+        "needs make_graphed_callables(fuse_grad_accumulation=True) (in-graph gradient "
+        "accumulation), which the installed leangraph does not take yet"
+    )
+
+
+def method_unavailable(name: str, device: str) -> str | None:
+    """Why method ``name`` cannot run on ``device`` here (one clause), or None when it can."""
+    if name in CUDA_METHODS and not device.startswith("cuda"):
+        return f"needs a CUDA device ({CUDA_METHODS[name]})"
+    if name == FUSED:
+        return fused_unavailable()
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,17 +158,21 @@ class BenchConfig:
     rank: int = 0
     num_microbatches: int = 16
     layers_per_chunk: int = 4
-    shape: BlockShape = field(
+    shape: Shape = field(
         default_factory=lambda: BlockShape(
             hidden=1024, heads=16, sequence=2048, dtype=torch.bfloat16
         )
     )
     steps: int = 5
     warmup_iters: int = 3
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = tuple(m for m in METHODS if m != FUSED)  # fused: opt-in
     device: str = "cuda"
     rounds: int = 0  # extra rounds timing the graphed methods in turn (see RoundTimes)
     launch_steps: int = 0  # steps profiled per method after all timing (0: no launch counts)
+    # The initial blocks every method copies from, kept in host memory instead of on the
+    # device (a workload whose weights are a good part of the GPU, as the presets').
+    initial_on_host: bool = False
+    preset: str | None = None  # the name of the preset this config is, for the record
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.methods if name not in METHODS]
@@ -143,8 +180,9 @@ class BenchConfig:
             raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
         cuda = self.device.startswith("cuda")
         for name in self.methods:
-            if name in CUDA_METHODS and not cuda:
-                raise ValueError(f"the {name} method needs a CUDA device ({CUDA_METHODS[name]})")
+            why = method_unavailable(name, self.device)
+            if why is not None:
+                raise ValueError(f"the {name} method {why}")
         if self.launch_steps < 0:
             raise ValueError(f"launch_steps must be at least 0, got {self.launch_steps}")
         if self.launch_steps and not cuda:
@@ -199,6 +237,11 @@ class MethodResult:
     start_allocated_bytes: int | None = None  # allocated at the start: the zero of the above
     losses: list[float] = field(default_factory=list)
     launches: LaunchCounts | None = None  # with BenchConfig.launch_steps
+    # Why the method has no figures (it ran out of memory), and the peak allocated when it
+    # did, above start_allocated_bytes: since the method started, or since leangraph last
+    # restarted the peak counter (it does so per phase).
+    failure: str | None = None
+    failure_peak_bytes: int | None = None
 
 
 @dataclass
@@ -229,6 +272,7 @@ class BenchResult:
     losses_agree: dict[str, bool]
     report: MemoryReport | None = None
     rounds: dict[str, RoundTimes] = field(default_factory=dict)
+    unavailable: dict[str, str] = field(default_factory=dict)  # method -> why it cannot run
 
     def to_json(self) -> dict[str, Any]:
         """Plain data (the memory report's timeline included) for ``json.dump``."""
@@ -252,6 +296,8 @@ class BenchResult:
             data["round_step_ratios_to_whole_step"] = {
                 n: self.limit_ratio(n, rounds=True) for n in self.rounds
             }
+        if self.unavailable:
+            data["unavailable"] = self.unavailable
         if self.report is not None:
             data["leangraph_timeline"] = [asdict(p) for p in self.report.timeline]
         return data
@@ -324,8 +370,9 @@ def _sync(device: str) -> None:
 class BenchWorkload:
     """Order, layout, data and the initial blocks every method starts from.
 
-    Every method graphs or runs a copy of ``blocks``, so all start from the same weights;
-    ``inputs`` and ``targets`` hold one tensor per microbatch (fixed seed).
+    Every method graphs or runs a copy of ``blocks`` (:meth:`copy_blocks`), so all start
+    from the same weights; ``blocks`` are on the host with ``config.initial_on_host``, else on
+    the device. ``inputs`` and ``targets`` hold one tensor per microbatch (fixed seed).
     """
 
     def __init__(self, config: BenchConfig) -> None:
@@ -335,11 +382,19 @@ class BenchWorkload:
         )
         self.layers_per_chunk = [config.layers_per_chunk] * config.vp_size
         self.layout = Layout(tuple(self.layers_per_chunk), config.num_microbatches)
-        self.blocks = make_blocks(self.layout.num_callables, config.shape, config.device)
+        made = make_blocks(self.layout.num_callables, config.shape, config.device)
+        self.blocks: list[torch.nn.Module] = (
+            [block.to("cpu") for block in made] if config.initial_on_host else list(made)
+        )
+        del made
         gen = torch.Generator().manual_seed(1)
         count = config.num_microbatches
         self.inputs = hidden_batches(config.shape, count, config.device, gen)
         self.targets = hidden_batches(config.shape, count, config.device, gen)
+
+    def copy_blocks(self) -> list[torch.nn.Module]:
+        """A copy of the initial blocks on the device, for one method to train."""
+        return [copy.deepcopy(block).to(self.config.device) for block in self.blocks]
 
     def sample(self) -> tuple[torch.Tensor]:
         """A fresh sample argument tuple of one graph (a random activation)."""
@@ -348,7 +403,7 @@ class BenchWorkload:
     def train_step(
         self,
         lookup: LayerLookup,
-        blocks: list[TransformerBlock],
+        blocks: list[torch.nn.Module],
         inputs: list[torch.Tensor] | None = None,
         targets: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
@@ -369,7 +424,7 @@ class BenchWorkload:
         )
         return result.losses
 
-    def step(self, lookup: LayerLookup, blocks: list[TransformerBlock]) -> list[float]:
+    def step(self, lookup: LayerLookup, blocks: list[torch.nn.Module]) -> list[float]:
         """One training step in the order (gradients of ``blocks`` zeroed first); the losses."""
         return [float(loss) for loss in self.train_step(lookup, blocks)]
 
@@ -396,7 +451,7 @@ class BenchWorkload:
             on_step(self.config.steps + 1)
         return losses, statistics.median(times)
 
-    def eager_lookup(self, blocks: list[TransformerBlock]) -> LayerLookup:
+    def eager_lookup(self, blocks: list[torch.nn.Module]) -> LayerLookup:
         """What to run per (chunk, microbatch, layer) eagerly: the layer's block itself."""
         return lambda c, m, l: blocks[self.layout.callable_index(c, l)]
 
@@ -413,7 +468,7 @@ class Captured:
     """
 
     work: BenchWorkload
-    blocks: list[TransformerBlock]
+    blocks: list[torch.nn.Module]
     lookup: LayerLookup | None = None
     graphed: tuple[GraphedCallable, ...] | None = None
     whole_step: WholeStepGraph | None = None
@@ -458,7 +513,7 @@ def _forward_positions(work: BenchWorkload) -> dict[tuple[int, int, int], int]:
 class _SharedParams(torch.nn.Module):
     """A distinct module per graph over one block's parameters (torch graphs modules once)."""
 
-    def __init__(self, block: TransformerBlock) -> None:
+    def __init__(self, block: torch.nn.Module) -> None:
         super().__init__()
         self.block = block
 
@@ -466,7 +521,7 @@ class _SharedParams(torch.nn.Module):
         return self.block(x)
 
 
-def capture_torch(work: BenchWorkload, blocks: list[TransformerBlock]) -> Captured:
+def capture_torch(work: BenchWorkload, blocks: list[torch.nn.Module]) -> Captured:
     """Graph ``blocks`` with ``torch.cuda.make_graphed_callables`` (CUDA only).
 
     One wrapper module per graph, listed in the schedule's forward order (torch's best case:
@@ -488,7 +543,7 @@ def capture_torch(work: BenchWorkload, blocks: list[TransformerBlock]) -> Captur
 
 def capture_leangraph(
     work: BenchWorkload,
-    blocks: list[TransformerBlock],
+    blocks: list[torch.nn.Module],
     *,
     progress: ProgressCallback | None = None,
     **options: Any,
@@ -529,7 +584,7 @@ class WholeStepGraph:
     :meth:`release`.
     """
 
-    def __init__(self, work: BenchWorkload, blocks: list[TransformerBlock]) -> None:
+    def __init__(self, work: BenchWorkload, blocks: list[torch.nn.Module]) -> None:
         self.work = work
         self.blocks = blocks
         self.inputs = [x.clone() for x in work.inputs]
@@ -594,7 +649,7 @@ class WholeStepGraph:
             block.zero_grad(set_to_none=True)
 
 
-def capture_whole_step(work: BenchWorkload, blocks: list[TransformerBlock]) -> Captured:
+def capture_whole_step(work: BenchWorkload, blocks: list[torch.nn.Module]) -> Captured:
     """Capture the whole training step over ``blocks`` as one graph (CUDA only); see
     :class:`WholeStepGraph`."""
     whole = WholeStepGraph(work, blocks)
@@ -605,29 +660,34 @@ def capture_whole_step(work: BenchWorkload, blocks: list[TransformerBlock]) -> C
 def capture_method(
     work: BenchWorkload,
     name: str,
-    blocks: list[TransformerBlock] | None = None,
+    blocks: list[torch.nn.Module] | None = None,
     *,
     progress: ProgressCallback | None = None,
     **options: Any,
 ) -> Captured:
     """Graph ``blocks`` (default: a fresh copy of the workload's initial blocks) with ``name``.
 
-    ``progress`` and ``options`` go to leangraph's ``make_graphed_callables``; torch and
-    whole-step take neither.
+    ``progress`` and ``options`` go to leangraph's ``make_graphed_callables`` (leangraph-fused
+    adds ``fuse_grad_accumulation=True``: :data:`LEANGRAPH_METHODS`); torch and whole-step
+    take neither.
 
     Raises:
-        ValueError: for a name outside :data:`GRAPHED_METHODS`, or options given to torch or
-            whole-step.
+        ValueError: for a name outside :data:`GRAPHED_METHODS`, options given to torch or
+            whole-step, or leangraph-fused where the installed leangraph lacks it.
     """
     if name not in GRAPHED_METHODS:
         raise ValueError(f"no graphed method {name!r}; choose from {', '.join(GRAPHED_METHODS)}")
-    if name != "leangraph" and (options or progress is not None):
+    if name not in LEANGRAPH_METHODS and (options or progress is not None):
         raise ValueError(f"the {name} method takes no options, got {sorted(options) or 'progress'}")
-    blocks = copy.deepcopy(work.blocks) if blocks is None else blocks
+    why = fused_unavailable() if name == FUSED else None
+    if why is not None:
+        raise ValueError(f"the {name} method {why}")
+    blocks = work.copy_blocks() if blocks is None else blocks
     if name == "torch":
         return capture_torch(work, blocks)
     if name == "whole-step":
         return capture_whole_step(work, blocks)
+    options = {**LEANGRAPH_METHODS[name], **options}
     return capture_leangraph(work, blocks, progress=progress, **options)
 
 
@@ -787,7 +847,7 @@ def _count_all_launches(
 def _method_launches(work: BenchWorkload, name: str, steps: int) -> LaunchCounts:
     """:func:`count_launches` of ``name`` on fresh blocks, after one untimed step."""
     if name == "eager":
-        blocks = copy.deepcopy(work.blocks)
+        blocks = work.copy_blocks()
         lookup = work.eager_lookup(blocks)
         work.step(lookup, blocks)
         return count_launches(lambda: work.step(lookup, blocks), steps)
@@ -801,7 +861,7 @@ def _method_launches(work: BenchWorkload, name: str, steps: int) -> LaunchCounts
 
 
 def _bench_eager(work: BenchWorkload, progress: PhaseProgress | None) -> MethodResult:
-    blocks = copy.deepcopy(work.blocks)
+    blocks = work.copy_blocks()
     on_step = _training_phase(progress, "eager: training", work.config, measured=1)
     meter = _Meter(work.config.device)
     lookup = work.eager_lookup(blocks)
@@ -838,7 +898,7 @@ def _announce_capture(work: BenchWorkload, name: str, progress: PhaseProgress | 
         progress.begin("whole-step: capture (one torch.cuda.CUDAGraph, warm-up included)")
     else:
         progress.expect_capture(
-            prefix="leangraph: ",
+            prefix=f"{name}: ",
             warmup_passes=work.config.warmup_iters,
             steps_per_pass=steps_per_pass(work.order, work.layers_per_chunk),
             memory_check=work.config.device.startswith("cuda"),
@@ -848,12 +908,12 @@ def _announce_capture(work: BenchWorkload, name: str, progress: PhaseProgress | 
 def _bench_graphed(
     work: BenchWorkload, name: str, progress: PhaseProgress | None
 ) -> tuple[MethodResult, MemoryReport | None]:
-    blocks = copy.deepcopy(work.blocks)
+    blocks = work.copy_blocks()
     _announce_capture(work, name, progress)
     meter = _Meter(work.config.device)
     start = time.perf_counter()
     captured = capture_method(
-        work, name, blocks, progress=progress if name == "leangraph" else None
+        work, name, blocks, progress=progress if name in LEANGRAPH_METHODS else None
     )
     _sync(work.config.device)
     result = MethodResult(
@@ -891,37 +951,123 @@ def run_bench(config: BenchConfig, progress: PhaseProgress | None = None) -> Ben
 
     ``progress`` hears of each phase (a method's capture, leangraph's memory check, warm-up
     passes and capture step by step, each method's training steps, the timing rounds).
+
+    A method that runs out of device memory (``torch.cuda.OutOfMemoryError``, or leangraph's
+    ``CaptureMemoryError`` before warm-up) is a result: its row says so, its memory is freed,
+    the next method runs, and it joins no timing round and no launch count.
     """
     work = BenchWorkload(config)
     methods: dict[str, MethodResult] = {}
     report: MemoryReport | None = None
     for name in config.methods:
-        if name == "eager":
-            methods[name] = _bench_eager(work, progress)
-        else:
-            methods[name], method_report = _bench_graphed(work, name, progress)
-            report = method_report or report
+        reports: list[MemoryReport] = []
+        bench = functools.partial(_bench_one, work, name, progress, reports)
+        methods[name] = run_guarded(name, config.device, bench)
+        if name == "leangraph" and reports:
+            report = reports[0]
         _sync(config.device)
     reference = methods["eager"].losses if "eager" in methods else []
     agree = {
         name: _agree(reference, m.losses, config.shape.dtype)
         for name, m in methods.items()
-        if name != "eager" and reference
+        if name != "eager" and reference and m.failure is None
     }
     settings = asdict(config)
-    settings["shape"] = {**asdict(config.shape), "dtype": str(config.shape.dtype)}
-    rounds = _run_rounds(work, progress) if config.rounds else {}
+    settings["shape"] = {
+        "block": type(config.shape).__name__,
+        **asdict(config.shape),
+        "dtype": str(config.shape.dtype),
+    }
+    ran = tuple(name for name, m in methods.items() if m.failure is None)
+    rounds = _run_rounds(work, progress, ran) if config.rounds else {}
     if config.launch_steps:
-        _count_all_launches(work, methods, progress)
-    return BenchResult(settings, methods, agree, report=report, rounds=rounds)
+        _count_all_launches(work, {n: m for n, m in methods.items() if n in ran}, progress)
+    unavailable = {
+        name: why
+        for name in METHODS
+        if name not in config.methods and (why := method_unavailable(name, config.device))
+    }
+    return BenchResult(
+        settings, methods, agree, report=report, rounds=rounds, unavailable=unavailable
+    )
 
 
-def _run_rounds(work: BenchWorkload, progress: PhaseProgress | None) -> dict[str, RoundTimes]:
-    """``config.rounds`` rounds of capture plus timed steps per graphed method; see
+def _bench_one(
+    work: BenchWorkload, name: str, progress: PhaseProgress | None, reports: list[MemoryReport]
+) -> MethodResult:
+    """Method ``name``'s figures; a leangraph method's memory report goes to ``reports``."""
+    if name == "eager":
+        return _bench_eager(work, progress)
+    result, report = _bench_graphed(work, name, progress)
+    if report is not None:
+        reports.append(report)
+    return result
+
+
+def _memory_failure(exc: BaseException) -> BaseException | None:
+    """The out-of-memory error in ``exc``'s chain (itself, its cause or context), or None.
+
+    A CUDA graph capture that runs out of memory may end in another error raised on the way
+    out (``capture_end`` of the abandoned capture), with the out-of-memory one as its context.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (torch.cuda.OutOfMemoryError, CaptureMemoryError)):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _describe_failure(exc: BaseException) -> str | None:
+    """``out of memory: <type>: <first line>`` for a memory failure in ``exc``, else None."""
+    cause = _memory_failure(exc)
+    if cause is None:
+        return None
+    lines = str(cause).strip().splitlines()
+    return f"out of memory: {type(cause).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def run_guarded(name: str, device: str, run: Callable[[], MethodResult]) -> MethodResult:
+    """``run()``, or, when it runs out of device memory, a result that says so.
+
+    The out-of-memory error (:func:`torch.cuda.OutOfMemoryError` anywhere in the chain of what
+    ``run`` raised, or leangraph's ``CaptureMemoryError``) becomes ``MethodResult.failure``, with
+    the peak allocated until then in ``failure_peak_bytes``; the error and its traceback, which
+    hold the method's tensors and graphs, are dropped, and the memory is collected and the
+    cache emptied, so that the next method starts from where this one did. Any other error
+    propagates.
+    """
+    cuda = device.startswith("cuda")
+    start = None
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+    try:
+        return run()
+    except Exception as exc:
+        failure = _describe_failure(exc)
+        if failure is None:
+            raise
+    # Out of the except clause: the error, its traceback and their frames are gone.
+    peak = torch.cuda.max_memory_allocated() - start if start is not None else None
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return MethodResult(name, failure=failure, failure_peak_bytes=peak, start_allocated_bytes=start)
+
+
+def _run_rounds(
+    work: BenchWorkload, progress: PhaseProgress | None, ran: tuple[str, ...]
+) -> dict[str, RoundTimes]:
+    """``config.rounds`` rounds of capture plus timed steps per graphed method of ``ran``; see
     :class:`RoundTimes`. Progress names each round's captures but does not count their steps:
     those captures are timed."""
     config = work.config
-    names = [name for name in config.methods if name in GRAPHED_METHODS]
+    names = [name for name in ran if name in GRAPHED_METHODS]
     times = {name: RoundTimes() for name in names}
     for round_index in range(config.rounds):
         first = round_index % len(names) if names else 0
@@ -929,7 +1075,7 @@ def _run_rounds(work: BenchWorkload, progress: PhaseProgress | None) -> dict[str
             where = f"timing round {round_index + 1} of {config.rounds}: {name}"
             if progress is not None:
                 progress.begin(f"{where} capture")
-            blocks = copy.deepcopy(work.blocks)
+            blocks = work.copy_blocks()
             _Meter(config.device)  # collect, synchronise and empty the cache first
             start = time.perf_counter()
             captured = capture_method(work, name, blocks)
@@ -1035,15 +1181,29 @@ def _rounds_lines(result: BenchResult) -> list[str]:
     return lines
 
 
+def _failure_cell(m: MethodResult) -> str:
+    """A failed method's row after its name: why, and how far its memory got."""
+    text = m.failure or ""
+    if m.failure_peak_bytes is not None:
+        text += f" (peak {m.failure_peak_bytes / MIB:.0f} MiB above its start before that)"
+    return text
+
+
 def format_table(result: BenchResult) -> str:
     """The result as a fixed-width table: MiB and ratios to the eager step peak, times, step
-    times as ratios to the whole-step graph's (``x limit``), launches per step, the rounds."""
+    times as ratios to the whole-step graph's (``x limit``), launches per step, the rounds.
+    A method that ran out of memory has a row saying so; one that could not run here, a
+    ``not run`` row with the reason."""
     columns = _table_columns(result)
     header = " ".join([f"{'method':<10}"] + [f"{title:>{width}}" for title, width, _ in columns])
     lines = [header, "-" * len(header)]
     for name, m in result.methods.items():
+        if m.failure is not None:
+            lines.append(f"{name:<10} {_failure_cell(m)}")
+            continue
         cells = [f"{cell(name, m):>{width}}" for _, width, cell in columns]
         lines.append(" ".join([f"{name:<10}", *cells]))
+    lines += [f"{name:<10} not run: {why}" for name, why in result.unavailable.items()]
     lines += _launch_notes(result)
     if result.rounds:
         lines += _rounds_lines(result)

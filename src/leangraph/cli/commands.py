@@ -26,16 +26,21 @@ from leangraph.schedules import interleaved_1f1b
 
 from .bench import (
     CUDA_METHODS,
+    FUSED,
+    LEANGRAPH_METHODS,
     METHODS,
     BenchConfig,
     BenchResult,
     format_table,
+    fused_unavailable,
+    method_unavailable,
     plot_bars,
     plot_timeline,
     run_bench,
 )
 from .demo import DemoConfig, DemoResult, run_demo
 from .phases import phase_display, progress_bar
+from .presets import PRESETS, BenchPreset
 from .replay_micro import ReplayMicroConfig, format_replay_micro, run_replay_micro
 from .workloads import BlockShape, make_blocks, plural, sample_hidden
 
@@ -340,15 +345,27 @@ def _print_demo(config: DemoConfig, result: DemoResult, why_cpu: str) -> None:
 # ---------------------------------------------------------------------------------- bench
 
 
-def _bench_methods(text: str | None, device: str, why_cpu: str) -> tuple[tuple[str, ...], str]:
-    """The methods to run, and a note on what was left out by default (or "")."""
+def _default_methods(defaults: Sequence[str], device: str) -> tuple[tuple[str, ...], list[str]]:
+    """The methods of ``defaults`` that can run here, and a note per kind left out."""
+    notes = []
+    on_cuda = [m for m in defaults if m in CUDA_METHODS]
+    if on_cuda and device == "cpu":
+        uses = " and ".join(CUDA_METHODS[m] for m in on_cuda)
+        notes.append(f"{uses} need CUDA, so the {' and '.join(on_cuda)} methods are left out")
+    why = fused_unavailable()
+    if FUSED in defaults and why is not None:
+        notes.append(f"the {FUSED} method {why}, so it is left out")
+    kept = tuple(m for m in defaults if method_unavailable(m, device) is None)
+    return kept, notes
+
+
+def _bench_methods(
+    text: str | None, device: str, why_cpu: str, defaults: Sequence[str] = METHODS
+) -> tuple[tuple[str, ...], list[str]]:
+    """The methods to run (``defaults`` without ``--methods``), and a note on each kind of
+    default method left out because it cannot run here."""
     if text is None:
-        if device == "cpu":
-            left_out = " and ".join(CUDA_METHODS)
-            uses = " and ".join(CUDA_METHODS.values())
-            note = f"{uses} need CUDA, so the {left_out} methods are left out"
-            return tuple(m for m in METHODS if m not in CUDA_METHODS), note
-        return METHODS, ""
+        return _default_methods(defaults, device)
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in METHODS]
     if unknown or not names:
@@ -365,7 +382,10 @@ def _bench_methods(text: str | None, device: str, why_cpu: str) -> tuple[tuple[s
             f"a CUDA GPU ({uses}) and this bench runs on the CPU ({why_cpu}); leave {them} out "
             "of --methods or run on a GPU"
         )
-    return tuple(name for name in METHODS if name in names), ""
+    why = fused_unavailable()
+    if FUSED in names and why is not None:
+        raise UsageError(f"--methods {text}: the {FUSED} method {why}; leave it out of --methods")
+    return tuple(name for name in METHODS if name in names), []
 
 
 def _check_bench_outputs(args: argparse.Namespace, device: str, methods: Sequence[str]) -> None:
@@ -392,39 +412,103 @@ def _check_bench_outputs(args: argparse.Namespace, device: str, methods: Sequenc
 def _bench(args: argparse.Namespace) -> int:
     device = _device(args.device)
     why_cpu = "--device cpu" if args.device == "cpu" else "no GPU found"
-    work = _workload(args, CPU_WORKLOAD if device == "cpu" else GPU_WORKLOAD)
-    if args.replay_micro or args.replays is not None:
-        return _replay_micro(args, device, why_cpu, work)
-    methods, note = _bench_methods(args.methods, device, why_cpu)
-    _check_bench_outputs(args, device, methods)
-    steps = args.steps if args.steps is not None else (3 if device == "cpu" else 5)
-    config = BenchConfig(
-        pp_size=work.pp,
-        vp_size=work.vp,
-        rank=work.rank,
-        num_microbatches=work.microbatches,
-        layers_per_chunk=work.layers,
-        steps=steps,
-        methods=methods,
-        device=device,
-        shape=_shape(work),
-        rounds=args.rounds,
-        launch_steps=LAUNCH_STEPS if args.launches else 0,
-    )
+    if args.preset is not None:
+        config, described, notes = _preset_config(args, device, why_cpu)
+    else:
+        work = _workload(args, CPU_WORKLOAD if device == "cpu" else GPU_WORKLOAD)
+        if args.replay_micro or args.replays is not None:
+            return _replay_micro(args, device, why_cpu, work)
+        methods, notes = _bench_methods(args.methods, device, why_cpu)
+        _check_bench_outputs(args, device, methods)
+        config = BenchConfig(
+            pp_size=work.pp,
+            vp_size=work.vp,
+            rank=work.rank,
+            num_microbatches=work.microbatches,
+            layers_per_chunk=work.layers,
+            steps=args.steps if args.steps is not None else (3 if device == "cpu" else 5),
+            methods=methods,
+            device=device,
+            shape=_shape(work),
+            rounds=args.rounds,
+            launch_steps=LAUNCH_STEPS if args.launches else 0,
+        )
+        described = work.describe()
     if device == "cpu":
         print(
             f"{why_cpu[0].upper()}{why_cpu[1:]}: leangraph's CPU reference backend, times "
             f"only (it measures no memory), {plural(args.threads or 1, 'intra-op thread')}"
-            f"{'; ' + note if note else ''}."
+            f"{''.join('; ' + note for note in notes)}."
         )
-    print(f"workload: {work.describe()}; {', '.join(methods)}; {steps} timed steps each")
+    else:
+        print("".join(f"Note: {note[0].upper()}{note[1:]}.\n" for note in notes), end="")
+    print(f"workload: {described}; {', '.join(config.methods)}; {config.steps} timed steps each")
     with _intra_op_threads(args.threads, device), phase_display(not args.no_progress) as progress:
         result = run_bench(config, progress=progress)
     print(format_table(result))
     _write_bench_outputs(args, result)
-    if not result.losses_agree.get("leangraph", True):
-        raise CommandError("leangraph's losses differ from eager's (the loss column says DIFF)")
+    wrong = [name for name in LEANGRAPH_METHODS if not result.losses_agree.get(name, True)]
+    if wrong:
+        raise CommandError(
+            f"{' and '.join(wrong)}: losses differ from eager's (the loss column says DIFF)"
+        )
     return 0
+
+
+_PRESET_FIXED = ("pp", "vp", "rank", "layers", "hidden", "heads", "micro_batch", "dtype")
+"""The workload flags a preset sets; ``--sequence`` and ``--microbatches`` may change it."""
+
+
+def _preset_config(
+    args: argparse.Namespace, device: str, why_cpu: str
+) -> tuple[BenchConfig, str, list[str]]:
+    """``bench --preset``: the flags checked against the preset, its config, its one-line
+    description and the notes on default methods left out."""
+    preset = PRESETS[args.preset]
+    fixed = [_flag(name) for name in _PRESET_FIXED if getattr(args, name) is not None]
+    if args.replay_micro or args.replays is not None:
+        fixed.append("--replay-micro" if args.replay_micro else "--replays")
+    if fixed:
+        them = "them" if len(fixed) > 1 else "it"
+        raise UsageError(
+            f"{', '.join(fixed)}: not with --preset {preset.name}, which sets the workload "
+            f"(only --sequence and --microbatches change its size); drop {them} or drop --preset"
+        )
+    work = _workload(args, _preset_workload(preset))
+    if device == "cpu":
+        raise UsageError(
+            f"--preset {preset.name}: {preset.title} ({preset.weight_bytes() / 1024**3:.0f} GiB "
+            "of weights, as much of gradients, and tens of GiB of activations per step) is too "
+            f"big for the CPU reference backend, and this bench runs on the CPU ({why_cpu}); run "
+            "on a GPU"
+        )
+    methods, notes = _bench_methods(args.methods, device, why_cpu, preset.methods)
+    _check_bench_outputs(args, device, methods)
+    config = preset.config(
+        device=device,
+        sequence=work.sequence,
+        num_microbatches=work.microbatches,
+        steps=args.steps,
+        methods=methods,
+        rounds=args.rounds,
+        launch_steps=LAUNCH_STEPS if args.launches else 0,
+    )
+    return config, preset.describe(sequence=work.sequence, microbatches=work.microbatches), notes
+
+
+def _preset_workload(preset: BenchPreset) -> Workload:
+    """The preset as the command line's workload, for its checks of the flags it may take."""
+    return Workload(
+        pp=preset.pp_size,
+        vp=preset.vp_size,
+        rank=preset.rank,
+        microbatches=preset.num_microbatches,
+        layers=preset.layers_per_chunk,
+        hidden=preset.shape.hidden,
+        heads=preset.shape.heads,
+        sequence=preset.shape.sequence,
+        micro_batch=preset.shape.micro_batch,
+    )
 
 
 _NOT_WITH_REPLAY_MICRO = (
@@ -676,6 +760,15 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     _add_workload_options(bench, GPU_WORKLOAD, CPU_WORKLOAD)
     bench.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="a named workload at a real model's geometry instead of the flags above (GPU "
+        "only; --sequence and --microbatches may change its size). llama3-70b-pp4vp5: rank 0 "
+        "of PP4 x VP5, 20 Llama-3-70B layers as one TP2 rank holds them, sequence 4096, 16 "
+        "microbatches, eager vs torch vs leangraph (the seed's A/B; about 16 GiB of weights, "
+        "an H200); -norope: the same without RoPE",
+    )
+    bench.add_argument(
         "--steps",
         type=_count(1),
         metavar="N",
@@ -685,10 +778,11 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--methods",
         metavar="LIST",
-        help=f"comma-separated, from {','.join(METHODS)} (default: all on a GPU, "
-        f"{','.join(m for m in METHODS if m not in CUDA_METHODS)} on the CPU: "
-        f"{' and '.join(CUDA_METHODS)} need CUDA); whole-step is the whole training step "
-        "captured as one CUDA graph, the limit the others' 'x limit' compares with",
+        help=f"comma-separated, from {','.join(METHODS)} (default: all that can run here: "
+        f"{' and '.join(CUDA_METHODS)} need CUDA, {FUSED} a leangraph whose "
+        "make_graphed_callables takes fuse_grad_accumulation); whole-step is the whole "
+        "training step captured as one CUDA graph, the limit the others' 'x limit' compares "
+        f"with; {FUSED} is leangraph with in-graph gradient accumulation",
     )
     bench.add_argument(
         "--rounds",
