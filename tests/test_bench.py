@@ -73,8 +73,9 @@ def test_bench_cli_writes_json(tmp_path, capsys):
                  "--dtype", "fp32", "--steps", "1", "--json", str(out), "--no-progress"])
     assert code == 0
     data = json.loads(out.read_text())
-    assert data["losses_agree"] == {"leangraph": True}
-    assert set(data["methods"]) == {"eager", "leangraph"}
+    # The CPU default: eager, leangraph and leangraph-fused (torch and whole-step need CUDA).
+    assert data["losses_agree"] == {"leangraph": True, "leangraph-fused": True}
+    assert set(data["methods"]) == {"eager", "leangraph", "leangraph-fused"}
     assert len(data["leangraph_timeline"]) > 0
     printed = capsys.readouterr().out
     assert "CPU reference backend" in printed and f"wrote {out}" in printed
