@@ -9,6 +9,7 @@ same model trained eagerly must match it bitwise: losses, gradients and paramete
     python examples/megatron_gpt.py                                       # PP=1, CPU
     torchrun --nproc-per-node 2 examples/megatron_gpt.py --pp 2 --vp 2   # PP=2/VP=2, gloo
     python examples/megatron_gpt.py --device cuda                         # PP=1, one GPU
+    python examples/megatron_gpt.py --fuse        # gradients added into main_grad in-graph
 
 On the CPU, ``leangraph.integrations.megatron_cpu.cpu_shim()`` patches the few places where
 Megatron assumes a GPU, and leangraph's CPU reference backend stands in for CUDA graphs.
@@ -20,6 +21,7 @@ import argparse
 import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,11 +57,17 @@ class Setup:
     layers_per_chunk: int = 2
     steps: int = 3
     overlap_grad_reduce: bool = False
+    fuse_grad_accumulation: bool = False
     device: str = "cpu"
 
     @property
     def chunks(self) -> int:
         return self.vp or 1
+
+    @property
+    def capture_options(self) -> dict[str, Any]:
+        """What :func:`install` passes on to every capture."""
+        return {"fuse_grad_accumulation": True} if self.fuse_grad_accumulation else {}
 
 
 def initialize(setup: Setup, rank: int, world: int) -> None:
@@ -105,7 +113,7 @@ def build_model(setup: Setup, *, graphed: bool) -> tuple[TransformerConfig, list
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=setup.overlap_grad_reduce
     )
-    chunks = []
+    modules = []
     for chunk in range(setup.chunks):
         torch.manual_seed(1000 + chunk)
         vp_stage = chunk if setup.vp else None
@@ -118,8 +126,9 @@ def build_model(setup: Setup, *, graphed: bool) -> tuple[TransformerConfig, list
             post_process=parallel_state.is_pipeline_last_stage(False, vp_stage),
             vp_stage=vp_stage,
         ).to(setup.device)
-        model = Float16Module(config, model)
-        chunks.append(DistributedDataParallel(config, ddp_config, model))
+        modules.append(Float16Module(config, model))
+    with ddp_stream(setup.device):
+        chunks = [DistributedDataParallel(config, ddp_config, m) for m in modules]
     config.no_sync_func = [c.no_sync for c in chunks] if setup.vp else chunks[0].no_sync
     if setup.overlap_grad_reduce:
         config.grad_sync_func = [c.start_grad_sync for c in chunks]
@@ -127,6 +136,27 @@ def build_model(setup: Setup, *, graphed: bool) -> tuple[TransformerConfig, list
             config.grad_sync_func = chunks[0].start_grad_sync
     config.finalize_model_grads_func = finalize_model_grads
     return config, chunks
+
+
+@contextlib.contextmanager
+def ddp_stream(device: str) -> Iterator[None]:
+    """Build Megatron's DDP on a side stream, as Megatron-LM's ``get_model`` does.
+
+    DDP keeps every parameter's gradient accumulator node (``grad_accs``), and torch (2.10
+    and later) runs a node on the stream current when it was made, syncing the gradient's
+    producer with it. Made on the default (legacy) stream, the capture of a backward would
+    have to make that stream wait on the capturing one, which CUDA refuses ("operation would
+    make the legacy stream depend on a capturing blocking stream"); made on a side stream,
+    that stream joins the capture and is joined back at the end of the backward.
+    """
+    if device != "cuda":
+        yield
+        return
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.current_stream().wait_stream(stream)  # the buffers DDP made are used after
 
 
 def microbatches(setup: Setup, step: int) -> list[tuple[torch.Tensor, ...]]:
@@ -187,7 +217,7 @@ def train(setup: Setup, *, graphed: bool) -> list[dict[str, list[Any]]]:
     config, chunks = build_model(setup, graphed=graphed)
     if not graphed:
         return train_steps(setup, config, chunks)
-    with install():
+    with install(capture_options=setup.capture_options):
         helper = TECudaGraphHelper(chunks, config, SEQ, BATCH)
         helper.create_cudagraphs()  # leangraph captures, in Megatron's pipeline order
         try:
@@ -217,13 +247,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vp", type=int, default=None, help="virtual pipeline size")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--fuse", action="store_true",
+                        help="fuse_grad_accumulation: backward graphs add into main_grad")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup = Setup(pp=args.pp, vp=args.vp, microbatches=2 * args.pp, steps=args.steps,
-                  device=args.device)
+                  fuse_grad_accumulation=args.fuse, device=args.device)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -21,7 +21,7 @@ import json
 import os
 import sys
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,35 +56,129 @@ def _example() -> Any:
 # Worker side: training runs inside a process group
 # --------------------------------------------------------------------------------------------
 
-# name -> (world size, Setup keyword arguments)
+# name -> (world size, Setup keyword arguments). A "-fused" case captures with
+# install(capture_options={"fuse_grad_accumulation": True}) and is compared with the eager run
+# of the case without it (run once per process).
 CASES = {
     "pp1": (1, {"pp": 1, "microbatches": 2}),
+    "pp1-fused": (1, {"pp": 1, "microbatches": 2, "fuse_grad_accumulation": True}),
     "pp1-overlap-grad-reduce": (1, {"pp": 1, "microbatches": 2, "overlap_grad_reduce": True}),
+    "pp1-overlap-grad-reduce-fused": (
+        1, {"pp": 1, "microbatches": 2, "overlap_grad_reduce": True,
+            "fuse_grad_accumulation": True}),
     "pp2": (2, {"pp": 2, "microbatches": 4}),
     "pp2-vp2": (2, {"pp": 2, "vp": 2, "microbatches": 4}),
+    "pp2-vp2-fused": (2, {"pp": 2, "vp": 2, "microbatches": 4, "fuse_grad_accumulation": True}),
 }
+CUDA_CASES = ("pp1", "pp1-fused")
 
 
-def _graphed_run(example: Any, setup: Any) -> tuple[list[dict], dict[str, Any]]:
-    """Train with Megatron's helper capturing through the adapter; what it captured."""
+class DdpProbe:
+    """What Megatron's DDP did in one run: its backward post-hooks and bucket reductions.
+
+    Active around building the model (DDP makes its hooks then) and training. Each hook call
+    outside capture records the parameter, Megatron's ``grad_added_to_main_grad`` flag and
+    whether ``.grad`` was set as the hook saw them; each ``start_grad_sync`` of a bucket
+    group records whether ``register_grad_ready`` dispatched it (the overlapped reduction,
+    during the backward) or ``finish_grad_sync`` did (after it).
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, bool, bool]] = []
+        self.syncs: list[str] = []
+
+    def __enter__(self) -> DdpProbe:
+        from megatron.core.distributed import DistributedDataParallel as DDP
+        from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+        from megatron.core.transformer.cuda_graphs import is_graph_capturing
+
+        make_hook = DDP._make_backward_post_hook
+        start, ready = _ParamAndGradBucketGroup.start_grad_sync, \
+            _ParamAndGradBucketGroup.register_grad_ready
+        probe, in_ready = self, [False]
+
+        def probed_make_hook(ddp: Any, param: torch.nn.Parameter) -> Any:
+            hook = make_hook(ddp, param)
+
+            def probed(*args: Any) -> Any:
+                if not is_graph_capturing():
+                    probe.calls.append((id(param), bool(param.grad_added_to_main_grad),
+                                        param.grad is not None))
+                return hook(*args)
+
+            return probed
+
+        def probed_ready(group: Any, *args: Any, **kwargs: Any) -> Any:
+            in_ready[0] = True
+            try:
+                return ready(group, *args, **kwargs)
+            finally:
+                in_ready[0] = False
+
+        def probed_start(group: Any, *args: Any, **kwargs: Any) -> Any:
+            probe.syncs.append("during backward" if in_ready[0] else "after backward")
+            return start(group, *args, **kwargs)
+
+        self._saved = [(DDP, "_make_backward_post_hook", make_hook),
+                       (_ParamAndGradBucketGroup, "start_grad_sync", start),
+                       (_ParamAndGradBucketGroup, "register_grad_ready", ready)]
+        DDP._make_backward_post_hook = probed_make_hook
+        _ParamAndGradBucketGroup.start_grad_sync = probed_start
+        _ParamAndGradBucketGroup.register_grad_ready = probed_ready
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, value in self._saved:
+            setattr(owner, name, value)
+
+    def hook_log(self, chunks: list[Any]) -> list[tuple[int, bool, bool]]:
+        """The hook calls with each parameter as its index in the chunks' parameters."""
+        index = {id(p): i for i, p in enumerate(p for c in chunks for p in c.parameters())}
+        return [(index[key], flag, has_grad) for key, flag, has_grad in self.calls]
+
+
+def _eager_run(example: Any, setup: Any) -> tuple[list[dict], list[Any], list[str]]:
+    """Train eagerly: the history, Megatron's hook calls and bucket reductions."""
+    with DdpProbe() as probe:
+        config, chunks = example.build_model(setup, graphed=False)
+        history = example.train_steps(setup, config, chunks)
+    return history, probe.hook_log(chunks), probe.syncs
+
+
+def _graphed_run(example: Any, setup: Any) -> tuple[list[dict], dict[str, Any], Any]:
+    """Train with Megatron's helper capturing through the adapter; what it captured, and what
+    Megatron's DDP did."""
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
 
-    config, chunks = example.build_model(setup, graphed=True)
-    with lgm.install():
-        helper = TECudaGraphHelper(chunks, config, example.SEQ, example.BATCH)
-        helper.create_cudagraphs()
-        layers = [layer for chunk in helper.callables_per_chunk for layer in chunk]
-        graphs = [graph for layer in layers for graph in layer.cuda_graphs]
-        history = example.train_steps(setup, config, chunks)
-        helper.delete_cuda_graphs()
+    with DdpProbe() as probe:
+        config, chunks = example.build_model(setup, graphed=True)
+        with lgm.install(capture_options=setup.capture_options):
+            helper = TECudaGraphHelper(chunks, config, example.SEQ, example.BATCH)
+            helper.create_cudagraphs()
+            layers = [layer for chunk in helper.callables_per_chunk for layer in chunk]
+            graphs = [graph for layer in layers for graph in layer.cuda_graphs]
+            history = example.train_steps(setup, config, chunks)
+            helper.delete_cuda_graphs()
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    graphed = {id(p) for layer in layers for p in layer.parameters()}
+    in_layer = [id(p) in graphed for p in params]
     facts = {
         "layers": len(layers),
         "graphs": len(graphs),
         "kinds": sorted({type(graph).__name__ for graph in graphs}),
         "all_reset": all(graph.graphed.is_reset for graph in graphs),
         "uninstalled": not lgm.installed(),
+        "layer_params": sum(in_layer),
+        # Megatron's protocol after training: the flag per layer / other parameter; .grad
+        # left set anywhere (each hook clears it).
+        "flags_after": {
+            kind: sorted({bool(p.grad_added_to_main_grad)
+                          for p, inside in zip(params, in_layer) if inside == want})
+            for kind, want in (("layer", True), ("other", False))
+        },
+        "grads_left": sum(p.grad is not None for p in params),
     }
-    return history, facts
+    return history, facts, (probe.hook_log(chunks), probe.syncs, in_layer)
 
 
 def _compare(eager: list[dict], graphed: list[dict]) -> tuple[dict[str, int], list[str]]:
@@ -100,6 +194,32 @@ def _compare(eager: list[dict], graphed: list[dict]) -> tuple[dict[str, int], li
                     diff = (a.double() - b.double()).abs().max().item()
                     mismatches.append(f"step {step}: {kind}[{index}] differs by {diff:.3g}")
     return counts, mismatches
+
+
+def _hook_facts(eager: list[Any], graphed: list[Any], in_layer: list[bool]) -> dict[str, Any]:
+    """How Megatron's hook calls in the graphed run compare with eager's."""
+    order, eager_order = [call[0] for call in graphed], [call[0] for call in eager]
+
+    def among(calls: list[int], inside: bool) -> list[int]:
+        return [i for i in calls if in_layer[i] == inside]
+
+    # Whether the hook added .grad into main_grad itself (else the graph had, and said so).
+    added: dict[str, set[bool]] = {"layer": set(), "other": set()}
+    for index, flag, has_grad in graphed:
+        added["layer" if in_layer[index] else "other"].add(has_grad and not flag)
+    return {
+        "hook_calls": [len(eager), len(graphed)],
+        "same_hook_calls": sorted(order) == sorted(eager_order),
+        # The order among the graphed layers' parameters, and among the others, as eager's.
+        "same_order": [among(order, inside) == among(eager_order, inside)
+                       for inside in (True, False)],
+        "hooks_per_param": sorted({order.count(i) for i in range(len(in_layer))}),
+        "hook_saw_grad": sorted({has_grad for _, _, has_grad in graphed}),
+        "hook_added": {kind: sorted(values) for kind, values in added.items()},
+    }
+
+
+_EAGER: dict[Any, tuple[list[dict], list[Any], list[str]]] = {}
 
 
 def _reset_error(example: Any, setup: Any) -> str:
@@ -123,10 +243,15 @@ def _reset_error(example: Any, setup: Any) -> str:
 def run_case(name: str, device: str) -> dict[str, Any]:
     example = _example()
     setup = example.Setup(**CASES[name][1], device=device)
-    eager = example.train(setup, graphed=False)
-    graphed, facts = _graphed_run(example, setup)
+    unfused = replace(setup, fuse_grad_accumulation=False)  # eager does not depend on it
+    if unfused not in _EAGER:
+        _EAGER[unfused] = _eager_run(example, unfused)
+    eager, eager_hooks, eager_syncs = _EAGER[unfused]
+    graphed, facts, (hooks, syncs, in_layer) = _graphed_run(example, setup)
     counts, mismatches = _compare(eager, graphed)
-    return {"counts": counts, "mismatches": mismatches, **facts, "setup": asdict(setup)}
+    return {"counts": counts, "mismatches": mismatches, **facts,
+            **_hook_facts(eager_hooks, hooks, in_layer), "syncs": [eager_syncs, syncs],
+            "setup": asdict(setup)}
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -150,7 +275,7 @@ def _worker(args: argparse.Namespace) -> None:
         shim = cpu_shim() if args.device == "cpu" else _no_shim()
         with shim:
             for name, (world, kwargs) in CASES.items():
-                if world != args.world or (args.device == "cuda" and name != "pp1"):
+                if world != args.world or (args.device == "cuda" and name not in CUDA_CASES):
                     continue
                 example.initialize(example.Setup(**kwargs), args.rank, args.world)
                 results[name] = run_case(name, args.device)
@@ -199,8 +324,10 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 def check_case(name: str, reports: list[dict[str, Any]]) -> None:
-    """Every rank trained bitwise like eager, through graphs the adapter made."""
+    """Every rank trained bitwise like eager, through graphs the adapter made, with
+    Megatron's DDP hooks and bucket reductions running as in eager."""
     world, kwargs = CASES[name]
+    fused = kwargs.get("fuse_grad_accumulation", False)
     microbatches_captured = kwargs["microbatches"] if kwargs["pp"] > 1 else 1
     losses = 0
     for rank, report in enumerate(reports):
@@ -211,8 +338,34 @@ def check_case(name: str, reports: list[dict[str, Any]]) -> None:
         assert result["graphs"] == result["layers"] * microbatches_captured > 0, result
         assert result["all_reset"] and result["uninstalled"], result
         losses += result["counts"]["losses"]
+        check_hooks(result, kwargs, fused)
     # Only the last stage reports losses: one per microbatch and step.
     assert losses == 3 * kwargs["microbatches"], reports
+
+
+def check_hooks(result: dict[str, Any], kwargs: dict[str, Any], fused: bool) -> None:
+    """Megatron's backward post-hook ran once per parameter per microbatch, with a ``.grad``
+    (its ``overlap_grad_reduce`` assertion). Fused, it ran in eager's order among the
+    layers' parameters and among the others (the relay runs a graph's accumulators after
+    the eager part of the backward, so not interleaved as in eager), skipped the add for the
+    layers' parameters (``grad_added_to_main_grad``: the graph added into ``main_grad``) and
+    did it for the rest. The buckets reduced as in eager, during the backward with
+    ``overlap_grad_reduce`` (else ``finish_grad_sync`` would assert)."""
+    calls = result["hook_calls"]
+    assert calls[0] == calls[1] > 0 and result["same_hook_calls"], result
+    if fused:  # the relay runs each graph's accumulators in eager's order
+        assert result["same_order"] == [True, True], result
+    assert result["hooks_per_param"] == [3 * kwargs["microbatches"]], result
+    assert result["hook_saw_grad"] == [True], result
+    assert result["layer_params"] > 0, result
+    other = [True] if result["flags_after"]["other"] else []  # a stage may have only layers
+    assert result["hook_added"] == {"layer": [not fused], "other": other}, result
+    assert result["flags_after"] == {"layer": [fused], "other": [False] if other else []}, result
+    assert result["grads_left"] == 0, result
+    eager_syncs, syncs = result["syncs"]
+    assert syncs == eager_syncs and syncs, result
+    if kwargs.get("overlap_grad_reduce"):  # after the first step, dispatched by the hooks
+        assert "during backward" in syncs, result
 
 
 @pytest.mark.parametrize("name", [n for n, (world, _) in CASES.items() if world == 1])
@@ -234,9 +387,17 @@ def test_the_example_trains_bitwise_like_eager(one_rank, two_ranks) -> None:
     assert [report["example-pp2-vp2"] for report in two_ranks] == [True, True]
 
 
+@pytest.fixture(scope="module")
+def one_gpu(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _launch(1, "cuda", tmp_path_factory.mktemp("megatron-cuda"))
+
+
 @pytest.mark.cuda
-def test_pp1_on_one_gpu_trains_bitwise_like_eager(tmp_path: Path) -> None:
-    check_case("pp1", _launch(1, "cuda", tmp_path))
+@pytest.mark.parametrize("name", CUDA_CASES)
+def test_pp1_on_one_gpu_trains_bitwise_like_eager(name: str, one_gpu: list[dict]) -> None:
+    """DDP is built on a side stream, as Megatron-LM does (examples/megatron_gpt.py,
+    ``ddp_stream``), before the helper captures."""
+    check_case(name, one_gpu)
 
 
 # --------------------------------------------------------------------------------------------
