@@ -183,7 +183,7 @@ def test_a_parameter_shared_by_two_graphs_fires_its_hooks_once_per_backward():
     assert torch.equal(shared.weight.grad, graphed_shared.weight.grad)
 
 
-def test_replaced_grad_is_refused_naming_the_parameter():
+def test_r14_replaced_grad_is_refused_naming_the_parameter():
     _, module = _block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
@@ -225,7 +225,7 @@ def test_existing_grad_is_adopted_and_accumulation_continues_from_it():
         assert b.grad is g and torch.equal(a.grad, b.grad)
 
 
-def test_option_and_main_grad_misuse_raise_before_warm_up():
+def test_v22_option_and_main_grad_misuse_raise_before_warm_up():
     _, module = _block_pair()
     warmed: list[bool] = []
     with raises(TypeError, "fuse_grad_accumulation must be a bool, got int 1"):
