@@ -80,8 +80,9 @@ def initialize(setup: Setup, rank: int, world: int) -> None:
     )
     if setup.device == "cuda":
         # Megatron's attention forks its CUDA generator tracker, which needs its seeds (on
-        # the CPU the shim stands in for the tracker).
-        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        # the CPU the shim stands in for the tracker); graph-safe, so that its states can be
+        # registered with the CUDA graphs (the adapter does) and switched inside a capture.
+        tensor_parallel.model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True)
 
 
 def finalize() -> None:

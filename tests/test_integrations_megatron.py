@@ -396,21 +396,13 @@ def one_gpu(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]] | 
         return str(failure)
 
 
-# Seen on the H200 (torch 2.11, megatron-core 0.16.1): Megatron's attention forks its CUDA RNG
-# tracker (even with dropout 0), which sets the CUDA generator's seed inside the capture; CUDA
-# refuses it. Megatron's TE path makes the tracker graph-safe (use_cudagraphable_rng) and
-# registers the tracker's generator states with every graph; leangraph's backend cannot yet be
-# given generator states to register. Strict: the test fails the day it passes.
-_RNG_TRACKER = ("Megatron's CUDA RNG tracker sets the generator inside the capture; leangraph "
-                "cannot yet register the tracker's generator states with its graphs (issue 15)")
-
-
 @pytest.mark.cuda
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=_RNG_TRACKER)
 @pytest.mark.parametrize("name", CUDA_CASES)
 def test_pp1_on_one_gpu_trains_bitwise_like_eager(name: str, one_gpu: list[dict] | str) -> None:
     """DDP is built on a side stream, as Megatron-LM does (examples/megatron_gpt.py,
-    ``ddp_stream``), before the helper captures."""
+    ``ddp_stream``), before the helper captures; Megatron's CUDA RNG tracker is graph-safe
+    and the adapter registers its states with every graph (its attention forks the tracker
+    inside the capture)."""
     if isinstance(one_gpu, str):
         pytest.fail(one_gpu)
     check_case(name, one_gpu)

@@ -60,6 +60,7 @@ class CaptureKeywords(TypedDict, total=False):
     post_warmup_hook: Callable[[], None] | None
     capture_time_hooks: Sequence[Mapping[str, Sequence[Callable[..., None]]] | None] | None
     fuse_grad_accumulation: bool
+    generator_states: Sequence[torch.Generator]
 
 
 # A module comes back as itself, a plain function as a GraphedCallable: a module is also
@@ -104,6 +105,7 @@ def make_graphed_callables(
     post_warmup_hook: Callable[[], None] | None = None,
     capture_time_hooks: Sequence[Mapping[str, Sequence[Callable[..., None]]] | None] | None = None,
     fuse_grad_accumulation: bool = False,
+    generator_states: Sequence[torch.Generator] = (),
 ) -> Any:
     """Capture callables into forward and backward graphs, optionally in a pipeline order.
 
@@ -152,6 +154,11 @@ def make_graphed_callables(
             ``.grad`` with ``zero_grad()`` (either ``set_to_none``), never by assigning
             another tensor (the next replay raises). Hooks on the parameters' accumulators
             fire once per parameter per backward, in eager's order (docs/concepts.md).
+        generator_states: Graph-safe CUDA generator states (``torch.Generator`` objects from
+            ``graphsafe_get_state()``) the callables switch the CUDA generator to while they
+            run, as Megatron-core's CUDA RNG tracker does with ``use_cudagraphable_rng``; each
+            is registered with every graph, so replays draw from and advance it as the
+            captured code did. CUDA only.
 
     Raises:
         ValueError, TypeError, RuntimeError: for misuse, before any warm-up where it can be
@@ -171,7 +178,13 @@ def make_graphed_callables(
     call = validate_call(callables, sample_args, sample_kwargs, order, num_layers_per_chunk)
     check_capturable(call, _already_graphed)
     hooks = normalize_hooks(capture_time_hooks, call.callables)
-    built = _build(call, options, make_backend(backend, call.device, pool), hooks, progress)
+    built = _build(
+        call,
+        options,
+        make_backend(backend, call.device, pool, tuple(generator_states)),
+        hooks,
+        progress,
+    )
     return _hand_back(call, built, options)
 
 

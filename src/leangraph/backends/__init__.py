@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -12,20 +13,38 @@ from .cpu import CpuBackend
 __all__ = ["CpuBackend", "GraphBackend", "GraphPair", "make_backend"]
 
 
-def make_backend(name: str | None, device: torch.device, pool: Any | None) -> GraphBackend:
+def make_backend(
+    name: str | None,
+    device: torch.device,
+    pool: Any | None,
+    generator_states: Sequence[torch.Generator] = (),
+) -> GraphBackend:
     """The backend called ``name``, or the one that fits ``device`` when ``name`` is None.
 
     Raises:
-        ValueError: for an unknown name, or a backend that does not fit the device.
+        ValueError: for an unknown name, a backend that does not fit the device, or
+            generator states that are not CUDA ``torch.Generator`` objects (or not on CUDA).
         RuntimeError: for ``cuda`` when CUDA is not available.
     """
     if name is None:
         name = "cuda" if device.type == "cuda" else "cpu"
+    for index, state in enumerate(generator_states):
+        if not isinstance(state, torch.Generator) or state.device.type != "cuda":
+            got = state.device if isinstance(state, torch.Generator) else type(state).__name__
+            raise ValueError(
+                f"generator_states[{index}] must be a CUDA torch.Generator (a graph-safe state, "
+                f"e.g. torch.cuda.default_generators[0].graphsafe_get_state()), got {got}"
+            )
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"backend 'cpu' needs CPU sample tensors, got tensors on {device}")
         if pool is not None:
             raise ValueError("backend 'cpu' has no memory pool; pass pool=None")
+        if generator_states:
+            raise ValueError(
+                "backend 'cpu' has no CUDA graphs to register generator_states with; pass "
+                "generator_states=() (CUDA generator states are for CUDA captures)"
+            )
         return CpuBackend()
     if name == "cuda":
         if not torch.cuda.is_available():
@@ -34,5 +53,5 @@ def make_backend(name: str | None, device: torch.device, pool: Any | None) -> Gr
             raise ValueError(f"backend 'cuda' needs CUDA sample tensors, got tensors on {device}")
         from .cuda import CudaBackend
 
-        return CudaBackend(device, pool)
+        return CudaBackend(device, pool, tuple(generator_states))
     raise ValueError(f"backend must be 'cuda', 'cpu' or None, got {name!r}")

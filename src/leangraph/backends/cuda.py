@@ -44,13 +44,22 @@ class CudaBackend:
         device: The GPU the sample tensors live on.
         pool: A handle from ``torch.cuda.graph_pool_handle()`` (or another graph's
             ``pool()``) to share; default: a fresh pool.
+        generator_states: Graph-safe CUDA generator states the captured code switches to
+            (Megatron-core's graph-safe RNG tracker); each is registered with every graph,
+            so replays draw from and advance it as capture did.
     """
 
     name = "cuda"
     capture_runs_work = False
 
-    def __init__(self, device: torch.device, pool: Any | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        pool: Any | None = None,
+        generator_states: tuple[torch.Generator, ...] = (),
+    ) -> None:
         self.device = device
+        self._generator_states = generator_states
         with torch.cuda.device(device):
             self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
             self._stream: torch.cuda.Stream | None = _capture_stream(device)
@@ -102,6 +111,8 @@ class CudaBackend:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
             with torch.cuda.stream(stream):
+                for state in self._generator_states:
+                    graph.register_generator_state(state)
                 graph.capture_begin(pool=self.pool)
                 try:
                     result = body()

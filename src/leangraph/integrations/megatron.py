@@ -224,9 +224,14 @@ def make_graphed_callables(
     kwargs = _per_graph_kwargs(sample_kwargs, len(args))
     order, per_chunk = _order_or_default(_order, _num_layers_per_chunk)
     _check_dtypes(layers, args, order, per_chunk)
-    options = _checked_options(
-        capture_options, why="the adapter passes Megatron's order, layout and samples itself"
+    options = dict(
+        _checked_options(
+            capture_options, why="the adapter passes Megatron's order, layout and samples itself"
+        )
     )
+    states = _tracker_states(args)
+    if states:
+        options["generator_states"] = (*options.get("generator_states", ()), *states)
     graphs = _capture(
         _through_call(layers),
         args,
@@ -244,6 +249,37 @@ def make_graphed_callables(
     )
     wrapped = tuple(MegatronGraphedLayer(g, tuple(k)) for g, k in zip(graphs, kwargs))
     return wrapped[0] if single else wrapped
+
+
+def _tracker_states(sample_args: Sequence[Any]) -> tuple[torch.Generator, ...]:
+    """Megatron's CUDA RNG tracker states, for every graph to register (CUDA samples only).
+
+    Megatron's attention and dropout fork the tracker (its "model-parallel-rng" state) even
+    with dropout 0, switching the CUDA generator inside the capture. CUDA allows that only
+    for graph-safe states registered with the graph, as Megatron's own CUDA-graph paths
+    register them; a tracker that is not graph-safe would set the generator's seed, which
+    CUDA refuses mid-capture, so it is refused here, before warm-up.
+
+    Raises:
+        ValueError: for CUDA samples and a tracker seeded without ``use_cudagraphable_rng``.
+    """
+    on_cuda = any(
+        isinstance(t, torch.Tensor) and t.is_cuda
+        for args in sample_args
+        for t in (args if isinstance(args, (tuple, list)) else (args,))
+    )
+    if not on_cuda:
+        return ()
+    megatron_random: Any = importlib.import_module("megatron.core.tensor_parallel.random")
+    tracker = megatron_random.get_cuda_rng_tracker()
+    if not getattr(tracker, "use_cudagraphable_rng", False):
+        raise ValueError(
+            "leangraph's Megatron adapter: Megatron's CUDA RNG tracker is not graph-safe, so "
+            "its fork() inside the layers would set the CUDA generator mid-capture, which "
+            "CUDA refuses; seed it with tensor_parallel.model_parallel_cuda_manual_seed(seed, "
+            "use_cudagraphable_rng=True), as Megatron's own CUDA-graph paths need"
+        )
+    return tuple(megatron_random.get_all_rng_states().values())
 
 
 class _ThroughCall(torch.nn.Module):
