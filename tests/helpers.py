@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import json
+import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +136,41 @@ def rank_reports(commands: Sequence[Sequence[str]], out: Path, *, env: Mapping[s
                         f"{report.get('error', '')}\n{logs[rank][-4000:]}")
         reports.append(report)
     return reports
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def two_gloo_ranks(script: str, out: Path, *, timeout: float) -> list[dict[str, Any]]:
+    """Run ``script`` as ranks 0 and 1 of a gloo group (its ``__main__`` calls
+    :func:`gloo_rank`); both ranks' reports, or a test failure naming the rank that failed."""
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    commands = [[sys.executable, script, "--rank", str(rank), "--port", str(port), "--out",
+                 str(out)] for rank in (0, 1)]
+    return rank_reports(commands, out, env=env, cwd=ROOT, timeout=timeout)
+
+
+def gloo_rank(run: Callable[[int], dict[str, Any]], description: str) -> None:
+    """The worker side of :func:`two_gloo_ranks`: join the group as ``--rank`` of two, and write
+    ``run(rank)``'s report, or the traceback as its ``"error"``, to ``--out/rank<r>.json``."""
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                            world_size=2)
+    path = args.out / f"rank{args.rank}.json"
+    try:
+        results = run(args.rank)
+    except BaseException:
+        path.write_text(json.dumps({"error": traceback.format_exc()}))
+        os._exit(1)  # the peer may wait on this rank forever; its own error ends it
+    path.write_text(json.dumps(results))
+    dist.destroy_process_group()

@@ -6,28 +6,20 @@ bucket, which the next replay refuses clearly."""
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-ROOT = Path(__file__).resolve().parent.parent
+import leangraph
+from helpers import gloo_rank, two_gloo_ranks
+from models import Block
+
 STEPS, MICROBATCHES = 3, 3
 
 
 def _train(rank: int, bucket_view: bool) -> dict[str, object]:
-    sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
-    import leangraph
-    from models import Block
-
     torch.manual_seed(0)
     eager_module = Block(16)
     graphed_module = copy.deepcopy(eager_module)
@@ -65,50 +57,22 @@ class _nothing:
         return None
 
 
-def _worker(rank: int, port: int, out: Path) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
-    result: dict[str, object] = {}
+def _cases(rank: int) -> dict[str, object]:
+    result: dict[str, object] = {"plain": _train(rank, bucket_view=False)}
     try:
-        result["plain"] = _train(rank, bucket_view=False)
-        try:
-            _train(rank, bucket_view=True)
-            result["bucket_view"] = "no error"
-        except RuntimeError as exc:
-            result["bucket_view"] = str(exc)
-    finally:
-        (out / f"rank{rank}.json").write_text(json.dumps(result))
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        _train(rank, bucket_view=True)
+        result["bucket_view"] = "no error"
+    except RuntimeError as exc:
+        result["bucket_view"] = str(exc)
+    return result
 
 
 def test_fused_accumulation_trains_like_eager_ddp(tmp_path: Path) -> None:
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(rank), "--port",
-                               str(port), "--out", str(tmp_path)], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    logs = [proc.communicate(timeout=300)[0] for proc in procs]
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, logs[rank]
-    for rank in (0, 1):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for result in two_gloo_ranks(__file__, tmp_path, timeout=300):
         assert result["plain"] == {"same_grads": True, "same_params": True,
                                    "grad_sums_equal": True}, result
         assert ".grad is another tensor than at capture" in result["bucket_view"], result
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    _worker(args.rank, args.port, args.out)
+    gloo_rank(_cases, "one rank of the fused-accumulation DDP test")

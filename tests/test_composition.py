@@ -16,16 +16,9 @@ world of one rank, so one GPU suffices).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
-import json
-import os
-import socket
-import subprocess
-import sys
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import leangraph
-from helpers import notes, raises
+from helpers import gloo_rank, raises, two_gloo_ranks
 from models import Block
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -489,58 +482,14 @@ def test_r13_a_parameter_replaced_after_capture_is_refused_at_replay():
     leangraph.reset_all(graphed)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _worker(rank: int, port: int, out: Path) -> None:
-    """Every distributed case on ``rank`` of two; what each found goes to ``out``."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
-    results: dict[str, Any] = {}
-    try:
-        results["ddp"] = _ddp_case(rank)
-        results["tp"] = _tp_case(rank, 2)
-        results["fsdp"] = _fsdp_cases(rank)
-    except BaseException:
-        results["error"] = traceback.format_exc()
-        (out / f"rank{rank}.json").write_text(json.dumps(results))
-        os._exit(1)  # the peer may wait on this rank forever; its own error ends it
-    (out / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+def _distributed_cases(rank: int) -> dict[str, Any]:
+    """Every distributed case on ``rank`` of two."""
+    return {"ddp": _ddp_case(rank), "tp": _tp_case(rank, 2), "fsdp": _fsdp_cases(rank)}
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("composition")
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"),
-                                           os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(rank), "--port",
-                               str(port), "--out", str(out)], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    logs = []
-    for proc in procs:
-        try:
-            logs.append(proc.communicate(timeout=TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"the two ranks did not finish in {TIMEOUT_S} s (a hang in a collective)")
-    reports = []
-    for rank, proc in enumerate(procs):
-        path = out / f"rank{rank}.json"
-        report = json.loads(path.read_text()) if path.exists() else {}
-        if proc.returncode != 0 or "error" in report:
-            pytest.fail(f"rank {rank} failed (exit {proc.returncode}):\n"
-                        f"{report.get('error', '')}\n{logs[rank][-4000:]}")
-        reports.append(report)
-    return reports
+    return two_gloo_ranks(__file__, tmp_path_factory.mktemp("composition"), timeout=TIMEOUT_S)
 
 
 def test_two_ranks_ddp_with_no_sync_trains_bitwise_like_eager(two_ranks):
@@ -652,9 +601,4 @@ def test_cuda_ddp_over_nccl_with_no_sync_trains_like_eager(nccl_world_of_one):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="one rank of the two-rank composition tests")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    options = parser.parse_args()
-    _worker(options.rank, options.port, options.out)
+    gloo_rank(_distributed_cases, "one rank of the two-rank composition tests")

@@ -15,13 +15,8 @@ the CPU and, marked ``cuda``, on a GPU.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import importlib.util
-import json
-import os
-import sys
-import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +35,7 @@ from leangraph.integrations.pipelining import (
     graph_pipeline_stages,
     stage_placement,
 )
-from helpers import free_port, rank_reports
+from helpers import gloo_rank, two_gloo_ranks
 from models import Block
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -260,24 +255,15 @@ def check_case(case: Case, results: list[dict[str, Any]]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _worker(rank: int, port: int, out: Path) -> None:
-    """Run every case on ``rank`` of two; write what each reported to ``out/rank<r>.json``."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+def _all_cases(rank: int) -> dict[str, Any]:
+    """Every case on ``rank`` of two."""
     results: dict[str, Any] = {}
-    try:
-        for case in CASES:
-            if hasattr(pipelining, case.schedule):
-                results[case.id] = run_case(case, pp_size=2, rank=rank)
-        results["placement_error"] = _placement_error(rank)
-        results["example"] = _example(rank)
-    except BaseException:
-        results["error"] = traceback.format_exc()
-        (out / f"rank{rank}.json").write_text(json.dumps(results))
-        os._exit(1)  # the peer may wait on this rank forever; its own error ends it
-    (out / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    for case in CASES:
+        if hasattr(pipelining, case.schedule):
+            results[case.id] = run_case(case, pp_size=2, rank=rank)
+    results["placement_error"] = _placement_error(rank)
+    results["example"] = _example(rank)
+    return results
 
 
 def _placement_error(rank: int) -> str:
@@ -310,14 +296,7 @@ def _example(rank: int) -> bool:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Both ranks' reports (the workers run once for the whole module)."""
-    out = tmp_path_factory.mktemp("pipelining")
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"),
-                                           os.environ.get("PYTHONPATH", "")]))
-    commands = [[sys.executable, __file__, "--rank", str(rank), "--port", str(port), "--out",
-                 str(out)] for rank in (0, 1)]
-    return rank_reports(commands, out, env=env, cwd=ROOT, timeout=TIMEOUT_S)
+    return two_gloo_ranks(__file__, tmp_path_factory.mktemp("pipelining"), timeout=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", [_present(case) for case in CASES])
@@ -509,9 +488,4 @@ def test_stage_modules_errors(build, message: str) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="one rank of the two-rank pipelining tests")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    options = parser.parse_args()
-    _worker(options.rank, options.port, options.out)
+    gloo_rank(_all_cases, "one rank of the two-rank pipelining tests")

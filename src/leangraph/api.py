@@ -145,20 +145,11 @@ def make_graphed_callables(
         pre_warmup_hook, post_warmup_hook: Called once before and after the whole warm-up.
         capture_time_hooks: One dict of hook lists per callable (or None); they run around
             warm-up and capture steps, never at replay (:mod:`leangraph.hooks`).
-        fuse_grad_accumulation: Add parameter gradients into their accumulation buffers
-            inside the backward graphs, so autograd launches nothing per parameter: into
-            ``param.main_grad`` where a parameter has one (Megatron-LM's convention, with its
-            ``grad_added_to_main_grad`` flag set), else into a buffer attached as
-            ``param.grad`` from the first backward of each step on. ``.grad`` and
-            ``main_grad`` then alias memory the graphs write until they are reset; clear
-            ``.grad`` with ``zero_grad()`` (either ``set_to_none``), never by assigning
-            another tensor (the next replay raises). Hooks on the parameters' accumulators
-            fire once per parameter per backward, in eager's order (docs/concepts.md).
-        generator_states: Graph-safe CUDA generator states (``torch.Generator`` objects from
-            ``graphsafe_get_state()``) the callables switch the CUDA generator to while they
-            run, as Megatron-core's CUDA RNG tracker does with ``use_cudagraphable_rng``; each
-            is registered with every graph, so replays draw from and advance it as the
-            captured code did. CUDA only.
+        fuse_grad_accumulation: Add parameter gradients into ``main_grad`` (where present)
+            or ``.grad`` inside the backward graphs; both then alias graph-written memory
+            until reset ([concepts](docs/concepts.md): zeroing, hooks, Megatron's flag).
+        generator_states: Graph-safe CUDA generator states the callables switch to while
+            they run (Megatron's graph-safe RNG tracker), registered with every graph.
 
     Raises:
         ValueError, TypeError, RuntimeError: for misuse, before any warm-up where it can be
@@ -178,13 +169,8 @@ def make_graphed_callables(
     call = validate_call(callables, sample_args, sample_kwargs, order, num_layers_per_chunk)
     check_capturable(call, _already_graphed)
     hooks = normalize_hooks(capture_time_hooks, call.callables)
-    built = _build(
-        call,
-        options,
-        make_backend(backend, call.device, pool, tuple(generator_states)),
-        hooks,
-        progress,
-    )
+    graph_backend = make_backend(backend, call.device, pool, tuple(generator_states))
+    built = _build(call, options, graph_backend, hooks, progress)
     return _hand_back(call, built, options)
 
 
