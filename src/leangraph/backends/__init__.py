@@ -51,6 +51,11 @@ def make_backend(
             raise RuntimeError("backend 'cuda' needs a CUDA GPU, and torch sees none")
         if device.type != "cuda":
             raise ValueError(f"backend 'cuda' needs CUDA sample tensors, got tensors on {device}")
+        if generator_states and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
+            raise RuntimeError(
+                f"generator_states needs torch.cuda.CUDAGraph.register_generator_state, which "
+                f"torch {torch.__version__} does not have; use a newer torch"
+            )
         from .cuda import CudaBackend
 
         return CudaBackend(device, pool, tuple(generator_states))
