@@ -217,6 +217,8 @@ class GraphedCallable:
             self._sequence.drop(self._index)
         self._grads = None
         self._weight = None
+        self._fused = None  # its relay holds the parameters' accumulator nodes
+        self._autograd_params = ()
         self._frozen_params = ()
         if self._guard is not None:
             self._guard.invalidate("its callable was reset")
