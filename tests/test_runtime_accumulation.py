@@ -239,3 +239,43 @@ def test_v22_option_and_main_grad_misuse_raise_before_warm_up():
             module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
             pre_warmup_hook=lambda: warmed.append(True))
     assert warmed == []
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(8, 8)
+        self.unused = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_an_unused_parameter_keeps_no_grad_as_in_eager():
+    torch.manual_seed(0)
+    eager = _WithUnused()
+    module = copy.deepcopy(eager)
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), allow_unused_input=True,
+        fuse_grad_accumulation=True)
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        eager(x).sum().backward()
+        graphed(x).sum().backward()
+    assert module.unused.weight.grad is None and eager.unused.weight.grad is None
+    assert torch.equal(module.used.weight.grad, eager.used.weight.grad)
+
+
+@pytest.mark.parametrize("share_buffers", [True, False])
+def test_retained_backwards_accumulate_twice_as_eager_does(share_buffers):
+    eager, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), retain_graph_in_backward=True,
+        share_buffers=share_buffers, fuse_grad_accumulation=True)
+    x = torch.randn(4, 8)
+    out_eager, out = eager(x).square().sum(), graphed(x).square().sum()
+    for _ in range(2):
+        out_eager.backward(retain_graph=True)
+        out.backward(retain_graph=True)
+    for a, b in zip(eager.parameters(), module.parameters()):
+        assert torch.equal(a.grad, b.grad)

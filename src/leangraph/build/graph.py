@@ -371,8 +371,11 @@ class GraphBuilder:
         if not self._accumulate:
             return None
         reached = list(dict.fromkeys(self._eager_order))
+        # A parameter the outputs do not depend on (allow_unused_input) gets no gradient in
+        # eager, so its .grad stays None: it is no target at replay either.
+        targets = tuple(self._accumulate[i] for i in sorted(reached))
         params = [self._accumulate[i].param for i in reached]
-        return FusedGradients(self._accumulate, hook_relay(params) if params else None)
+        return FusedGradients(targets, hook_relay(params) if params else None)
 
     def abandon(self) -> None:
         """Release the pair after a failed build."""
