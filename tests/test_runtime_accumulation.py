@@ -279,3 +279,16 @@ def test_retained_backwards_accumulate_twice_as_eager_does(share_buffers):
         out.backward(retain_graph=True)
     for a, b in zip(eager.parameters(), module.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_a_compiled_module_accumulates_in_graph_exactly():
+    eager, module = _block_pair()
+    compiled = torch.compile(module, backend="aot_eager")
+    graphed = leangraph.make_graphed_callables(
+        compiled, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        eager(x).square().sum().backward()
+        graphed(x).square().sum().backward()
+    for a, b in zip(eager.parameters(), module.parameters()):
+        assert torch.equal(a.grad, b.grad)
