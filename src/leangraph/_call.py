@@ -218,6 +218,7 @@ class CaptureOptions:
     pre_warmup_hook: Callable[[], None] | None = None
     post_warmup_hook: Callable[[], None] | None = None
     fuse_grad_accumulation: bool = False
+    accumulator_hooks: bool = True
 
     def __post_init__(self) -> None:
         count = self.num_warmup_iters
@@ -227,6 +228,17 @@ class CaptureOptions:
             raise TypeError(
                 "fuse_grad_accumulation must be a bool, got "
                 f"{type(self.fuse_grad_accumulation).__name__} {self.fuse_grad_accumulation!r}"
+            )
+        if not isinstance(self.accumulator_hooks, bool):
+            raise TypeError(
+                "accumulator_hooks must be a bool, got "
+                f"{type(self.accumulator_hooks).__name__} {self.accumulator_hooks!r}"
+            )
+        if not self.accumulator_hooks and not self.fuse_grad_accumulation:
+            raise ValueError(
+                "accumulator_hooks=False needs fuse_grad_accumulation=True: without it autograd "
+                "accumulates every parameter gradient itself, and its accumulators run their "
+                "hooks; got fuse_grad_accumulation=False"
             )
 
 

@@ -60,6 +60,7 @@ class CaptureKeywords(TypedDict, total=False):
     post_warmup_hook: Callable[[], None] | None
     capture_time_hooks: Sequence[Mapping[str, Sequence[Callable[..., None]]] | None] | None
     fuse_grad_accumulation: bool
+    accumulator_hooks: bool
     generator_states: Sequence[torch.Generator]
 
 
@@ -105,6 +106,7 @@ def make_graphed_callables(
     post_warmup_hook: Callable[[], None] | None = None,
     capture_time_hooks: Sequence[Mapping[str, Sequence[Callable[..., None]]] | None] | None = None,
     fuse_grad_accumulation: bool = False,
+    accumulator_hooks: bool = True,
     generator_states: Sequence[torch.Generator] = (),
 ) -> Any:
     """Capture callables into forward and backward graphs, optionally in a pipeline order.
@@ -148,6 +150,11 @@ def make_graphed_callables(
         fuse_grad_accumulation: Add parameter gradients into ``main_grad`` (where present)
             or ``.grad`` inside the backward graphs; both then alias graph-written memory
             until reset ([concepts](docs/concepts.md): zeroing, hooks, Megatron's flag).
+        accumulator_hooks: With ``fuse_grad_accumulation``, whether each backward replay
+            still runs the parameters' autograd accumulators, so that their hooks fire
+            (post-accumulate-grad hooks, torch DDP's and Megatron DDP's gradient-ready
+            hooks). False skips them, saving host time per parameter per backward, for loops
+            where no such hook is registered; a post-accumulate-grad hook is then refused.
         generator_states: Graph-safe CUDA generator states the callables switch to while
             they run (Megatron's graph-safe RNG tracker), registered with every graph.
 
@@ -165,6 +172,7 @@ def make_graphed_callables(
         pre_warmup_hook=pre_warmup_hook,
         post_warmup_hook=post_warmup_hook,
         fuse_grad_accumulation=fuse_grad_accumulation,
+        accumulator_hooks=accumulator_hooks,
     )
     call = validate_call(callables, sample_args, sample_kwargs, order, num_layers_per_chunk)
     check_capturable(call, _already_graphed)

@@ -34,7 +34,9 @@ __all__ = [
     "allocate_targets",
     "check_fusable",
     "fire_relay",
+    "has_post_accumulate_hooks",
     "hook_relay",
+    "post_accumulate_hook_refusal",
     "unchanged_by",
 ]
 
@@ -57,10 +59,12 @@ class AccumulationTarget:
 @dataclass(frozen=True, eq=False)
 class FusedGradients:
     """One graph's share of the accumulation: its targets in gradient order, and the relay
-    its replays hand autograd (None when it trains no parameter)."""
+    its replays hand autograd (None when it trains no parameter, or without
+    ``accumulator_hooks``: then no accumulator runs, and no hook may wait for one)."""
 
     targets: tuple[AccumulationTarget, ...]
     relay: torch.Tensor | None
+    accumulator_hooks: bool = True
 
 
 def _main_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -68,14 +72,22 @@ def _main_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     return main_grad if isinstance(main_grad, torch.Tensor) else None
 
 
-def check_fusable(label: str, params: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
-    """Refuse, before warm-up, parameters whose gradient cannot be added into a buffer.
+def check_fusable(
+    label: str, params: Sequence[tuple[str, torch.nn.Parameter]], *, accumulator_hooks: bool
+) -> None:
+    """Refuse, before warm-up, parameters whose gradient cannot be added into a buffer, and
+    (without ``accumulator_hooks``) parameters with a hook that would never fire.
 
     Raises:
-        ValueError: for a ``main_grad`` of another shape or device, or not floating point.
+        ValueError: for a ``main_grad`` of another shape or device, or not floating point;
+            for a post-accumulate-grad hook without ``accumulator_hooks``.
         RuntimeError: if this torch's accumulators skip hooks for a missing gradient.
     """
-    if params and not _accumulators_run_hooks_without_gradient():
+    if not accumulator_hooks:
+        for name, param in params:
+            if has_post_accumulate_hooks(param):
+                raise ValueError(post_accumulate_hook_refusal(label, name))
+    elif params and not _accumulators_run_hooks_without_gradient():
         raise RuntimeError(
             f"{label}: fuse_grad_accumulation=True needs a torch whose autograd runs "
             "post-accumulate-grad hooks for a parameter that got no gradient; torch "
@@ -97,6 +109,21 @@ def check_fusable(label: str, params: Sequence[tuple[str, torch.nn.Parameter]]) 
                 f"{tuple(param.shape)} on {param.device}; got {main_grad.dtype} of shape "
                 f"{tuple(main_grad.shape)} on {main_grad.device}"
             )
+
+
+def has_post_accumulate_hooks(param: torch.Tensor) -> bool:
+    """Whether ``param`` has a ``register_post_accumulate_grad_hook`` hook (torch keeps them
+    in this attribute, None or a dict, publicly unlisted)."""
+    return bool(getattr(param, "_post_accumulate_grad_hooks", None))
+
+
+def post_accumulate_hook_refusal(label: str, name: str) -> str:
+    """Why a parameter with a post-accumulate-grad hook is refused without accumulator hooks."""
+    return (
+        f"{label} parameter {name!r} has a post-accumulate-grad hook, which "
+        "accumulator_hooks=False would never run (its backward replays run no autograd "
+        "accumulator); remove the hook, or capture with accumulator_hooks=True (the default)"
+    )
 
 
 @functools.lru_cache(maxsize=1)

@@ -64,7 +64,9 @@ def build_graphs(
     sources = graph_sources(call, facts, hooks, options)
     if options.fuse_grad_accumulation:
         for source in sources:
-            check_fusable(source.label, _trained(source))
+            check_fusable(
+                source.label, _trained(source), accumulator_hooks=options.accumulator_hooks
+            )
     builders = [GraphBuilder(source, backend.new_pair()) for source in sources]
     try:
         capture = _warm_up_and_capture(call, builders, buffer_plan, backend, options, progress)
@@ -107,7 +109,7 @@ def _warm_up_and_capture(
     if options.fuse_grad_accumulation:
         targets = allocate_targets([_trained(b.source) for b in builders])
         for builder, graph_targets in zip(builders, targets):
-            builder.fuse_into(graph_targets)
+            builder.fuse_into(graph_targets, accumulator_hooks=options.accumulator_hooks)
     # A capture that runs its work adds capture-time gradients into the targets: keep what
     # they held (an adopted .grad, a main_grad) and put it back, as a CUDA capture leaves it.
     kept = unchanged_by(targets) if backend.capture_runs_work else contextlib.nullcontext()

@@ -67,6 +67,7 @@ class GraphBuilder:
         self._static_weight_grads: tuple[torch.Tensor | None, ...] = ()
         self._released = False
         self._accumulate: tuple[AccumulationTarget, ...] = ()
+        self._accumulator_hooks = True
         self._eager_order: list[int] = []  # trained parameters, as eager's backward reaches them
 
     @property
@@ -218,10 +219,14 @@ class GraphBuilder:
                 for o, rg in zip(self._static_outputs, self._output_requires_grad)
             )
 
-    def fuse_into(self, targets: tuple[AccumulationTarget, ...]) -> None:
+    def fuse_into(
+        self, targets: tuple[AccumulationTarget, ...], *, accumulator_hooks: bool
+    ) -> None:
         """Add the trained parameters' gradients into ``targets`` inside the backward graph
-        (in-graph accumulation; set before capture)."""
+        (in-graph accumulation; set before capture); ``accumulator_hooks``: replays still run
+        the parameters' accumulators, through a relay."""
         self._accumulate = targets
+        self._accumulator_hooks = accumulator_hooks
 
     def _grad_body(
         self, targets: Callable[[], tuple[torch.Tensor, ...]], retain: bool, *, params: bool
@@ -375,7 +380,8 @@ class GraphBuilder:
         # eager, so its .grad stays None: it is no target at replay either.
         targets = tuple(self._accumulate[i] for i in sorted(reached))
         params = [self._accumulate[i].param for i in reached]
-        return FusedGradients(targets, hook_relay(params) if params else None)
+        relay = hook_relay(params) if params and self._accumulator_hooks else None
+        return FusedGradients(targets, relay, self._accumulator_hooks)
 
     def abandon(self) -> None:
         """Release the pair after a failed build."""

@@ -10,9 +10,16 @@ Megatron-LM's protocol are told their gradient is already in ``main_grad``.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
-from ..build.accumulation import AccumulationTarget, FusedGradients
+from ..build.accumulation import (
+    AccumulationTarget,
+    FusedGradients,
+    has_post_accumulate_hooks,
+    post_accumulate_hook_refusal,
+)
 
 __all__ = ["InGraphAccumulation"]
 
@@ -24,6 +31,15 @@ class InGraphAccumulation:
         self._label = label
         self._targets = fused.targets
         self.relay = fused.relay
+        self._hooks = fused.accumulator_hooks
+        # The common replay, every target attached as at capture, checked in C-level loops.
+        grad_targets = [t for t in fused.targets if not t.into_main_grad]
+        main_targets = [t for t in fused.targets if t.into_main_grad]
+        self._params = tuple(t.param for t in fused.targets)
+        self._grad_params = tuple(t.param for t in grad_targets)
+        self._grad_buffers = tuple(t.buffer for t in grad_targets)
+        self._main_params = tuple(t.param for t in main_targets)
+        self._main_buffers = tuple(t.buffer for t in main_targets)
         # Megatron-core's DDP marks the parameters it manages with this flag; its gradient-ready
         # hook adds .grad into main_grad unless the flag says that happened already.
         self._megatron = tuple(
@@ -37,11 +53,16 @@ class InGraphAccumulation:
 
         Raises:
             RuntimeError: for a parameter frozen since capture, or whose ``.grad`` or
-                ``main_grad`` is another tensor than the one the graph adds into.
+                ``main_grad`` is another tensor than the one the graph adds into; without
+                accumulator hooks, for one that got a post-accumulate-grad hook since.
         """
+        if self._as_captured():
+            return
         cleared: list[AccumulationTarget] = []
         for target in self._targets:
             param = target.param
+            if not self._hooks and has_post_accumulate_hooks(param):
+                raise RuntimeError(post_accumulate_hook_refusal(self._label, target.name))
             if not param.requires_grad:
                 raise RuntimeError(
                     f"{self._label} parameter {target.name!r} must require grad as at capture: "
@@ -64,6 +85,19 @@ class InGraphAccumulation:
             for target, buffer in zip(cleared, buffers):
                 target.param.grad = buffer
 
+    def _as_captured(self) -> bool:
+        """Whether every target is its parameter's gradient as at capture, every parameter
+        still requires grad, and (without accumulator hooks) none got a hook since."""
+        try:
+            return (
+                all(map(_REQUIRES_GRAD, self._params))
+                and all(map(operator.is_, map(_GRAD, self._grad_params), self._grad_buffers))
+                and all(map(operator.is_, map(_MAIN_GRAD, self._main_params), self._main_buffers))
+                and (self._hooks or not any(map(has_post_accumulate_hooks, self._params)))
+            )
+        except AttributeError:  # a main_grad deleted: the full check names it
+            return False
+
     def after_replay(self) -> None:
         """Tell Megatron's hooks the gradient is in ``main_grad`` (and give its
         ``overlap_grad_reduce`` check a ``.grad``: a broadcast zero, which the hook drops)."""
@@ -80,3 +114,8 @@ class InGraphAccumulation:
             "zero_grad() (set_to_none=True or False) instead of assigning a new tensor, or "
             "capture again"
         )
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_GRAD = operator.attrgetter("grad")
+_MAIN_GRAD = operator.attrgetter("main_grad")

@@ -34,8 +34,10 @@ class GradRouting:
     def __init__(self, record: GraphRecord, pending: PendingBackwards) -> None:
         self._static_grads = record.static_grads
         self._input_requires_grad = tuple(s.requires_grad for s in record.signature.specs)
-        # With in-graph accumulation the parameters' gradients stay in the graphs' buffers.
-        self._params = record.params if record.fused is None else ()
+        # With in-graph accumulation the parameters' gradients stay in the graphs' buffers;
+        # a split backward's come at the weight step.
+        delivers = record.fused is None and not record.split_backward
+        self._params = record.params if delivers else ()
         self._param_trains = record.param_trains
         self._peers = record.sharing.peers
         self._shared_param_ids = record.sharing.shared_param_ids

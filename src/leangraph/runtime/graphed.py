@@ -88,6 +88,10 @@ class GraphedCallable:
         )
         self._weight = WeightStep(record, self._fused) if record.split_backward else None
         self._autograd_params = _params_for_autograd(record)
+        # A stand-in only makes the outputs require grad: not needed when an input does.
+        self._stand_in = bool(self._autograd_params) and (
+            record.split_backward or record.fused is not None and record.fused.relay is None
+        )
         self._param_slots = _parameter_slots(record)
         self._debug_outputs = debug_outputs
         self._guard: OutputGuard | None = None
@@ -150,7 +154,10 @@ class GraphedCallable:
         if any(t.requires_grad and not s.requires_grad for t, s in zip(leaves, self._specs)):
             self._warn_ungraded(leaves)
         token = BackwardToken()
-        outputs = _Replay.apply(self, clone_grads, token, *leaves, *self._autograd_params)
+        extra = self._autograd_params
+        if self._stand_in and any(t.requires_grad for t in leaves):
+            extra = ()
+        outputs = _Replay.apply(self, clone_grads, token, *leaves, *extra)
         del token  # from here on only the replay's autograd node (if any) keeps it alive
         if record.has_backward and not any(o.requires_grad for o in outputs):
             self._sequence.without_backward(self._index)  # grad mode off: no backward comes
@@ -331,12 +338,7 @@ class GraphedCallable:
             elif self._guard is not None:
                 self._guard.invalidate(f"the backward of {self._label} ran")
             assert self._grads is not None
-            routed = self._grads.scatter(clone_inputs)
-            if self._weight is not None or self._fused is not None:
-                # No parameter gradient: the stand-in or the relay gets none (a relay's
-                # accumulators then run their hooks, the gradients being in place already).
-                routed = routed[: len(clone_inputs)] + (None,) * len(self._autograd_params)
-            return routed
+            return self._grads.scatter(clone_inputs)
 
 
 def _params_for_autograd(record: GraphRecord) -> tuple[torch.Tensor, ...]:
@@ -344,13 +346,13 @@ def _params_for_autograd(record: GraphRecord) -> tuple[torch.Tensor, ...]:
     gradients it returns. With in-graph accumulation, the relay instead: the gradients are
     in place already, and the relay's accumulators run their hooks in eager's order. A
     split backward returns none (the weight step delivers them), and autograd would still
-    run their accumulators, and their post-accumulate-grad hooks, with no gradient; an
-    empty leaf that requires grad stands in for them, so the outputs require grad exactly
-    when eager's would."""
-    if record.fused is not None and not record.split_backward:
-        relay = record.fused.relay
-        return () if relay is None else (relay,)
-    if not record.split_backward:
+    run their accumulators, and their post-accumulate-grad hooks, with no gradient; nor does
+    in-graph accumulation without accumulator hooks. There an empty leaf that requires grad
+    stands in for the parameters, so the outputs require grad exactly when eager's would."""
+    relay = None if record.fused is None else record.fused.relay
+    if relay is not None and not record.split_backward:
+        return (relay,)
+    if record.fused is None and not record.split_backward:
         return record.params
     if not record.trained_params():
         return ()
@@ -428,6 +430,7 @@ class _Replay(torch.autograd.Function):
         ctx.owner = owner
         ctx.generation = owner._forward_generation
         ctx.clone_inputs = clone_inputs
+        ctx.num_tensors = len(tensors)
         ctx.token = token
         token.node = weakref.ref(ctx)
         frozen = [o for o, rg in zip(outputs, record.output_requires_grad) if not rg]
@@ -439,4 +442,6 @@ class _Replay(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         owner: GraphedCallable = ctx.owner
         grad_inputs = owner._replay_backward(grads, ctx.generation, ctx.clone_inputs)
-        return (None, None, None, *grad_inputs)
+        # Nothing for the relay or stand-in, if given: a relay's accumulators then run their
+        # hooks without accumulating, the gradients being in place already.
+        return (None, None, None, *grad_inputs) + (None,) * (ctx.num_tensors - len(grad_inputs))
