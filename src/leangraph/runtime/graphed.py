@@ -90,7 +90,7 @@ class GraphedCallable:
         self._autograd_params = _params_for_autograd(record)
         # A stand-in only makes the outputs require grad: not needed when an input does.
         self._stand_in = bool(self._autograd_params) and (
-            record.split_backward or record.fused is not None and record.fused.relay is None
+            record.split_backward or (record.fused is not None and record.fused.relay is None)
         )
         self._param_slots = _parameter_slots(record)
         self._debug_outputs = debug_outputs
