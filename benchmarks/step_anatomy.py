@@ -6,11 +6,10 @@ variant, 30 synchronised steps (median ms) and the host ms per step of 30 unsync
 
 - ``raw-graphs``: leangraph's forward and backward graphs replayed in the step's order with
   nothing else (no Python per layer, no autograd): the GPU floor of per-layer graphs;
-- torch, leangraph, leangraph-fused as the bench runs them, and the whole-step graph;
-- ``fused-no-relay``: fused, with the relay (which runs the parameters' accumulator hooks)
-  taken out of each replay's autograd node, to price it.
+- every graphed method of the bench as it runs them (torch, leangraph, leangraph-fused,
+  leangraph-fused-nohooks), and the whole-step graph.
 
-Then ``torch.profiler``'s CPU table of 5 fused steps (self CPU time by op).
+Then ``torch.profiler``'s CPU table of 5 leangraph-fused-nohooks steps (self CPU time by op).
 Usage: PYTHONPATH=src python3 benchmarks/step_anatomy.py
 """
 
@@ -22,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from leangraph.cli.bench import LAUNCH_BOUND, BenchWorkload, graph_methods
+from leangraph.cli.bench import FUSED_NO_HOOKS, LAUNCH_BOUND, BenchWorkload, graph_methods
 from leangraph.order import StepKind, parse_order
 
 
@@ -76,16 +75,9 @@ def main() -> None:
     for name, step in rows.items():
         median, host = timed(step)
         print(f"{name:<16} step {median:7.2f} ms   host {host:7.2f} ms")
-    relays = [g._autograd_params for g in fused]
-    for g in fused:
-        g._autograd_params = ()
-    median, host = timed(graphed["leangraph-fused"].step)
-    print(f"{'fused-no-relay':<16} step {median:7.2f} ms   host {host:7.2f} ms")
-    for g, relay in zip(fused, relays):
-        g._autograd_params = relay
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(5):
-            graphed["leangraph-fused"].step()
+            graphed[FUSED_NO_HOOKS].step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
 

@@ -78,3 +78,36 @@ def _adds_outside_graphs(fuse: bool) -> int:
 def test_fused_backward_launches_no_accumulation_outside_the_graphs():
     assert _adds_outside_graphs(fuse=False) >= 4 * 6 - 6  # the control: autograd's adds
     assert _adds_outside_graphs(fuse=True) == 0
+
+
+@pytest.mark.parametrize(("order", "layers", "microbatches"), [
+    (INTERLEAVED, [2, 2], 4), (ZB, [1, 1], 2)], ids=["interleaved", "zero-bubble"])
+def test_fused_training_without_accumulator_hooks_is_exact_on_cuda(order, layers, microbatches):
+    history, graphed = train_both(order, layers, width=64, microbatches=microbatches, steps=4,
+                                  device="cuda", set_to_none=lambda step: step % 2 == 0,
+                                  fuse_grad_accumulation=True, accumulator_hooks=False)
+    assert_histories_equal(history, exact=True)
+    leangraph.reset_all(graphed)
+
+
+def _accumulators_run(**options) -> int:
+    """AccumulateGrad nodes autograd's engine runs in 4 fused backwards of one block whose
+    input requires grad (1 accumulator of its own per backward)."""
+    torch.manual_seed(0)
+    module = Block(64).cuda()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(8, 64, device="cuda", requires_grad=True),),
+        fuse_grad_accumulation=True, **options)
+    inputs = [torch.randn(8, 64, device="cuda", requires_grad=True) for _ in range(4)]
+    graphed(inputs[0]).sum().backward()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for x in inputs:
+            graphed(x).sum().backward()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.key == "torch::autograd::AccumulateGrad")
+
+
+def test_without_accumulator_hooks_only_the_inputs_accumulator_runs_on_cuda():
+    assert _accumulators_run() == 4 * (6 + 1)  # the control: the relay reaches 6 parameters
+    assert _accumulators_run(accumulator_hooks=False) == 4

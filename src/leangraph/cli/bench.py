@@ -76,6 +76,7 @@ from .workloads import (
 __all__ = [
     "CUDA_METHODS",
     "FUSED",
+    "FUSED_NO_HOOKS",
     "GRAPHED_METHODS",
     "GRAPH_LAUNCH_CALLS",
     "KERNEL_LAUNCH_CALLS",
@@ -83,6 +84,7 @@ __all__ = [
     "LEANGRAPH_METHODS",
     "LIMIT",
     "METHODS",
+    "OPT_IN_METHODS",
     "BenchConfig",
     "BenchResult",
     "BenchWorkload",
@@ -114,14 +116,25 @@ MIB = 1024 * 1024
 
 FUSED = "leangraph-fused"
 """leangraph with in-graph gradient accumulation (``fuse_grad_accumulation=True``)."""
-METHODS = ("eager", "torch", "leangraph", FUSED, "whole-step")
+FUSED_NO_HOOKS = "leangraph-fused-nohooks"
+"""In-graph accumulation whose replays run no autograd accumulator (``accumulator_hooks=False``:
+no gradient-ready hook fires, for loops that register none)."""
+METHODS = ("eager", "torch", "leangraph", FUSED, FUSED_NO_HOOKS, "whole-step")
 """Every method the bench knows, in the order it runs them."""
-GRAPHED_METHODS = ("torch", "leangraph", FUSED, "whole-step")
+GRAPHED_METHODS = ("torch", "leangraph", FUSED, FUSED_NO_HOOKS, "whole-step")
 """The methods that capture graphs (and so have capture figures and timing rounds)."""
 LEANGRAPH_METHODS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
-    {"leangraph": MappingProxyType({}), FUSED: MappingProxyType({"fuse_grad_accumulation": True})}
+    {
+        "leangraph": MappingProxyType({}),
+        FUSED: MappingProxyType({"fuse_grad_accumulation": True}),
+        FUSED_NO_HOOKS: MappingProxyType(
+            {"fuse_grad_accumulation": True, "accumulator_hooks": False}
+        ),
+    }
 )
 """The methods that call ``leangraph.make_graphed_callables``, each with its options."""
+OPT_IN_METHODS = (FUSED, FUSED_NO_HOOKS)
+"""The methods the bench runs only when asked (``--methods``, or a preset's own list)."""
 CUDA_METHODS: Mapping[str, str] = MappingProxyType(
     {"torch": "torch.cuda.make_graphed_callables", "whole-step": "torch.cuda.CUDAGraph"}
 )
@@ -130,13 +143,17 @@ LIMIT = "whole-step"
 """The method every step time is compared with (``x limit``): the whole step as one graph."""
 
 
-def fused_unavailable() -> str | None:
-    """Why the leangraph-fused method cannot run with the installed leangraph, or None."""
-    if "fuse_grad_accumulation" in inspect.signature(make_graphed_callables).parameters:
+def fused_unavailable(name: str = FUSED) -> str | None:
+    """Why a fused method (``FUSED`` or ``FUSED_NO_HOOKS``) cannot run with the installed
+    leangraph, or None."""
+    taken = inspect.signature(make_graphed_callables).parameters
+    missing = [option for option in LEANGRAPH_METHODS[name] if option not in taken]
+    if not missing:
         return None
+    wanted = ", ".join(f"{option}={value}" for option, value in LEANGRAPH_METHODS[name].items())
     return (
-        "needs make_graphed_callables(fuse_grad_accumulation=True) (in-graph gradient "
-        "accumulation), which the installed leangraph does not take yet"
+        f"needs make_graphed_callables({wanted}) (in-graph gradient accumulation), which the "
+        "installed leangraph does not take yet"
     )
 
 
@@ -144,8 +161,8 @@ def method_unavailable(name: str, device: str) -> str | None:
     """Why method ``name`` cannot run on ``device`` here (one clause), or None when it can."""
     if name in CUDA_METHODS and not device.startswith("cuda"):
         return f"needs a CUDA device ({CUDA_METHODS[name]})"
-    if name == FUSED:
-        return fused_unavailable()
+    if name in OPT_IN_METHODS:
+        return fused_unavailable(name)
     return None
 
 
@@ -165,7 +182,7 @@ class BenchConfig:
     )
     steps: int = 5
     warmup_iters: int = 3
-    methods: tuple[str, ...] = tuple(m for m in METHODS if m != FUSED)  # fused: opt-in
+    methods: tuple[str, ...] = tuple(m for m in METHODS if m not in OPT_IN_METHODS)
     device: str = "cuda"
     rounds: int = 0  # extra rounds timing the graphed methods in turn (see RoundTimes)
     launch_steps: int = 0  # steps profiled per method after all timing (0: no launch counts)
@@ -679,7 +696,7 @@ def capture_method(
         raise ValueError(f"no graphed method {name!r}; choose from {', '.join(GRAPHED_METHODS)}")
     if name not in LEANGRAPH_METHODS and (options or progress is not None):
         raise ValueError(f"the {name} method takes no options, got {sorted(options) or 'progress'}")
-    why = fused_unavailable() if name == FUSED else None
+    why = fused_unavailable(name) if name in OPT_IN_METHODS else None
     if why is not None:
         raise ValueError(f"the {name} method {why}")
     blocks = work.copy_blocks() if blocks is None else blocks
@@ -1164,18 +1181,19 @@ def _launch_notes(result: BenchResult) -> list[str]:
     return notes
 
 
-def _rounds_lines(result: BenchResult) -> list[str]:
+def _rounds_lines(result: BenchResult, named: int) -> list[str]:
     count = len(next(iter(result.rounds.values())).capture_seconds)
     limit = LIMIT in result.rounds
     lines = [
         "",
         f"{count} rounds, median [min-max]{' (x limit: of the medians)' if limit else ''}:",
-        f"{'method':<10} {'capture s':>24} {'step ms':>24}" + (f" {'x limit':>7}" if limit else ""),
+        f"{'method':<{named}} {'capture s':>24} {'step ms':>24}"
+        + (f" {'x limit':>7}" if limit else ""),
     ]
     for name, t in result.rounds.items():
         ratio = f" {_times(result.limit_ratio(name, rounds=True)):>7}" if limit else ""
         lines.append(
-            f"{name:<10} {RoundTimes.spread(t.capture_seconds):>24} "
+            f"{name:<{named}} {RoundTimes.spread(t.capture_seconds):>24} "
             f"{RoundTimes.spread(t.step_seconds, 1000):>24}{ratio}"
         )
     return lines
@@ -1195,18 +1213,21 @@ def format_table(result: BenchResult) -> str:
     A method that ran out of memory has a row saying so; one that could not run here, a
     ``not run`` row with the reason."""
     columns = _table_columns(result)
-    header = " ".join([f"{'method':<10}"] + [f"{title:>{width}}" for title, width, _ in columns])
+    named = max(10, *(len(name) for name in [*result.methods, *result.unavailable]))
+    header = " ".join(
+        [f"{'method':<{named}}"] + [f"{title:>{width}}" for title, width, _ in columns]
+    )
     lines = [header, "-" * len(header)]
     for name, m in result.methods.items():
         if m.failure is not None:
-            lines.append(f"{name:<10} {_failure_cell(m)}")
+            lines.append(f"{name:<{named}} {_failure_cell(m)}")
             continue
         cells = [f"{cell(name, m):>{width}}" for _, width, cell in columns]
-        lines.append(" ".join([f"{name:<10}", *cells]))
-    lines += [f"{name:<10} not run: {why}" for name, why in result.unavailable.items()]
+        lines.append(" ".join([f"{name:<{named}}", *cells]))
+    lines += [f"{name:<{named}} not run: {why}" for name, why in result.unavailable.items()]
     lines += _launch_notes(result)
     if result.rounds:
-        lines += _rounds_lines(result)
+        lines += _rounds_lines(result, named)
     return "\n".join(lines)
 
 

@@ -27,8 +27,10 @@ from leangraph.schedules import interleaved_1f1b
 from .bench import (
     CUDA_METHODS,
     FUSED,
+    FUSED_NO_HOOKS,
     LEANGRAPH_METHODS,
     METHODS,
+    OPT_IN_METHODS,
     BenchConfig,
     BenchResult,
     format_table,
@@ -352,9 +354,10 @@ def _default_methods(defaults: Sequence[str], device: str) -> tuple[tuple[str, .
     if on_cuda and device == "cpu":
         uses = " and ".join(CUDA_METHODS[m] for m in on_cuda)
         notes.append(f"{uses} need CUDA, so the {' and '.join(on_cuda)} methods are left out")
-    why = fused_unavailable()
-    if FUSED in defaults and why is not None:
-        notes.append(f"the {FUSED} method {why}, so it is left out")
+    for name in OPT_IN_METHODS:
+        why = fused_unavailable(name)
+        if name in defaults and why is not None:
+            notes.append(f"the {name} method {why}, so it is left out")
     kept = tuple(m for m in defaults if method_unavailable(m, device) is None)
     return kept, notes
 
@@ -382,9 +385,12 @@ def _bench_methods(
             f"a CUDA GPU ({uses}) and this bench runs on the CPU ({why_cpu}); leave {them} out "
             "of --methods or run on a GPU"
         )
-    why = fused_unavailable()
-    if FUSED in names and why is not None:
-        raise UsageError(f"--methods {text}: the {FUSED} method {why}; leave it out of --methods")
+    for name in OPT_IN_METHODS:
+        why = fused_unavailable(name)
+        if name in names and why is not None:
+            raise UsageError(
+                f"--methods {text}: the {name} method {why}; leave it out of --methods"
+            )
     return tuple(name for name in METHODS if name in names), []
 
 
@@ -782,7 +788,8 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
         f"{' and '.join(CUDA_METHODS)} need CUDA, {FUSED} a leangraph whose "
         "make_graphed_callables takes fuse_grad_accumulation); whole-step is the whole "
         "training step captured as one CUDA graph, the limit the others' 'x limit' compares "
-        f"with; {FUSED} is leangraph with in-graph gradient accumulation",
+        f"with; {FUSED} is leangraph with in-graph gradient accumulation, {FUSED_NO_HOOKS} "
+        "the same with accumulator_hooks=False (no gradient-ready hook fires)",
     )
     bench.add_argument(
         "--rounds",

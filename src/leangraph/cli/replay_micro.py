@@ -32,7 +32,7 @@ from typing import Any, cast
 
 import torch
 
-from leangraph import make_graphed_callables, reset_all
+from leangraph import CaptureKeywords, make_graphed_callables, reset_all
 
 from .workloads import BlockShape, make_blocks, sample_hidden
 
@@ -46,10 +46,16 @@ __all__ = [
     "time_replays",
 ]
 
-REPLAY_METHODS = ("torch", "leangraph", "leangraph-fused")
+_LEANGRAPH_OPTIONS: dict[str, CaptureKeywords] = {
+    "leangraph": {},
+    "leangraph-fused": {"fuse_grad_accumulation": True},
+    "leangraph-fused-nohooks": {"fuse_grad_accumulation": True, "accumulator_hooks": False},
+}
+REPLAY_METHODS = ("torch", *_LEANGRAPH_OPTIONS)
 """The methods the microbenchmark compares, in the order of its first round
 (``leangraph-fused``: with ``fuse_grad_accumulation=True``, which accumulates the parameter
-gradients inside the backward graph instead of through autograd)."""
+gradients inside the backward graph instead of through autograd; ``-nohooks``: also with
+``accumulator_hooks=False``, so no autograd accumulator runs at all)."""
 
 Layer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -121,14 +127,10 @@ def graphed_layer(method: str, block: torch.nn.Module, sample: torch.Tensor) -> 
     if method == "torch":
         graphed = torch.cuda.make_graphed_callables((block,), ((sample,),))
         return cast(Layer, graphed[0])  # a tuple of one module in, of one module out
-    if method in ("leangraph", "leangraph-fused"):
-        graphs = make_graphed_callables(
-            (block,),
-            ((sample,),),
-            order=[1, -1],
-            num_layers_per_chunk=1,
-            fuse_grad_accumulation=method == "leangraph-fused",
-        )
+    if method in _LEANGRAPH_OPTIONS:
+        options: CaptureKeywords = {"order": [1, -1], "num_layers_per_chunk": 1}
+        options.update(_LEANGRAPH_OPTIONS[method])
+        graphs = make_graphed_callables((block,), ((sample,),), **options)
         return cast(Layer, graphs[0])
     raise ValueError(f"no replay method {method!r}; choose from {', '.join(REPLAY_METHODS)}")
 

@@ -93,7 +93,7 @@ class InGraphAccumulation:
                 all(map(_REQUIRES_GRAD, self._params))
                 and all(map(operator.is_, map(_GRAD, self._grad_params), self._grad_buffers))
                 and all(map(operator.is_, map(_MAIN_GRAD, self._main_params), self._main_buffers))
-                and (self._hooks or not any(map(has_post_accumulate_hooks, self._params)))
+                and (self._hooks or not any(map(_POST_ACCUMULATE_HOOKS, self._params)))
             )
         except AttributeError:  # a main_grad deleted: the full check names it
             return False
@@ -119,3 +119,4 @@ class InGraphAccumulation:
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _GRAD = operator.attrgetter("grad")
 _MAIN_GRAD = operator.attrgetter("main_grad")
+_POST_ACCUMULATE_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")  # None or a dict

@@ -54,7 +54,11 @@ class GradRouting:
             if grad is not None and clone:
                 copy_at.append(len(result))
             result.append(grad)
-        awaited = bool(self._shared_param_ids) and self._pending.reached_now(self._peers)
+        awaited = (
+            bool(self._params)
+            and bool(self._shared_param_ids)
+            and self._pending.reached_now(self._peers)
+        )
         for param, trains in zip(self._params, self._param_trains):
             grad = next(grads, None) if trains else None
             if grad is not None and (

@@ -77,6 +77,12 @@ class GraphedCallable:
         self._specs = record.signature.specs
         self._warned: set[str] = set()  # inputs already warned about, by name
         self._single_output = record.output_tree.is_leaf()
+        # Facts of the capture the hot path would otherwise derive at every replay.
+        self._has_backward = record.has_backward
+        self._ungraded_inputs = not all(s.requires_grad for s in self._specs)
+        self._frozen_outputs = tuple(
+            i for i, rg in enumerate(record.output_requires_grad) if not rg
+        )
         self._frozen_params = tuple(
             (name, p)
             for name, p, trains in zip(record.param_names, record.params, record.param_trains)
@@ -149,9 +155,12 @@ class GraphedCallable:
             _check_parameters(self._label, self._param_slots)
         record = self._require_ready("call")
         leaves = self._signature.bind(args, kwargs)
-        self._check_frozen_params()
+        if self._frozen_params:
+            self._check_frozen_params()
         clone_grads = tuple(t.requires_grad and t.grad_fn is None for t in leaves)
-        if any(t.requires_grad and not s.requires_grad for t, s in zip(leaves, self._specs)):
+        if self._ungraded_inputs and any(
+            t.requires_grad and not s.requires_grad for t, s in zip(leaves, self._specs)
+        ):
             self._warn_ungraded(leaves)
         token = BackwardToken()
         extra = self._autograd_params
@@ -159,7 +168,7 @@ class GraphedCallable:
             extra = ()
         outputs = _Replay.apply(self, clone_grads, token, *leaves, *extra)
         del token  # from here on only the replay's autograd node (if any) keeps it alive
-        if record.has_backward and not any(o.requires_grad for o in outputs):
+        if self._has_backward and not any(o.requires_grad for o in outputs):
             self._sequence.without_backward(self._index)  # grad mode off: no backward comes
         if self._single_output:
             return outputs[0]
@@ -291,11 +300,14 @@ class GraphedCallable:
                 static.copy_(value)
             record.pair.replay_forward()
             self._forward_generation += 1
-            if record.has_backward:
+            if self._has_backward:
                 self._pending.note(self._index, token)
             if self._guard is not None:
                 self._guard.invalidate(f"{self._label} was replayed again")
-            outputs = tuple(o.detach() for o in record.static_outputs)
+            buffers = record.static_outputs
+            outputs = (
+                (buffers[0].detach(),) if len(buffers) == 1 else tuple(o.detach() for o in buffers)
+            )
             if self._debug_outputs:
                 self._guard = OutputGuard(self._label, self._forward_generation)
                 outputs = tuple(self._guard.wrap(o) for o in outputs)
@@ -426,15 +438,14 @@ class _Replay(torch.autograd.Function):
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         outputs = owner._replay_forward(tensors[: len(clone_inputs)], token)
-        record = owner._require_ready("replay its forward graph")
         ctx.owner = owner
         ctx.generation = owner._forward_generation
         ctx.clone_inputs = clone_inputs
         ctx.num_tensors = len(tensors)
         ctx.token = token
         token.node = weakref.ref(ctx)
-        frozen = [o for o, rg in zip(outputs, record.output_requires_grad) if not rg]
-        ctx.mark_non_differentiable(*frozen)
+        if owner._frozen_outputs:
+            ctx.mark_non_differentiable(*(outputs[i] for i in owner._frozen_outputs))
         return outputs
 
     @staticmethod

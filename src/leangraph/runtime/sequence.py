@@ -65,8 +65,15 @@ class ReplaySequence:
         Raises:
             RuntimeError: naming the replay expected and the one attempted.
         """
+        step = (graph, kind)
         with self._lock:
-            if may_repeat and self._last == (graph, kind):
+            if may_repeat and self._last == step:
+                return
+            if self._steps[self._next] == step and (
+                kind is StepKind.FORWARD or graph not in self._no_backward
+            ):
+                # The common replay: the expected one (nothing before it to pass over).
+                self._advance()
                 return
             self._pass_over_what_cannot_come()
             expected = self._steps[self._next]
