@@ -1,7 +1,7 @@
 """``accumulator_hooks=False`` (with ``fuse_grad_accumulation=True``): replays run no autograd
 accumulator, so training stays exact while no accumulator hook fires; a post-accumulate-grad
-hook is refused, before warm-up or at the next backward (CPU backend; the CUDA versions are
-in test_cuda_accumulation.py)."""
+hook is refused, before warm-up (V24) or at the next backward (R15) (CPU backend; the CUDA
+versions are in test_cuda_accumulation.py)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_accumulator_node_hooks_fire_only_with_accumulator_hooks(hooks):
     assert sorted(fired) == (sorted(names * 2) if hooks else [])
 
 
-def test_a_post_accumulate_grad_hook_is_refused_before_warm_up():
+def test_v24_a_post_accumulate_grad_hook_is_refused_before_warm_up():
     _, module = _block_pair()
     module.up.bias.register_post_accumulate_grad_hook(lambda _: None)
     warmed: list[bool] = []
@@ -78,7 +78,7 @@ def test_a_post_accumulate_grad_hook_is_refused_before_warm_up():
     assert warmed == []
 
 
-def test_a_post_accumulate_grad_hook_added_after_capture_is_refused_at_the_backward():
+def test_r15_a_post_accumulate_grad_hook_added_after_capture_is_refused_at_the_backward():
     _, module = _block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
@@ -93,7 +93,7 @@ def test_a_post_accumulate_grad_hook_added_after_capture_is_refused_at_the_backw
         assert torch.equal(p.grad, grad)
 
 
-def test_option_misuse_is_refused():
+def test_v24_option_misuse_is_refused():
     _, module = _block_pair()
     sample = (torch.randn(4, 8, requires_grad=True),)
     with raises(TypeError, "accumulator_hooks must be a bool, got int 0"):
