@@ -83,7 +83,8 @@ def test_replay_micro_times_both_methods_on_cuda():
     result = run_replay_micro(ReplayMicroConfig(shape=TINY, replays=5, rounds=3,
                                                 warmup_replays=2))
     for figures in (result.host_us, result.wall_us):
-        assert set(figures) == {"torch", "leangraph", "leangraph-fused"}
+        assert set(figures) == {"torch", "leangraph", "leangraph-fused",
+                                "leangraph-fused-nohooks"}
         assert all(len(v) == 3 and min(v) > 0 for v in figures.values())
     assert result.ratio() > 0
     assert "leangraph / torch" in format_replay_micro(result)

@@ -274,3 +274,20 @@ def test_l6_graphed_callables_cannot_be_copied_or_pickled():
         copy.deepcopy(graphed[1])
     with raises(TypeError, "callable 0 (Block): a graphed callable cannot be copied or pickled"):
         pickle.dumps(graphed[0].forward)
+
+
+def test_a_backward_with_create_graph_gives_eagers_gradients_and_refuses_a_second_order():
+    """A graph's backward is no differentiable function: with ``create_graph=True`` its
+    gradients are eager's, and differentiating them again raises, as torch's
+    ``once_differentiable`` makes it (the usual backward skips that wrapper)."""
+    torch.manual_seed(0)
+    eager = Block(8)
+    module = copy.deepcopy(eager)
+    graphed = mgc(module, (torch.randn(4, 8, requires_grad=True),))
+    x = torch.randn(4, 8, requires_grad=True)
+    x_eager = x.detach().clone().requires_grad_()
+    (grad,) = torch.autograd.grad(graphed(x).square().sum(), x, create_graph=True)
+    (expected,) = torch.autograd.grad(eager(x_eager).square().sum(), x_eager)
+    assert torch.equal(grad, expected)
+    with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
+        grad.sum().backward()

@@ -24,6 +24,7 @@ import contextlib
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +34,7 @@ __all__ = [
     "add_into",
     "allocate_targets",
     "check_fusable",
+    "deliver_gradients",
     "fire_relay",
     "has_post_accumulate_hooks",
     "hook_relay",
@@ -137,23 +139,37 @@ def _accumulators_run_hooks_without_gradient() -> bool:
     return bool(fired) and param.grad is None
 
 
-class _NoGradient(torch.autograd.Function):
-    """A node that returns no gradient to its input: reaching it runs the relay."""
+class _Deliver(torch.autograd.Function):
+    """A node whose backward hands given gradients (None: none) to its inputs' nodes."""
 
     @staticmethod
-    def forward(ctx: object, relay: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((), device=relay.device)
+    def forward(
+        ctx: Any, grads: tuple[torch.Tensor | None, ...], *inputs: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.grads = grads
+        return torch.zeros((), device=inputs[0].device)
 
     @staticmethod
-    def backward(ctx: object, _: torch.Tensor) -> None:
-        return None
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads, ctx.grads = ctx.grads, ()
+        return (None, *grads)
+
+
+def deliver_gradients(
+    inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] | None = None
+) -> None:
+    """Run autograd from a node that hands ``grads`` (default: none) to ``inputs``, outside any
+    other backward: their accumulators add what they get (into ``.grad``, as eager's do) and
+    run their hooks once each, also when they get nothing."""
+    given = tuple(grads) if grads is not None else (None,) * len(inputs)
+    with torch.enable_grad():
+        root = _Deliver.apply(given, *inputs)
+    torch.autograd.backward(root)
 
 
 def fire_relay(relay: torch.Tensor) -> None:
     """Run the accumulators ``relay`` reaches (their hooks), outside any other backward."""
-    with torch.enable_grad():
-        root = _NoGradient.apply(relay)
-    torch.autograd.backward(root)
+    deliver_gradients((relay,))
 
 
 def hook_relay(params_in_eager_order: Sequence[torch.nn.Parameter]) -> torch.Tensor:

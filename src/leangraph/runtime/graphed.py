@@ -449,10 +449,20 @@ class _Replay(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        owner: GraphedCallable = ctx.owner
-        grad_inputs = owner._replay_backward(grads, ctx.generation, ctx.clone_inputs)
-        # Nothing for the relay or stand-in, if given: a relay's accumulators then run their
-        # hooks without accumulating, the gradients being in place already.
-        return (None, None, None, *grad_inputs) + (None,) * (ctx.num_tensors - len(grad_inputs))
+        if torch.is_grad_enabled():  # create_graph=True: refuse a second backward through it
+            return _backward_once(ctx, *grads)
+        return _replay_backward(ctx, *grads)  # the usual backward, with grad mode off
+
+
+def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    owner: GraphedCallable = ctx.owner
+    grad_inputs = owner._replay_backward(grads, ctx.generation, ctx.clone_inputs)
+    # Nothing for the relay or stand-in, if given: a relay's accumulators then run their
+    # hooks without accumulating, the gradients being in place already.
+    return (None, None, None, *grad_inputs) + (None,) * (ctx.num_tensors - len(grad_inputs))
+
+
+# A graph's backward is not differentiable: torch's wrapper makes a double backward raise. It
+# costs a grad-mode switch per replay, so the usual backward (grad mode off) goes around it.
+_backward_once = torch.autograd.function.once_differentiable(_replay_backward)

@@ -9,11 +9,7 @@ post-accumulate-grad hooks as in eager's weight step.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
-from ..build.accumulation import fire_relay
+from ..build.accumulation import deliver_gradients, fire_relay
 from ..build.record import GraphRecord
 from .accumulation import InGraphAccumulation
 
@@ -77,22 +73,6 @@ class WeightStep:
         # Hand the gradients to autograd, which accumulates them as it does in eager's weight
         # step: .grad set (to a copy: the buffer is overwritten by the next replay) when None,
         # else added in place, and each parameter's post-accumulate-grad hooks run once.
-        params = [p for p, _ in pairs]
-        grads = [g.clone() if p.grad is None else g.detach() for p, g in pairs]
-        with torch.enable_grad():
-            handle = _AccumulateWeights.apply(tuple(grads), *params)
-        torch.autograd.backward(handle)
-
-
-class _AccumulateWeights(torch.autograd.Function):
-    """A node whose backward delivers given gradients to its parameters' accumulators."""
-
-    @staticmethod
-    def forward(ctx: Any, grads: tuple[torch.Tensor, ...], *params: torch.Tensor) -> torch.Tensor:
-        ctx.grads = grads
-        return torch.zeros((), device=params[0].device)
-
-    @staticmethod
-    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grads, ctx.grads = ctx.grads, ()
-        return (None, *grads)
+        deliver_gradients(
+            [p for p, _ in pairs], [g.clone() if p.grad is None else g.detach() for p, g in pairs]
+        )
