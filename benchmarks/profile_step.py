@@ -11,13 +11,11 @@ Usage: PYTHONPATH=src python3 benchmarks/profile_step.py
 
 from __future__ import annotations
 
-import cProfile
-import io
-import pstats
 import statistics
 import time
 
 import torch
+from _cprofile import print_profile
 
 from leangraph.cli.bench import LAUNCH_BOUND, BenchWorkload, count_launches, graph_methods
 
@@ -58,16 +56,7 @@ def main() -> None:
             f"== {name}: graph launches/step {launches.graph_launches:.0f}, kernels outside "
             f"graphs/step {launches.kernel_launches:.0f}"
         )
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(20):
-            graphed[name].step()
-        torch.cuda.synchronize()
-        profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
-        print(f"== {name}, 20 steps")
-        print("\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip()))
+        print_profile(f"{name}, 20 steps", graphed[name].step, 20, 18)
 
 
 if __name__ == "__main__":

@@ -18,15 +18,14 @@ Usage: PYTHONPATH=src python3 benchmarks/replay_anatomy.py
 from __future__ import annotations
 
 import copy
-import cProfile
-import io
-import pstats
+import functools
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from _cprofile import print_profile
 
 from leangraph.cli.replay_micro import REPLAY_METHODS, graphed_layer
 from leangraph.cli.workloads import BlockShape, make_blocks, sample_hidden
@@ -81,6 +80,12 @@ def raw_graphs(block: torch.nn.Module) -> tuple[torch.cuda.CUDAGraph, torch.cuda
     return forward, backward
 
 
+def _replay(
+    layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, grad: torch.Tensor
+) -> None:
+    layer(x).backward(grad)
+
+
 def main() -> None:
     print("torch", torch.__version__, torch.cuda.get_device_name())
     block = make_blocks(1, SHAPE, "cuda")[0]
@@ -110,17 +115,8 @@ def main() -> None:
         forward_only = host_us(lambda: layer(xm).backward(grad))  # noqa: B023
         print(f"{method:<16} replay fwd+bwd        {forward_only:7.1f} µs")
     for method, layer in layers.items():
-        xm = inputs[method]
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(CALLS):
-            layer(xm).backward(grad)
-        torch.cuda.synchronize()
-        profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
-        print(f"== {method}, {CALLS} replays")
-        print("\n".join(line for line in text.getvalue().splitlines()[4:] if line.strip()))
+        replay = functools.partial(_replay, layer, inputs[method], grad)
+        print_profile(f"{method}, {CALLS} replays", replay, CALLS, 22)
 
 
 if __name__ == "__main__":
