@@ -231,6 +231,15 @@ class StaticBuffers:
         """Per input leaf of ``graph``: whether it is the previous layer's output."""
         return tuple(s is not None for s in self.chain_sources(graph))
 
+    def next_layers(self) -> dict[int, int]:
+        """Per graph whose output feeds a chain, the graph whose input 0 it is (the next
+        layer of the same chunk and microbatch)."""
+        return {
+            sources[0].source: graph
+            for graph, sources in enumerate(self.plan.inputs)
+            if sources and isinstance(sources[0], Chained)
+        }
+
     def chain_sources(self, graph: int) -> tuple[int | None, ...]:
         """Per input leaf of ``graph``: the graph whose output it is, or None."""
         return tuple(s.source if isinstance(s, Chained) else None for s in self.plan.inputs[graph])

@@ -38,25 +38,36 @@ def run_capture(
     ``observers`` hear of every finished step, counted from ``steps_before``.
     """
     total = steps_before + len(plan.capture)
+    next_layers = {} if buffers is None else buffers.next_layers()
     with backend.capture_session():
         for index, step in enumerate(plan.capture):
             graph = graphs[step.graph]
             with phase_note("capture", graph.label, f"capture step {index} ({step})"):
                 if step.kind is StepKind.FORWARD:
                     _capture_forward(graphs, step.graph, buffers)
-                else:
-                    record = (
-                        graph.capture_weight
-                        if step.kind is StepKind.WEIGHT
-                        else graph.capture_backward
+                elif step.kind is StepKind.WEIGHT:
+                    graph.capture_weight(
+                        backend, release=buffers is not None, chained=_chained(buffers, step.graph)
                     )
-                    chained = () if buffers is None else buffers.chained(step.graph)
-                    record(backend, release=buffers is not None, chained=chained)
+                else:
+                    lender = next_layers.get(step.graph)
+                    graph.capture_backward(
+                        backend,
+                        release=buffers is not None,
+                        chained=_chained(buffers, step.graph),
+                        lender=None if lender is None else graphs[lender],
+                    )
             if observers:
                 notify(
                     observers,
                     ProgressEvent("capture", steps_before + index + 1, total, step, graph.label),
                 )
+        for graph in graphs:  # a lent buffer whose borrower never came (none in plan order)
+            graph.return_lent_grad(backend)
+
+
+def _chained(buffers: StaticBuffers | None, graph: int) -> tuple[bool, ...]:
+    return () if buffers is None else buffers.chained(graph)
 
 
 def _capture_forward(

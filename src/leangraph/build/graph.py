@@ -68,6 +68,10 @@ class GraphBuilder:
         self._released = False
         self._accumulate: tuple[AccumulationTarget, ...] = ()
         self._accumulator_hooks = True
+        # Input 0's gradient buffer, kept owned after this graph's backward capture so that
+        # the previous layer's backward reads it as its seed (no copy at replay).
+        self._lent_grad: torch.Tensor | None = None
+        self._seed_from: str | None = None  # the graph whose lent buffer output 0's seed is
         self._eager_order: list[int] = []  # trained parameters, as eager's backward reaches them
 
     @property
@@ -272,15 +276,39 @@ class GraphBuilder:
         return body
 
     def capture_backward(
-        self, backend: GraphBackend, *, release: bool, chained: Sequence[bool]
+        self,
+        backend: GraphBackend,
+        *,
+        release: bool,
+        chained: Sequence[bool],
+        lender: GraphBuilder | None = None,
     ) -> None:
         """Record the backward graph (input gradients only when the backward is split).
 
         With ``release`` (and no weight step to come), stop owning what dies here: the plan
         has no further use for this graph's outputs, its gradient buffers or (for chained
         inputs) the previous layer's output, so they are kept only as non-owning views and
-        the pool hands their blocks to graphs captured later.
+        the pool hands their blocks to graphs captured later. Input 0's gradient buffer is
+        the exception when input 0 is chained: it stays owned until the previous layer,
+        whose output it is the gradient of, has recorded its backward reading it as its
+        seed. ``lender`` is the next layer (whose input 0 is this graph's output 0), once it
+        recorded its backward: its lent buffer becomes this graph's seed of output 0, so the
+        gradient autograd hands this backward at replay is that seed already.
         """
+        try:
+            self._record_backward(backend, release=release, chained=chained, lender=lender)
+        finally:
+            if lender is not None:  # recorded, or failed: the lent block may go to the pool
+                lender.return_lent_grad(backend)
+
+    def _record_backward(
+        self,
+        backend: GraphBackend,
+        *,
+        release: bool,
+        chained: Sequence[bool],
+        lender: GraphBuilder | None,
+    ) -> None:
         if not any(self._output_requires_grad):
             return
         hooks = self.source.hooks
@@ -294,6 +322,8 @@ class GraphBuilder:
             hooks.run("backward")
             return
         retain = self.source.retain_graph
+        if lender is not None and lender._lent_grad is not None:
+            self._borrow_seed(lender.label, lender._lent_grad)
         body = self._grad_body(
             lambda: self._input_targets(self._static_inputs) + self._param_targets(),
             retain,
@@ -303,7 +333,43 @@ class GraphBuilder:
         hooks.run("backward")
         self._check_unused(self._static_grads)
         if release:
+            if chained and chained[0] and not retain and self._lends_input_grad():
+                self._lent_grad = self._static_grads[0]
             self._release_buffers(backend, chained)
+
+    def _lends_input_grad(self) -> bool:
+        """Whether input 0's gradient is the first one the backward graph writes (it is when
+        input 0 requires grad as captured), so it can be the previous layer's seed."""
+        specs = self.source.signature.specs
+        return bool(
+            specs
+            and specs[0].requires_grad
+            and self._static_grads
+            and self._static_grads[0] is not None
+        )
+
+    def _borrow_seed(self, lender: str, lent: torch.Tensor) -> None:
+        """Read output 0's gradient from ``lent`` (the next layer's input gradient buffer)
+        instead of the planned seed, when it has the seed's layout."""
+        seed = self._static_grad_outputs[0] if self._static_grad_outputs else None
+        if seed is None or not (
+            lent.shape == seed.shape
+            and lent.dtype == seed.dtype
+            and lent.stride() == seed.stride()
+            and lent.device == seed.device
+        ):
+            return
+        self._static_grad_outputs = (lent, *self._static_grad_outputs[1:])
+        self._seed_from = lender
+
+    def return_lent_grad(self, backend: GraphBackend) -> None:
+        """The previous layer recorded its backward: stop owning input 0's gradient buffer."""
+        if self._lent_grad is None:
+            return
+        self._lent_grad = None
+        grad = self._static_grads[0]
+        assert grad is not None  # lent only when it exists
+        self._static_grads = (backend.disown(grad), *self._static_grads[1:])
 
     def capture_weight(
         self, backend: GraphBackend, *, release: bool, chained: Sequence[bool]
@@ -328,8 +394,13 @@ class GraphBuilder:
         self._released = True
         self._static_outputs = tuple(backend.disown(o) for o in self._static_outputs)
         self._static_grads = tuple(
-            None if g is None else backend.disown(g) for g in self._static_grads
+            g if g is None or (i == 0 and self._lent_grad is not None) else backend.disown(g)
+            for i, g in enumerate(self._static_grads)
         )
+        if self._seed_from is not None:  # the lender owns it until return_lent_grad
+            seed = self._static_grad_outputs[0]
+            assert seed is not None
+            self._static_grad_outputs = (backend.alias(seed), *self._static_grad_outputs[1:])
         self._static_weight_grads = tuple(
             None if g is None else backend.disown(g) for g in self._static_weight_grads
         )
@@ -356,6 +427,7 @@ class GraphBuilder:
             output_template=source.facts.output_template,
             output_requires_grad=self._output_requires_grad,
             static_grad_outputs=self._static_grad_outputs,
+            seed_from=self._seed_from,
             static_grads=self._static_grads,
             static_weight_grads=self._static_weight_grads,
             params=source.params,

@@ -59,6 +59,8 @@ class GraphRecord:
         output_template: The output leaves: a slot per static output, constants in place.
         output_requires_grad: Per output, whether it needs a gradient.
         static_grad_outputs: Per output, the seed buffer its incoming gradient is copied into.
+        seed_from: The label of the graph whose input gradient buffer output 0's seed is
+            (the next layer of a chain, whose backward replay writes it: no copy), else None.
         static_grads: The backward graph's gradients: inputs that require grad, then (for a
             full backward) the trained parameters.
         static_weight_grads: The weight-gradient graph's parameter gradients (split backward).
@@ -83,6 +85,7 @@ class GraphRecord:
     output_template: LeafTemplate
     output_requires_grad: tuple[bool, ...]
     static_grad_outputs: tuple[torch.Tensor | None, ...]
+    seed_from: str | None
     static_grads: tuple[torch.Tensor | None, ...]
     static_weight_grads: tuple[torch.Tensor | None, ...]
     params: tuple[torch.nn.Parameter, ...]
@@ -107,7 +110,8 @@ class GraphRecord:
     def owned_tensors(self) -> list[torch.Tensor]:
         """The static tensors this graph keeps allocated (shared ones included)."""
         owned = [t for t, source in zip(self.static_inputs, self.chained_from) if source is None]
-        owned += [g for g in self.static_grad_outputs if g is not None]
+        seeds = self.static_grad_outputs[1:] if self.seed_from else self.static_grad_outputs
+        owned += [g for g in seeds if g is not None]
         if not self.released:
             owned += list(self.static_outputs)
             owned += [g for g in (*self.static_grads, *self.static_weight_grads) if g is not None]
