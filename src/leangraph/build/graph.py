@@ -85,33 +85,6 @@ class GraphBuilder:
 
     # ------------------------------------------------------------------------ running
 
-    def _run(self, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Run the callable on ``leaves``; its outputs must look as the probe saw them."""
-        args, kwargs = self.source.signature.unflatten(leaves)
-        output_leaves, tree = pytree.tree_flatten(self.source.fn(*args, **kwargs))
-        expected = self.source.facts
-        if tree != expected.output_tree:
-            raise RuntimeError(
-                f"{self.label}: outputs changed structure between runs: "
-                f"{expected.output_tree} then {tree}"
-            )
-        template = output_template(self.label, output_leaves)
-        if template != expected.output_template:
-            raise RuntimeError(
-                f"{self.label}: outputs changed their constants or which leaves are tensors "
-                f"between runs: {list(expected.output_template.leaves)} then "
-                f"{list(template.leaves)}"
-            )
-        outputs = [leaf for leaf in output_leaves if isinstance(leaf, torch.Tensor)]
-        keys = tuple(BufferKey.of(o) for o in outputs)
-        if keys != expected.outputs:
-            raise RuntimeError(
-                f"{self.label}: outputs changed shape, dtype, device or requires_grad between "
-                f"runs: {_describe(expected.outputs)} then {_describe(keys)}; graphs need "
-                "outputs that do not depend on the data"
-            )
-        return tuple(outputs)
-
     def _with_forward_hooks(
         self, leaves: Sequence[torch.Tensor], run: Callable[[], tuple[torch.Tensor, ...]]
     ) -> tuple[torch.Tensor, ...]:
@@ -134,21 +107,6 @@ class GraphBuilder:
         source = self.source
         return tuple(p for p, trains in zip(source.params, source.facts.trains) if trains)
 
-    def _check_unused(self, grads: Sequence[torch.Tensor | None]) -> None:
-        if self.source.allow_unused_input or all(g is not None for g in grads):
-            return
-        names = [s.name for s in self.source.signature.specs if s.requires_grad]
-        names += [
-            f"parameter {name!r}"
-            for name, trains in zip(self.source.param_names, self.source.facts.trains)
-            if trains
-        ]
-        unused = [name for name, g in zip(names, grads) if g is None]
-        raise ValueError(
-            f"{self.label}: outputs do not depend on {', '.join(unused)}, which "
-            "require grad; pass allow_unused_input=True to allow it"
-        )
-
     def _differentiable(self, outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         differentiable = tuple(o for o in outputs if o.requires_grad)
         if differentiable and not (
@@ -165,7 +123,7 @@ class GraphBuilder:
     def warmup_forward(self) -> tuple[torch.Tensor, ...] | None:
         """One eager forward on the samples; returns the outputs awaiting a backward, or None."""
         samples = self.source.samples
-        outputs = self._with_forward_hooks(samples, lambda: self._run(samples))
+        outputs = self._with_forward_hooks(samples, lambda: _run_callable(self.source, samples))
         return self._differentiable(outputs) or None
 
     def warmup_backward(self, outputs: tuple[torch.Tensor, ...], kind: StepKind) -> None:
@@ -188,7 +146,7 @@ class GraphBuilder:
                 grad_outputs=[torch.zeros_like(o) for o in outputs],
             )
             if not split:
-                self._check_unused(grads)
+                _check_unused(self.source, grads)
         self.source.hooks.run("backward")
 
     # ------------------------------------------------------------------------ capture
@@ -211,7 +169,9 @@ class GraphBuilder:
         captured: list[Any] = []
 
         def capture() -> tuple[torch.Tensor, ...]:
-            captured.append(self.pair.capture_forward(lambda: self._run(self._static_inputs)))
+            captured.append(
+                self.pair.capture_forward(lambda: _run_callable(self.source, self._static_inputs))
+            )
             return captured[0].outputs
 
         self._with_forward_hooks(self._static_inputs, capture)
@@ -235,45 +195,14 @@ class GraphBuilder:
     def _grad_body(
         self, targets: Callable[[], tuple[torch.Tensor, ...]], retain: bool, *, params: bool
     ) -> Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor | None]]:
-        """A backward body differentiating the outputs w.r.t. ``targets()`` (looked up when
-        the body runs, at capture), the trained parameters last when ``params``. A backend
-        records what it runs; a parameter frozen after capture still gets its gradient
-        computed at replay, and autograd drops it. With in-graph accumulation the parameter
-        gradients are added into their targets in the graph, and the order in which the
-        backward reaches the parameters (eager's order for their hooks) is noted."""
+        """A backward body for ``targets()``, the trained parameters last when ``params``. A
+        backend records what it runs; a parameter frozen after capture still gets its
+        gradient computed at replay, and autograd drops it."""
         seeds = [g for g in self._static_grad_outputs if g is not None]
         accumulate = self._accumulate if params else ()
-
-        def body(outputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor | None]:
-            wanted = targets()
-            live = [t for t in wanted if t.requires_grad]
-            if not live:
-                return (None,) * len(wanted)
-            watching = [
-                target.param.register_hook(functools.partial(_note_reached, self._eager_order, i))
-                for i, target in enumerate(accumulate)
-            ]
-            try:
-                grads = iter(
-                    torch.autograd.grad(
-                        self._differentiable(outputs),
-                        live,
-                        grad_outputs=seeds,
-                        allow_unused=True,
-                        retain_graph=retain,
-                    )
-                )
-            finally:
-                for handle in watching:
-                    handle.remove()
-            result = tuple(next(grads) if t.requires_grad else None for t in wanted)
-            if accumulate:
-                param_grads = result[len(result) - len(accumulate) :]
-                reached = [(t, g) for t, g in zip(accumulate, param_grads) if g is not None]
-                add_into([t for t, _ in reached], [g for _, g in reached])
-            return result
-
-        return body
+        return _backward_body(
+            self._differentiable, targets, seeds, accumulate, self._eager_order, retain
+        )
 
     def capture_backward(
         self,
@@ -331,7 +260,7 @@ class GraphBuilder:
         )
         self._static_grads = self.pair.capture_backward(body, retain_graph=retain)
         hooks.run("backward")
-        self._check_unused(self._static_grads)
+        _check_unused(self.source, self._static_grads)
         if release:
             if chained and chained[0] and not retain and self._lends_input_grad():
                 self._lent_grad = self._static_grads[0]
@@ -386,7 +315,7 @@ class GraphBuilder:
         elif not retain:  # nothing to record: just let the activations go
             self.pair.release_saved()
         hooks.run("backward")
-        self._check_unused(self._static_grads + self._static_weight_grads)
+        _check_unused(self.source, self._static_grads + self._static_weight_grads)
         if release:
             self._release_buffers(backend, chained)
 
@@ -458,6 +387,97 @@ class GraphBuilder:
     def abandon(self) -> None:
         """Release the pair after a failed build."""
         self.pair.reset()
+
+
+def _run_callable(source: GraphSource, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Run the callable on ``leaves``; its outputs must look as the probe saw them."""
+    args, kwargs = source.signature.unflatten(leaves)
+    output_leaves, tree = pytree.tree_flatten(source.fn(*args, **kwargs))
+    expected = source.facts
+    if tree != expected.output_tree:
+        raise RuntimeError(
+            f"{source.label}: outputs changed structure between runs: "
+            f"{expected.output_tree} then {tree}"
+        )
+    template = output_template(source.label, output_leaves)
+    if template != expected.output_template:
+        raise RuntimeError(
+            f"{source.label}: outputs changed their constants or which leaves are tensors "
+            f"between runs: {list(expected.output_template.leaves)} then "
+            f"{list(template.leaves)}"
+        )
+    outputs = [leaf for leaf in output_leaves if isinstance(leaf, torch.Tensor)]
+    keys = tuple(BufferKey.of(o) for o in outputs)
+    if keys != expected.outputs:
+        raise RuntimeError(
+            f"{source.label}: outputs changed shape, dtype, device or requires_grad between "
+            f"runs: {_describe(expected.outputs)} then {_describe(keys)}; graphs need "
+            "outputs that do not depend on the data"
+        )
+    return tuple(outputs)
+
+
+def _check_unused(source: GraphSource, grads: Sequence[torch.Tensor | None]) -> None:
+    """Refuse inputs and trained parameters that got no gradient (unless allowed)."""
+    if source.allow_unused_input or all(g is not None for g in grads):
+        return
+    names = [s.name for s in source.signature.specs if s.requires_grad]
+    names += [
+        f"parameter {name!r}"
+        for name, trains in zip(source.param_names, source.facts.trains)
+        if trains
+    ]
+    unused = [name for name, g in zip(names, grads) if g is None]
+    raise ValueError(
+        f"{source.label}: outputs do not depend on {', '.join(unused)}, which "
+        "require grad; pass allow_unused_input=True to allow it"
+    )
+
+
+def _backward_body(
+    differentiable: Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]],
+    targets: Callable[[], tuple[torch.Tensor, ...]],
+    seeds: Sequence[torch.Tensor],
+    accumulate: Sequence[AccumulationTarget],
+    eager_order: list[int],
+    retain: bool,
+) -> Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor | None]]:
+    """A backward body: the gradients of ``differentiable(outputs)`` seeded with ``seeds``,
+    w.r.t. ``targets()`` (looked up when the body runs, at capture). With ``accumulate``
+    (in-graph accumulation; the trained parameters are the last targets) their gradients are
+    added into those targets inside the graph, and the order in which the backward reaches
+    the parameters (eager's order for their hooks) is appended to ``eager_order``."""
+
+    def body(outputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+        wanted = targets()
+        live = [t for t in wanted if t.requires_grad]
+        if not live:
+            return (None,) * len(wanted)
+        watching = [
+            target.param.register_hook(functools.partial(_note_reached, eager_order, i))
+            for i, target in enumerate(accumulate)
+        ]
+        try:
+            grads = iter(
+                torch.autograd.grad(
+                    differentiable(outputs),
+                    live,
+                    grad_outputs=seeds,
+                    allow_unused=True,
+                    retain_graph=retain,
+                )
+            )
+        finally:
+            for handle in watching:
+                handle.remove()
+        result = tuple(next(grads) if t.requires_grad else None for t in wanted)
+        if accumulate:
+            param_grads = result[len(result) - len(accumulate) :]
+            reached = [(t, g) for t, g in zip(accumulate, param_grads) if g is not None]
+            add_into([t for t, _ in reached], [g for _, g in reached])
+        return result
+
+    return body
 
 
 def _note_reached(order: list[int], index: int, _: torch.Tensor) -> None:
