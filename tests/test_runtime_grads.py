@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import leangraph
@@ -185,3 +186,54 @@ def test_a_gradient_autograd_consumes_at_once_is_a_view_of_a_static_buffer():
         assert flowing and flowing[0] in buffers[1]  # consumed by graph 0's node at once
         assert x.grad.data_ptr() not in buffers[0]  # a leaf's .grad: a copy
         assert (accumulated[step] in buffers[0]) == (step == 1), step
+
+
+@pytest.mark.parametrize("branch", ["none", "also-in-the-loss", "a-hook-replaces-it"])
+def test_a_chained_layer_reads_the_next_layers_input_gradient_as_its_seed(branch):
+    """Within a chunk, layer 0's seed is layer 1's input-gradient buffer: the gradient
+    autograd hands layer 0's backward is that buffer itself (no copy). Where the output feeds
+    something else too, autograd sums the gradients first (a new tensor, or that buffer
+    updated in place), and a tensor hook may hand on another tensor; layer 0's backward
+    copies what it gets then, and training stays eager's: bitwise, except where the output
+    also feeds the loss. There eager's autograd adds that gradient to each of the contributions
+    the layer's own uses of its input make, one at a time, while the graph has summed those
+    already (as any per-layer graph does, torch's too): the same sum in another order."""
+    torch.manual_seed(0)
+    eager = [Block(8), Block(8)]
+    layers = copy.deepcopy(eager)
+    graphed = leangraph.make_graphed_callables(
+        tuple(layers), ((torch.randn(4, 8, requires_grad=True),),) * 2, order=[1, -1],
+        num_layers_per_chunk=2)
+    flowing: list[torch.Tensor] = []
+    same = torch.testing.assert_close if branch == "also-in-the-loss" else _bitwise
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=gen)
+        losses = []
+        for lookup, is_graphed in ((eager, False), (graphed, True)):
+            inp = x.clone().requires_grad_()
+            hidden = lookup[0](inp)
+            if is_graphed:
+                hidden.register_hook(lambda grad: flowing.append(grad))
+            if branch == "a-hook-replaces-it":
+                hidden.register_hook(lambda grad: grad.mul(2.0))
+            out = lookup[1](hidden).square().sum()
+            if branch == "also-in-the-loss":
+                out = out + hidden.pow(3).sum()
+            out.backward()
+            losses.append((out.detach(), inp.grad))
+        (eager_loss, eager_grad), (graphed_loss, graphed_grad) = losses
+        assert torch.equal(eager_loss, graphed_loss)
+        same(eager_grad, graphed_grad)
+    for a, b in zip([p for m in eager for p in m.parameters()],
+                    [p for m in layers for p in m.parameters()]):
+        same(a.grad, b.grad)
+    if branch == "none":
+        seed = graphed[1]._record.static_grads[0]  # layer 1's input-gradient buffer
+        assert all(g.data_ptr() == seed.data_ptr() for g in flowing)
+        assert graphed[0]._record.static_grad_outputs[0].data_ptr() == seed.data_ptr()
+    leangraph.reset_all(graphed)
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.equal(a, b), f"max diff {(a - b).abs().max()}"
