@@ -6,12 +6,16 @@ Prints each method's total self device time per step (graph kernels count twice:
 replay and by kernel), its launches per step (the bench's ``launch_counts``, as
 ``leangraph bench --launches`` prints them) and its 22 largest entries. Equal totals
 mean the graphs do the same GPU work, so a step-time difference is idle time between launches.
+Then, side by side, the entries whose time per step differs most between leangraph-fused-nohooks
+and the whole-step graph: where the per-layer step's extra GPU time goes.
 Usage: PYTHONPATH=src python3 benchmarks/profile_kernels.py
 """
 
 from __future__ import annotations
 
 from leangraph.cli.bench import (
+    FUSED_NO_HOOKS,
+    LIMIT,
     BenchConfig,
     BenchWorkload,
     graph_methods,
@@ -25,9 +29,11 @@ STEPS = 2
 
 def main() -> None:
     work = BenchWorkload(BenchConfig(num_microbatches=16))
+    per_kernel: dict[str, dict[str, float]] = {}
     for name, captured in graph_methods(work, untimed_steps=2).items():
         prof = profile_steps(captured.step, STEPS)
         events = [e for e in prof.key_averages() if self_device_us(e) > 0]
+        per_kernel[name] = {e.key: self_device_us(e) / STEPS / 1e3 for e in events}
         total = sum(self_device_us(e) for e in events)
         launches = launch_counts(prof.events(), STEPS)
         print(f"== {name}: self device time per step {total / STEPS / 1e3:.2f} ms")
@@ -41,6 +47,20 @@ def main() -> None:
                 f"ms/step {self_device_us(event) / STEPS / 1e3:8.3f}"
             )
         captured.release()
+    print_differences(per_kernel.get(FUSED_NO_HOOKS, {}), per_kernel.get(LIMIT, {}))
+
+
+def print_differences(per_layer: dict[str, float], whole: dict[str, float], rows: int = 25) -> None:
+    """The entries (ms per step) whose time differs most between the two methods."""
+    keys = sorted(
+        set(per_layer) | set(whole),
+        key=lambda k: abs(per_layer.get(k, 0.0) - whole.get(k, 0.0)),
+        reverse=True,
+    )
+    print(f"== {FUSED_NO_HOOKS} against {LIMIT}, ms per step (largest differences first)")
+    for key in keys[:rows]:
+        a, b = per_layer.get(key, 0.0), whole.get(key, 0.0)
+        print(f"{key[:70]:<70} {a:8.3f} {b:8.3f} {a - b:+8.3f}")
 
 
 if __name__ == "__main__":
