@@ -40,7 +40,8 @@ class GradRouting:
         self._params = record.params if delivers else ()
         self._param_trains = record.param_trains
         self._peers = record.sharing.peers
-        self._shared_param_ids = record.sharing.shared_param_ids
+        # Shared parameters matter only where this replay hands their gradients to autograd.
+        self._shared_param_ids = record.sharing.shared_param_ids if delivers else frozenset()
         self._pending = pending
 
     def scatter(self, clone_inputs: Sequence[bool]) -> tuple[torch.Tensor | None, ...]:
@@ -54,11 +55,7 @@ class GradRouting:
             if grad is not None and clone:
                 copy_at.append(len(result))
             result.append(grad)
-        awaited = (
-            bool(self._params)
-            and bool(self._shared_param_ids)
-            and self._pending.reached_now(self._peers)
-        )
+        awaited = bool(self._shared_param_ids) and self._pending.reached_now(self._peers)
         for param, trains in zip(self._params, self._param_trains):
             grad = next(grads, None) if trains else None
             if grad is not None and (

@@ -93,11 +93,8 @@ class GraphedCallable:
             None if record.fused is None else InGraphAccumulation(record.label, record.fused)
         )
         self._weight = WeightStep(record, self._fused) if record.split_backward else None
-        self._autograd_params = _params_for_autograd(record)
         # A stand-in only makes the outputs require grad: not needed when an input does.
-        self._stand_in = bool(self._autograd_params) and (
-            record.split_backward or (record.fused is not None and record.fused.relay is None)
-        )
+        self._autograd_params, self._stand_in = _params_for_autograd(record)
         self._param_slots = _parameter_slots(record)
         self._debug_outputs = debug_outputs
         self._guard: OutputGuard | None = None
@@ -353,23 +350,24 @@ class GraphedCallable:
             return self._grads.scatter(clone_inputs)
 
 
-def _params_for_autograd(record: GraphRecord) -> tuple[torch.Tensor, ...]:
-    """What a replay's autograd node takes besides the inputs: the parameters, whose
-    gradients it returns. With in-graph accumulation, the relay instead: the gradients are
-    in place already, and the relay's accumulators run their hooks in eager's order. A
-    split backward returns none (the weight step delivers them), and autograd would still
-    run their accumulators, and their post-accumulate-grad hooks, with no gradient; nor does
-    in-graph accumulation without accumulator hooks. There an empty leaf that requires grad
-    stands in for the parameters, so the outputs require grad exactly when eager's would."""
+def _params_for_autograd(record: GraphRecord) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """What a replay's autograd node takes besides the inputs, and whether that is only a
+    stand-in: the parameters, whose gradients it returns. With in-graph accumulation, the
+    relay instead: the gradients are in place already, and the relay's accumulators run
+    their hooks in eager's order. A split backward returns none (the weight step delivers
+    them), and autograd would still run their accumulators, and their post-accumulate-grad
+    hooks, with no gradient; nor does in-graph accumulation without accumulator hooks. There
+    an empty leaf that requires grad stands in for the parameters, so the outputs require
+    grad exactly when eager's would."""
     relay = None if record.fused is None else record.fused.relay
     if relay is not None and not record.split_backward:
-        return (relay,)
+        return (relay,), False
     if record.fused is None and not record.split_backward:
-        return record.params
+        return record.params, False
     if not record.trained_params():
-        return ()
+        return (), False
     device = record.static_outputs[0].device
-    return (torch.empty(0, device=device, requires_grad=True),)
+    return (torch.empty(0, device=device, requires_grad=True),), True
 
 
 _Slot = tuple[weakref.ref[torch.nn.Module], str, str, torch.nn.Parameter]
