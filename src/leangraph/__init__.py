@@ -10,7 +10,7 @@ forward per distinct callable is probed (:mod:`leangraph.probe`), the buffer pla
 
 from __future__ import annotations
 
-from .api import CaptureKeywords, make_graphed_callables
+from .api import make_graphed_callables
 from .errors import CaptureMemoryError, GraphResetError, LeangraphError
 from .memory import MemoryPlan, plan_memory
 from .order import GraphId, Layout, Step, StepKind
@@ -20,7 +20,6 @@ from .result import GraphedSet, memory_report, reset_all
 from .runtime.graphed import GraphedCallable
 
 __all__ = [
-    "CaptureKeywords",
     "CaptureMemoryError",
     "CaptureRecord",
     "GraphId",

@@ -32,8 +32,9 @@ from typing import Any, cast
 
 import torch
 
-from leangraph import CaptureKeywords, make_graphed_callables, reset_all
+from leangraph import make_graphed_callables, reset_all
 
+from .bench import LEANGRAPH_METHODS
 from .workloads import BlockShape, make_blocks, sample_hidden
 
 __all__ = [
@@ -46,13 +47,9 @@ __all__ = [
     "time_replays",
 ]
 
-_LEANGRAPH_OPTIONS: dict[str, CaptureKeywords] = {
-    "leangraph": {},
-    "leangraph-fused": {"fuse_grad_accumulation": True},
-    "leangraph-fused-nohooks": {"fuse_grad_accumulation": True, "accumulator_hooks": False},
-}
-REPLAY_METHODS = ("torch", *_LEANGRAPH_OPTIONS)
-"""The methods the microbenchmark compares, in the order of its first round
+REPLAY_METHODS = ("torch", *LEANGRAPH_METHODS)
+"""The methods the microbenchmark compares (the bench's leangraph methods, with their options),
+in the order of its first round
 (``leangraph-fused``: with ``fuse_grad_accumulation=True``, which accumulates the parameter
 gradients inside the backward graph instead of through autograd; ``-nohooks``: also with
 ``accumulator_hooks=False``, so no autograd accumulator runs at all)."""
@@ -127,10 +124,14 @@ def graphed_layer(method: str, block: torch.nn.Module, sample: torch.Tensor) -> 
     if method == "torch":
         graphed = torch.cuda.make_graphed_callables((block,), ((sample,),))
         return cast(Layer, graphed[0])  # a tuple of one module in, of one module out
-    if method in _LEANGRAPH_OPTIONS:
-        options: CaptureKeywords = {"order": [1, -1], "num_layers_per_chunk": 1}
-        options.update(_LEANGRAPH_OPTIONS[method])
-        graphs = make_graphed_callables((block,), ((sample,),), **options)
+    if method in LEANGRAPH_METHODS:
+        graphs = make_graphed_callables(
+            (block,),
+            ((sample,),),
+            order=[1, -1],
+            num_layers_per_chunk=1,
+            **LEANGRAPH_METHODS[method],
+        )
         return cast(Layer, graphs[0])
     raise ValueError(f"no replay method {method!r}; choose from {', '.join(REPLAY_METHODS)}")
 
