@@ -292,3 +292,45 @@ def test_a_compiled_module_accumulates_in_graph_exactly():
         graphed(x).square().sum().backward()
     for a, b in zip(eager.parameters(), module.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_hooks_fire_right_after_their_layer_as_in_eager():
+    """A layer's accumulators run as soon as its backward replay ran, before the previous
+    layer's: the events of parameter hooks and of a hook on the gradient between the layers
+    come in eager's order."""
+    torch.manual_seed(0)
+    eager = [Block(8), Block(8)]
+    layers = copy.deepcopy(eager)
+    graphed = leangraph.make_graphed_callables(
+        tuple(layers), ((torch.randn(4, 8, requires_grad=True),),) * 2, order=[1, -1],
+        num_layers_per_chunk=2, fuse_grad_accumulation=True)
+    logs: dict[str, list[str]] = {"eager": [], "graphed": []}
+    for name, modules in (("eager", eager), ("graphed", layers)):
+        for index, module in enumerate(modules):
+            for pname, p in module.named_parameters():
+                p.register_post_accumulate_grad_hook(
+                    lambda _, key=f"{index}.{pname}", log=logs[name]: log.append(key))
+    x = torch.randn(4, 8)
+    for name, lookup in (("eager", eager), ("graphed", graphed)):
+        hidden = lookup[0](x.clone().requires_grad_())
+        hidden.register_hook(lambda _, log=logs[name]: log.append("between the layers"))
+        lookup[1](hidden).square().sum().backward()
+    assert logs["graphed"] == logs["eager"]
+    assert logs["eager"].index("between the layers") == 6  # after layer 1's six parameters
+    leangraph.reset_all(graphed)
+
+
+def test_where_nodes_cannot_be_renumbered_a_view_relay_keeps_eagers_order(monkeypatch):
+    """The fallback relay (views of the parameters, ordered by their nodes' creation) fires
+    the same hooks in the same order, after the rest of the backward pass."""
+    import leangraph.build.accumulation as accumulation
+    monkeypatch.setattr(accumulation, "_can_renumber", lambda nodes: False)
+    order = leangraph.schedules.interleaved_1f1b(
+        pp_size=2, vp_size=2, rank=0, num_microbatches=4)
+    logs: dict[str, list] = {}
+    history, graphed = train_both(order, [2, 2], width=8, microbatches=4, steps=2,
+                                  hook_logs=logs, fuse_grad_accumulation=True)
+    assert_histories_equal(history, exact=True)
+    assert logs["graphed"] == logs["eager"]
+    assert all(not g._record.fused.relay.nodes for g in graphed)  # the view relay
+    leangraph.reset_all(graphed)

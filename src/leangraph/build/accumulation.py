@@ -10,18 +10,21 @@ parameter's layout). Every graph training a parameter adds into the same buffer.
 
 Autograd's accumulators must still run: post-accumulate-grad hooks and the hooks DDP and
 Megatron-core register on the accumulator nodes are how frameworks learn a gradient is ready.
-A replay therefore hands autograd a *relay*: a zero-element tensor whose autograd graph
-reaches each parameter's accumulator through a node of its own, created so that the engine
-(which runs ready nodes newest first) visits them in the order eager's backward reached the
-parameters, recorded during capture. The replay returns no gradient to the relay, so the
-accumulators run without accumulating, and their hooks fire once per parameter per
-backward pass, in eager's order.
+A replay therefore hands autograd a *relay*: the parameters themselves, whose accumulator
+nodes are given sequence numbers (the engine's priority among ready nodes) in the order
+eager's backward reached the parameters, recorded during capture. The replay returns no
+gradient to them, so the accumulators run without accumulating, right after the replay's
+node as in eager, and their hooks fire once per parameter per backward pass, in eager's
+order. (On a torch whose nodes cannot be renumbered, the relay is a zero-element tensor that
+reaches each accumulator through a view of its own, made so that the views' nodes order them,
+and that fires after the rest of the backward pass.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +34,7 @@ import torch
 __all__ = [
     "AccumulationTarget",
     "FusedGradients",
+    "Relay",
     "add_into",
     "allocate_targets",
     "check_fusable",
@@ -59,13 +63,24 @@ class AccumulationTarget:
 
 
 @dataclass(frozen=True, eq=False)
+class Relay:
+    """What a replay hands autograd besides its inputs so that the parameters' accumulators
+    run, in eager's order, with no gradient: ``inputs`` (the replay's node returns None for
+    each). ``nodes`` are the accumulator nodes renumbered for that order, kept alive with it
+    (a parameter's accumulator lives only while something holds it)."""
+
+    inputs: tuple[torch.Tensor, ...]
+    nodes: tuple[object, ...]
+
+
+@dataclass(frozen=True, eq=False)
 class FusedGradients:
     """One graph's share of the accumulation: its targets in gradient order, and the relay
     its replays hand autograd (None when it trains no parameter, or without
     ``accumulator_hooks``: then no accumulator runs, and no hook may wait for one)."""
 
     targets: tuple[AccumulationTarget, ...]
-    relay: torch.Tensor | None
+    relay: Relay | None
     accumulator_hooks: bool = True
 
 
@@ -167,22 +182,47 @@ def deliver_gradients(
     torch.autograd.backward(root)
 
 
-def fire_relay(relay: torch.Tensor) -> None:
+def fire_relay(relay: Relay) -> None:
     """Run the accumulators ``relay`` reaches (their hooks), outside any other backward."""
-    deliver_gradients((relay,))
+    deliver_gradients(relay.inputs)
 
 
-def hook_relay(params_in_eager_order: Sequence[torch.nn.Parameter]) -> torch.Tensor:
-    """A zero-element tensor whose backward reaches each parameter's accumulator, in order.
+# Accumulator nodes come with the highest sequence number there is, so that the engine runs
+# each as soon as it is ready; renumbered ones stay just below it, each relay's below the
+# ones made before it, in eager's order within a relay.
+_TOP_SEQUENCE_NR = 2**64 - 1
+_renumbered = itertools.count(1)
 
-    Each parameter gets a zero-element view (its own node, no memory); the views are made
-    last parameter first, so the first one's node is the newest and the engine runs it, and
-    at once its accumulator, before the next. A view's node is fixed when the concatenation
-    takes it, so in-place updates of the parameters (optimizer steps) do not renumber it.
+
+def hook_relay(params_in_eager_order: Sequence[torch.nn.Parameter]) -> Relay:
+    """The relay of ``params_in_eager_order``: the parameters, their accumulators renumbered
+    so that the engine runs them in that order when they are ready together.
+
+    Where this torch cannot renumber a node, a zero-element tensor whose backward reaches each
+    accumulator through a zero-element view of its parameter: the views are made last
+    parameter first, so the first one's node is the newest and runs first, and at once its
+    accumulator; a view's node is fixed when the concatenation takes it.
     """
     with torch.enable_grad():
+        nodes = [_accumulator(p) for p in params_in_eager_order]
+        if _can_renumber(nodes):
+            for node in nodes:
+                node._set_sequence_nr(_TOP_SEQUENCE_NR - next(_renumbered))  # type: ignore[attr-defined]
+            return Relay(tuple(params_in_eager_order), tuple(nodes))
         views = [torch.as_strided(p, (0,), (1,)) for p in reversed(params_in_eager_order)]
-        return torch.cat(views)
+        return Relay((torch.cat(views),), ())
+
+
+def _can_renumber(nodes: Sequence[object]) -> bool:
+    """Whether this torch lets Python set a node's sequence number (torch >= 2.2 does)."""
+    return all(hasattr(node, "_set_sequence_nr") for node in nodes)
+
+
+def _accumulator(param: torch.nn.Parameter) -> object:
+    """``param``'s autograd accumulator node (made now if nothing holds one)."""
+    grad_fn = param.view_as(param).grad_fn
+    assert grad_fn is not None  # a parameter that requires grad
+    return grad_fn.next_functions[0][0]
 
 
 def allocate_targets(

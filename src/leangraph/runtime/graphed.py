@@ -361,7 +361,7 @@ def _params_for_autograd(record: GraphRecord) -> tuple[tuple[torch.Tensor, ...],
     grad exactly when eager's would."""
     relay = None if record.fused is None else record.fused.relay
     if relay is not None and not record.split_backward:
-        return (relay,), False
+        return relay.inputs, False
     if record.fused is None and not record.split_backward:
         return record.params, False
     if not record.trained_params():
