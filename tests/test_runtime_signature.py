@@ -422,3 +422,31 @@ def test_a_dict_argument_in_another_key_order_is_bound_by_key_or_refused_saying_
         assert captured != got, f"the message does not say what differs: {message!r}"
     else:
         assert torch.equal(out, a.detach() * 2 + b.detach())
+
+
+def test_a_signature_made_like_another_takes_its_names_only_for_the_same_structure():
+    # Graphs of one layer (one per microbatch) share the walk of their call's structure; one
+    # whose structure differs must still bind, and name its arguments, by its own.
+    from torch.utils import _pytree as pytree
+
+    from leangraph.runtime.signature import CallSignature
+
+    x = torch.randn(2, 3)
+    leaves, tree = pytree.tree_flatten(((x,), {}))
+    first = CallSignature("graph a", leaves, tree)
+    same = CallSignature("graph b", leaves, tree, like=first)
+    assert [t is x for t in same.bind((x,), {})] == [True]
+    with raises(TypeError, "graph b takes 1 positional arguments as at capture, got 2"):
+        same.bind((x, x), {})
+    keyed_leaves, keyed_tree = pytree.tree_flatten(((x,), {"factor": 2.0}))
+    keyed = CallSignature("graph c", keyed_leaves, keyed_tree, like=first)
+    assert [t is x for t in keyed.bind((x,), {"factor": 2.0})] == [True]
+    with raises(ValueError, "graph c kwarg 'factor' must be the constant 2.0 it was at capture"):
+        keyed.bind((x,), {"factor": 3.0})
+    with raises(TypeError, "graph c takes keyword arguments ['factor'] as at capture"):
+        keyed.bind((x,), {})
+    # And the other way round: a positional-only call made like one with keywords.
+    plain = CallSignature("graph d", leaves, tree, like=keyed)
+    assert [t is x for t in plain.bind((x,), {})] == [True]
+    with raises(TypeError, "graph d takes keyword arguments [] as at capture"):
+        plain.bind((x,), {"factor": 2.0})

@@ -20,13 +20,12 @@ from typing_extensions import Unpack
 from ._call import Call, CaptureOptions, check_capturable, validate_call
 from ._restore import SavedState
 from .backends import GraphBackend, make_backend
-from .buffers import BufferPlan, plan_buffers
 from .build.builder import Built, build_graphs
 from .build.record import GraphRecord
 from .hooks import CaptureHooks, normalize_hooks
-from .memory import available_bytes, check_fits, memory_plan_of
+from .memory import available_bytes, check_fits, memory_plan_of, shared_buffers
 from .order import StepKind
-from .probe import GraphFacts, probe
+from .probe import probe
 from .progress import ProgressCallback
 from .result import GraphedSet
 from .runtime.graphed import GraphedCallable
@@ -192,8 +191,13 @@ def _build(
     """Probe, check, plan the buffers, build; on failure put the caller's state back."""
     saved = SavedState(call.callables)
     try:
-        facts = _probe_and_check(call, backend, options)
-        buffer_plan = _buffer_plan(call, facts, share=options.share_buffers)
+        facts = probe(call, where=backend.warmup())
+        checking = options.check_memory and backend.name == "cuda"
+        shared = shared_buffers(call, facts) if options.share_buffers or checking else None
+        if checking:  # with the buffers of sharing, the default, whether it is on or not
+            assert shared is not None
+            check_fits(memory_plan_of(call, facts, shared), available_bytes(call.device))
+        buffer_plan = shared if options.share_buffers else None
         built = build_graphs(
             call, facts, buffer_plan, backend, options, hooks=hooks, progress=progress
         )
@@ -214,28 +218,6 @@ def _build(
 
 def _already_graphed(module: torch.nn.Module) -> bool:
     return isinstance(module.__dict__.get("forward"), GraphedCallable)
-
-
-def _probe_and_check(
-    call: Call, backend: GraphBackend, options: CaptureOptions
-) -> tuple[GraphFacts, ...]:
-    """Probe the forwards; on CUDA with the check on, refuse a capture that cannot fit."""
-    facts = probe(call, where=backend.warmup())
-    if options.check_memory and backend.name == "cuda":
-        check_fits(memory_plan_of(call, facts), available_bytes(call.device))
-    return facts
-
-
-def _buffer_plan(call: Call, facts: Sequence[GraphFacts], *, share: bool) -> BufferPlan | None:
-    """The static buffers from the plan and the probe; None without sharing."""
-    if not share:
-        return None
-    return plan_buffers(
-        call.plan,
-        [f.inputs for f in facts],
-        [f.outputs for f in facts],
-        chainable=call.chainable(),
-    )
 
 
 def _hand_back(call: Call, built: Built, options: CaptureOptions) -> Any:

@@ -132,18 +132,23 @@ def graph_sources(
     options: CaptureOptions,
 ) -> list[GraphSource]:
     """What every graph is built from, in graph order."""
-    sharing = parameter_sharing(call, facts)
+    named_by_callable = [_named_parameters(fn) for fn in call.callables]
+    sharing = parameter_sharing(call, facts, [tuple(p for _, p in n) for n in named_by_callable])
     seen: set[int] = set()
+    last_signature: dict[int, CallSignature] = {}  # per callable: its graphs share a structure
     sources = []
     for graph in range(call.plan.layout.num_graphs):
         fn = call.callable_of(graph)
+        index = call.callable_index(graph)
         leaves, tree = pytree.tree_flatten(call.samples[graph])
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         samples = _static_leaves(tensors, seen, copy_repeats=not options.share_buffers)
         given = iter(samples)
         call_leaves = [next(given) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        named = tuple(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else ()
+        named = named_by_callable[index]
         label = call.label(graph)
+        signature = CallSignature(label, call_leaves, tree, like=last_signature.get(index))
+        last_signature[index] = signature
         sources.append(
             GraphSource(
                 index=graph,
@@ -151,11 +156,11 @@ def graph_sources(
                 graph_id=call.plan.layout.graph_id(graph) if call.plan.ordered else None,
                 fn=fn.forward if isinstance(fn, torch.nn.Module) else fn,
                 samples=samples,
-                signature=CallSignature(label, call_leaves, tree),
+                signature=signature,
                 params=tuple(p for _, p in named),
                 param_names=tuple(n for n, _ in named),
                 facts=facts[graph],
-                hooks=hooks[call.callable_index(graph)],
+                hooks=hooks[index],
                 sharing=sharing[graph],
                 module=_binding(fn) if not call.plan.ordered else None,
                 allow_unused_input=options.allow_unused_input,
@@ -164,6 +169,11 @@ def graph_sources(
             )
         )
     return sources
+
+
+def _named_parameters(fn: object) -> tuple[tuple[str, torch.nn.Parameter], ...]:
+    """A callable's parameters with their names, in gradient order (none for a function)."""
+    return tuple(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else ()
 
 
 def _trained(source: GraphSource) -> list[tuple[str, torch.nn.Parameter]]:
@@ -212,13 +222,19 @@ def _static_leaves(
     return tuple(static)
 
 
-def parameter_sharing(call: Call, facts: Sequence[GraphFacts]) -> list[ParameterSharing]:
-    """Per graph, which other graphs train one of its parameters, known before capture."""
-    params_of: list[list[torch.nn.Parameter]] = []
+def parameter_sharing(
+    call: Call,
+    facts: Sequence[GraphFacts],
+    params_by_callable: Sequence[Sequence[torch.nn.Parameter]] | None = None,
+) -> list[ParameterSharing]:
+    """Per graph, which other graphs train one of its parameters, known before capture
+    (``params_by_callable``: each callable's parameters in gradient order, if known)."""
+    if params_by_callable is None:
+        params_by_callable = [[p for _, p in _named_parameters(fn)] for fn in call.callables]
+    params_of: list[Sequence[torch.nn.Parameter]] = []
     trained_by: dict[int, list[int]] = {}
     for graph in range(call.plan.layout.num_graphs):
-        fn = call.callable_of(graph)
-        params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+        params = params_by_callable[call.callable_index(graph)]
         params_of.append(params)
         for param, trains in zip(params, facts[graph].trains):
             if trains:

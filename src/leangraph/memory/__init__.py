@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..probe import LayerMemory
 from .check import available_bytes, check_fits
-from .plan import memory_plan_of, plan_memory
+from .plan import memory_plan_of, plan_memory, shared_buffers
 from .records import MemoryPlan, StepMemory, format_bytes
 
 __all__ = [
@@ -22,4 +22,5 @@ __all__ = [
     "format_bytes",
     "memory_plan_of",
     "plan_memory",
+    "shared_buffers",
 ]

@@ -42,13 +42,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._call import Call, validate_call
-from ..buffers import plan_buffers
+from ..buffers import BufferPlan, plan_buffers
 from ..probe import GraphFacts, probe
 from .meta_attention import MetaAttention
 from .records import MemoryPlan
 from .walk import walk_plan
 
-__all__ = ["memory_plan_of", "plan_memory"]
+__all__ = ["memory_plan_of", "plan_memory", "shared_buffers"]
 
 SampleArgs = tuple[Any, ...]
 
@@ -102,13 +102,23 @@ def plan_memory(
     return memory_plan_of(call, facts)
 
 
-def memory_plan_of(call: Call, facts: Sequence[GraphFacts]) -> MemoryPlan:
-    """The memory plan of ``call`` from the probe's ``facts``, with the buffers the engine
-    allocates when it shares buffers (the default)."""
-    buffers = plan_buffers(
+def shared_buffers(call: Call, facts: Sequence[GraphFacts]) -> BufferPlan:
+    """The static buffers the engine allocates for ``call`` when it shares buffers (the
+    default), from the plan and the probe's ``facts``."""
+    return plan_buffers(
         call.plan,
         [f.inputs for f in facts],
         [f.outputs for f in facts],
         chainable=call.chainable(),
     )
+
+
+def memory_plan_of(
+    call: Call, facts: Sequence[GraphFacts], buffers: BufferPlan | None = None
+) -> MemoryPlan:
+    """The memory plan of ``call`` from the probe's ``facts``, with the buffers the engine
+    allocates when it shares buffers (the default): ``buffers`` where the caller planned
+    them already."""
+    if buffers is None:
+        buffers = shared_buffers(call, facts)
     return walk_plan(call.plan, [f.memory for f in facts], buffers)

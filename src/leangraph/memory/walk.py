@@ -123,7 +123,7 @@ def _walk(
     records = []
     high_water = 0
     for index, (step, live) in enumerate(zip(steps, plan.live_during(steps, keep_all=keep_all))):
-        total = sum(held[graph] for graph in live)
+        total = sum(map(held.__getitem__, live))  # C-level: steps x live graphs in all
         high_water = max(high_water, total)
         live_bytes = static + total + transient.at(step)
         records.append(StepMemory(phase, index, str(step), len(live), live_bytes))

@@ -96,25 +96,39 @@ class CallSignature:
         owner: How errors name the callable.
         leaves: The sample call's leaves: tensors, and the constants between them.
         tree: The sample call's pytree structure, as ``(args, kwargs)``.
+        like: A signature of another call whose structure may be the same (the same layer's
+            graph for another microbatch): where ``tree`` equals its tree, the leaves' names
+            and the tree's facts are taken from it rather than walked again.
     """
 
-    def __init__(self, owner: str, leaves: Sequence[Any], tree: pytree.TreeSpec):
+    def __init__(
+        self,
+        owner: str,
+        leaves: Sequence[Any],
+        tree: pytree.TreeSpec,
+        *,
+        like: CallSignature | None = None,
+    ):
         self.owner = owner
         self.tree = tree
         self.template = LeafTemplate.of(leaves)
-        sample_call = pytree.tree_unflatten(list(leaves), tree)
-        names = leaf_names(sample_call)
+        self._names: list[str]
+        self._kwarg_names: tuple[str, ...]
+        self._positional: bool
+        if like is not None and like.tree == tree:
+            names, self._kwarg_names, positional = like._names, like._kwarg_names, like._positional
+        else:
+            sample_call = pytree.tree_unflatten(list(leaves), tree)
+            names = leaf_names(sample_call)
+            self._kwarg_names = tuple(sample_call[1])
+            positional = tree == pytree.tree_structure((tuple(leaves), {}))
+        self._names, self._positional = names, positional  # facts of the tree alone
         self.specs = tuple(
             TensorSpec.of(name, t) for name, t in zip(names, leaves) if isinstance(t, torch.Tensor)
         )
         self._constants = tuple((names[i], i, value) for i, value in self.template.constants())
-        self._kwarg_names = tuple(sample_call[1])
         # Tensors passed positionally, the usual call: binding then skips the pytree walk.
-        self._positional_arity = (
-            len(leaves)
-            if self.template.all_tensors and tree == pytree.tree_structure((tuple(leaves), {}))
-            else None
-        )
+        self._positional_arity = len(leaves) if self.template.all_tensors and positional else None
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """The tensor leaves of a replay's arguments, checked against the captured ones.
