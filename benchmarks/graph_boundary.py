@@ -10,7 +10,15 @@ per-block pass has 7 more). The host launches a graph in a few µs, far ahead of
 work per block, so the difference is the GPU's own, the idle time between one graph's last
 kernel and the next graph's first. A per-layer training step has two such boundaries per
 layer and microbatch (its forward and its backward graph): 256 on the bench's 16-microbatch
-step. Usage: PYTHONPATH=src python3 benchmarks/graph_boundary.py
+step.
+
+Then the same for training, through leangraph (``fuse_grad_accumulation=True,
+accumulator_hooks=False``), compute-bound block only (there the host stays ahead): the 8
+blocks as one pipeline chunk of 8 graphed layers (chained: no copies between them) against the
+8 blocks as one graphed ``nn.Sequential``; 20 forward+backward steps per round, GPU time by
+CUDA events, 9 alternating rounds, medians. Per boundary is the difference over 14 (7 more
+forward and 7 more backward graphs).
+Usage: PYTHONPATH=src python3 benchmarks/graph_boundary.py
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import Any
 
 import torch
 
+import leangraph
 from leangraph.cli.workloads import BlockShape, make_blocks
 
 BLOCKS = 8
@@ -47,12 +56,12 @@ def capture(body: Callable[[], torch.Tensor], pool: Any) -> torch.cuda.CUDAGraph
     return graph
 
 
-def gpu_ms(replay: Callable[[], None]) -> float:
-    """GPU ms of ``REPLAYS`` calls of ``replay``, from a synchronised start."""
+def gpu_ms(replay: Callable[[], None], times: int = REPLAYS) -> float:
+    """GPU ms of ``times`` calls of ``replay``, from a synchronised start."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    for _ in range(REPLAYS):
+    for _ in range(times):
         replay()
     end.record()
     torch.cuda.synchronize()
@@ -89,6 +98,50 @@ def measure(shape: BlockShape) -> tuple[float, float]:
     return statistics.median(passes["per-block"]), statistics.median(passes["single"])
 
 
+def measure_training(shape: BlockShape, steps: int = 20) -> tuple[float, float]:
+    """Median GPU µs per training step (forward and backward) of the blocks graphed as 8
+    chained layers, and as one callable of all 8."""
+    options: dict[str, Any] = {"fuse_grad_accumulation": True, "accumulator_hooks": False}
+
+    def sample() -> torch.Tensor:
+        size = (shape.micro_batch, shape.sequence, shape.hidden)
+        return torch.randn(size, device="cuda", dtype=shape.dtype, requires_grad=True)
+
+    layers = leangraph.make_graphed_callables(
+        tuple(make_blocks(BLOCKS, shape, "cuda")),
+        tuple((sample(),) for _ in range(BLOCKS)),
+        order=[1, -1],
+        num_layers_per_chunk=[BLOCKS],
+        **options,
+    )
+    whole = leangraph.make_graphed_callables(
+        torch.nn.Sequential(*make_blocks(BLOCKS, shape, "cuda")), (sample(),), **options
+    )
+    x, seed = sample(), torch.randn(shape.micro_batch, shape.sequence, shape.hidden, device="cuda")
+    seed = seed.to(shape.dtype)
+
+    def train(callables: Sequence[Callable[[torch.Tensor], torch.Tensor]]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(steps):
+                hidden = x
+                for layer in callables:
+                    hidden = layer(hidden)
+                hidden.backward(seed)
+
+        return run
+
+    runs = {"per-layer": train(layers), "single": train([whole])}
+    for run in runs.values():
+        gpu_ms(run, 1)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(ROUNDS):
+        for name, run in runs.items():
+            times[name].append(gpu_ms(run, 1) * 1e3 / steps)
+    leangraph.reset_all(layers)
+    leangraph.reset_all(whole)
+    return statistics.median(times["per-layer"]), statistics.median(times["single"])
+
+
 def _keep(out: list[torch.Tensor], block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``block(x)``, also appended to ``out`` (the last call's is the captured output)."""
     out.append(block(x))
@@ -111,6 +164,13 @@ def main() -> None:
             f"{name:<20} {BLOCKS} graphs {per_block:8.1f} µs/pass   1 graph {single:8.1f} µs/pass"
             f"   {boundary:5.2f} µs per boundary ({per_block / single:.3f}x)"
         )
+    name, shape = next(iter(SHAPES.items()))
+    per_layer, single = measure_training(shape)
+    boundary = (per_layer - single) / (2 * (BLOCKS - 1))
+    print(
+        f"training, {name}: {BLOCKS} layers {per_layer:8.1f} µs/step   1 callable {single:8.1f} "
+        f"µs/step   {boundary:5.2f} µs per boundary ({per_layer / single:.3f}x)"
+    )
 
 
 if __name__ == "__main__":
