@@ -192,12 +192,10 @@ def _build(
     saved = SavedState(call.callables)
     try:
         facts = probe(call, where=backend.warmup())
-        checking = options.check_memory and backend.name == "cuda"
-        shared = shared_buffers(call, facts) if options.share_buffers or checking else None
-        if checking:  # with the buffers of sharing, the default, whether it is on or not
-            assert shared is not None
-            check_fits(memory_plan_of(call, facts, shared), available_bytes(call.device))
-        buffer_plan = shared if options.share_buffers else None
+        buffer_plan = shared_buffers(call, facts) if options.share_buffers else None
+        if options.check_memory and backend.name == "cuda":
+            # The check walks the buffers of sharing (the default) whether it is on or not.
+            check_fits(memory_plan_of(call, facts, buffer_plan), available_bytes(call.device))
         built = build_graphs(
             call, facts, buffer_plan, backend, options, hooks=hooks, progress=progress
         )
