@@ -334,3 +334,35 @@ def test_where_nodes_cannot_be_renumbered_a_view_relay_keeps_eagers_order(monkey
     assert logs["graphed"] == logs["eager"]
     assert all(not g._record.fused.relay.nodes for g in graphed)  # the view relay
     leangraph.reset_all(graphed)
+
+
+def test_hooks_on_accumulator_nodes_fire_right_after_their_layer_as_in_eager():
+    """Hooks on the accumulator nodes themselves, registered before capture and the nodes
+    held as DDP's reducer and Megatron-core's DDP hold them: they too fire as soon as their
+    layer's backward replay ran, in eager's order."""
+    torch.manual_seed(0)
+    eager = [Block(8), Block(8)]
+    layers = copy.deepcopy(eager)
+    logs: dict[str, list[str]] = {"eager": [], "graphed": []}
+    held = []
+    for name, modules in (("eager", eager), ("graphed", layers)):
+        for index, module in enumerate(modules):
+            for pname, p in module.named_parameters():
+                node = p.view_as(p).grad_fn.next_functions[0][0]
+                node.register_hook(
+                    lambda *_, key=f"{index}.{pname}", log=logs[name]: log.append(key))
+                held.append(node)
+    graphed = leangraph.make_graphed_callables(
+        tuple(layers), ((torch.randn(4, 8, requires_grad=True),),) * 2, order=[1, -1],
+        num_layers_per_chunk=2, fuse_grad_accumulation=True)
+    x = torch.randn(4, 8)
+    for name, lookup in (("eager", eager), ("graphed", graphed)):
+        hidden = lookup[0](x.clone().requires_grad_())
+        hidden.register_hook(lambda _, log=logs[name]: log.append("between the layers"))
+        lookup[1](hidden).square().sum().backward()
+    assert logs["graphed"] == logs["eager"]
+    assert logs["eager"].index("between the layers") == 6  # after layer 1's six parameters
+    for a, b in zip(eager, layers):
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.equal(pa.grad, pb.grad)
+    leangraph.reset_all(graphed)
