@@ -7,6 +7,7 @@ CUDA versions are in test_cuda.py)."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -294,27 +295,44 @@ def test_a_compiled_module_accumulates_in_graph_exactly():
         assert torch.equal(a.grad, b.grad)
 
 
-def test_hooks_fire_right_after_their_layer_as_in_eager():
-    """A layer's accumulators run as soon as its backward replay ran, before the previous
-    layer's: the events of parameter hooks and of a hook on the gradient between the layers
-    come in eager's order."""
+def _two_layer_hook_logs(register, *, before_capture: bool):
+    """Eager and fused-graphed runs of the same two chained layers, every parameter hooked by
+    ``register(param, record)`` (before or after capture) and the gradient between the layers
+    hooked too: each run's log of hook events, the eager and graphed layers, and the graphed
+    callables (the caller resets them)."""
     torch.manual_seed(0)
     eager = [Block(8), Block(8)]
     layers = copy.deepcopy(eager)
+    logs: dict[str, list[str]] = {"eager": [], "graphed": []}
+
+    def hook_all() -> None:
+        for name, modules in (("eager", eager), ("graphed", layers)):
+            for index, module in enumerate(modules):
+                for pname, p in module.named_parameters():
+                    register(p, functools.partial(logs[name].append, f"{index}.{pname}"))
+
+    if before_capture:
+        hook_all()
     graphed = leangraph.make_graphed_callables(
         tuple(layers), ((torch.randn(4, 8, requires_grad=True),),) * 2, order=[1, -1],
         num_layers_per_chunk=2, fuse_grad_accumulation=True)
-    logs: dict[str, list[str]] = {"eager": [], "graphed": []}
-    for name, modules in (("eager", eager), ("graphed", layers)):
-        for index, module in enumerate(modules):
-            for pname, p in module.named_parameters():
-                p.register_post_accumulate_grad_hook(
-                    lambda _, key=f"{index}.{pname}", log=logs[name]: log.append(key))
+    if not before_capture:
+        hook_all()
     x = torch.randn(4, 8)
     for name, lookup in (("eager", eager), ("graphed", graphed)):
         hidden = lookup[0](x.clone().requires_grad_())
         hidden.register_hook(lambda _, log=logs[name]: log.append("between the layers"))
         lookup[1](hidden).square().sum().backward()
+    return logs, eager, layers, graphed
+
+
+def test_hooks_fire_right_after_their_layer_as_in_eager():
+    """A layer's accumulators run as soon as its backward replay ran, before the previous
+    layer's: the events of parameter hooks and of a hook on the gradient between the layers
+    come in eager's order."""
+    logs, _, _, graphed = _two_layer_hook_logs(
+        lambda p, record: p.register_post_accumulate_grad_hook(lambda _: record()),
+        before_capture=False)
     assert logs["graphed"] == logs["eager"]
     assert logs["eager"].index("between the layers") == 6  # after layer 1's six parameters
     leangraph.reset_all(graphed)
@@ -340,26 +358,14 @@ def test_hooks_on_accumulator_nodes_fire_right_after_their_layer_as_in_eager():
     """Hooks on the accumulator nodes themselves, registered before capture and the nodes
     held as DDP's reducer and Megatron-core's DDP hold them: they too fire as soon as their
     layer's backward replay ran, in eager's order."""
-    torch.manual_seed(0)
-    eager = [Block(8), Block(8)]
-    layers = copy.deepcopy(eager)
-    logs: dict[str, list[str]] = {"eager": [], "graphed": []}
     held = []
-    for name, modules in (("eager", eager), ("graphed", layers)):
-        for index, module in enumerate(modules):
-            for pname, p in module.named_parameters():
-                node = p.view_as(p).grad_fn.next_functions[0][0]
-                node.register_hook(
-                    lambda *_, key=f"{index}.{pname}", log=logs[name]: log.append(key))
-                held.append(node)
-    graphed = leangraph.make_graphed_callables(
-        tuple(layers), ((torch.randn(4, 8, requires_grad=True),),) * 2, order=[1, -1],
-        num_layers_per_chunk=2, fuse_grad_accumulation=True)
-    x = torch.randn(4, 8)
-    for name, lookup in (("eager", eager), ("graphed", graphed)):
-        hidden = lookup[0](x.clone().requires_grad_())
-        hidden.register_hook(lambda _, log=logs[name]: log.append("between the layers"))
-        lookup[1](hidden).square().sum().backward()
+
+    def on_node(p, record):
+        node = p.view_as(p).grad_fn.next_functions[0][0]
+        node.register_hook(lambda *_: record())
+        held.append(node)
+
+    logs, eager, layers, graphed = _two_layer_hook_logs(on_node, before_capture=True)
     assert logs["graphed"] == logs["eager"]
     assert logs["eager"].index("between the layers") == 6  # after layer 1's six parameters
     for a, b in zip(eager, layers):
