@@ -101,6 +101,10 @@ class CallSignature:
             and the tree's facts are taken from it rather than walked again.
     """
 
+    _names: list[str]
+    _kwarg_names: tuple[str, ...]
+    _positional: bool
+
     def __init__(
         self,
         owner: str,
@@ -112,17 +116,15 @@ class CallSignature:
         self.owner = owner
         self.tree = tree
         self.template = LeafTemplate.of(leaves)
-        self._names: list[str]
-        self._kwarg_names: tuple[str, ...]
-        self._positional: bool
         if like is not None and like.tree == tree:
-            names, self._kwarg_names, positional = like._names, like._kwarg_names, like._positional
+            names, kwarg_names, positional = like._names, like._kwarg_names, like._positional
         else:
             sample_call = pytree.tree_unflatten(list(leaves), tree)
             names = leaf_names(sample_call)
-            self._kwarg_names = tuple(sample_call[1])
+            kwarg_names = tuple(sample_call[1])
             positional = tree == pytree.tree_structure((tuple(leaves), {}))
-        self._names, self._positional = names, positional  # facts of the tree alone
+        # Facts of the tree alone, which a signature made like this one takes over.
+        self._names, self._kwarg_names, self._positional = names, kwarg_names, positional
         self.specs = tuple(
             TensorSpec.of(name, t) for name, t in zip(names, leaves) if isinstance(t, torch.Tensor)
         )
