@@ -244,13 +244,14 @@ def test_w6_a_failing_callable_leaves_nothing_broken(where, error, made):
 @needs_notes
 def test_w6_ordered_note_names_the_graph(made):
     torch.manual_seed(0)
-    # Chunk 2's third forward: the probe's, then warm-up's of microbatches 0 and 1.
+    # Chunk 2's third forward: the probe's, then warm-up's of microbatch 0 in passes 0 and 1
+    # (microbatch 1's sample has its layout: warm-up runs it in neither).
     layers = [Faulty(), Faulty(fail_at=3)]
     raised = _failing_call(layers, order=TWO_CHUNKS, samples=tuple((sample(),) for _ in range(4)))
     assert raised is layers[1].raised
     assert (
-        "leangraph: raised during warm-up of graph (chunk 2, microbatch 1, layer 0), at "
-        "warm-up pass 0"
+        "leangraph: raised during warm-up of graph (chunk 2, microbatch 0, layer 0), at "
+        "warm-up pass 1"
     ) in notes(raised)
     assert len(made) == 4 and all(released(p) for p in made)
     _works_again(layers, order=TWO_CHUNKS, graphs=4)

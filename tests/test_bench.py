@@ -112,12 +112,14 @@ def test_bench_progress_names_every_phase_with_its_size():
     phases: list[Phase] = []
     run_bench(_tiny(rounds=1, steps=2), progress=PhaseProgress(phases.append))
     firsts = [p for i, p in enumerate(phases) if i == 0 or phases[i - 1].name != p.name]
-    # 4 microbatches x 2 chunks x 1 layer = 8 graphs: 16 graph steps a pass.
+    # 4 microbatches x 2 chunks x 1 layer = 8 graphs: 16 graph steps to capture; warm-up runs
+    # microbatch 0 of each layer (the others' samples have its layout).
     assert [(p.name, p.total) for p in firsts] == [
         ("eager: training", 4),  # one measured for memory, one warm, two timed
-        ("leangraph: warm-up pass 1 of 3", 16),
-        ("leangraph: warm-up pass 2 of 3", 16),
-        ("leangraph: warm-up pass 3 of 3", 16),
+        ("leangraph: probe (one forward per layer)", None),
+        ("leangraph: warm-up pass 1 of 3", 4),
+        ("leangraph: warm-up pass 2 of 3", 4),
+        ("leangraph: warm-up pass 3 of 3", 4),
         ("leangraph: capture", 16),
         ("leangraph: training", 4),
         ("timing round 1 of 1: leangraph capture", None),

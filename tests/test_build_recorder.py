@@ -19,10 +19,12 @@ def test_later_warmup_passes_add_no_points_and_cpu_figures_are_absent():
     recorder = MemoryRecorder(torch.device("cpu"), None)
     for iteration in (0, 1):
         for done, step in enumerate((forward, backward), 2 * iteration + 1):
-            recorder(ProgressEvent("warm-up", done, 6, step, "callable 0 (f)", iteration))
+            recorder(ProgressEvent("warm-up", done, 6, step, "callable 0 (f)", iteration,
+                                   pass_done=done - 2 * iteration, pass_total=2))
     recorder.end_warmup()
     for done, step in enumerate(plan.capture, 5):
-        recorder(ProgressEvent("capture", done, 6, step, "callable 0 (f)"))
+        recorder(ProgressEvent("capture", done, 6, step, "callable 0 (f)", pass_done=done - 4,
+                               pass_total=2))
     record = recorder.finish()
     assert [(p.phase, p.step, p.allocated_bytes) for p in record.timeline] == [
         ("warm-up", "F c1 m0 l0", 0), ("warm-up", "B c1 m0 l0", 0),

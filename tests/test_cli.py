@@ -22,7 +22,7 @@ import leangraph
 from leangraph.cli import main, progress_bar
 from leangraph.cli.commands import UsageError
 from leangraph.cli.demo import DemoConfig, run_demo
-from leangraph.cli.phases import Phase, PhaseProgress, line_display, steps_per_pass
+from leangraph.cli.phases import Phase, PhaseProgress, line_display
 from leangraph.cli.workloads import BlockShape
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -279,12 +279,14 @@ def test_demo_progress_names_each_phase_on_stderr(capsys):
     status, _, err = run_cli(["demo", "--device", "cpu", "--steps", "2", "--microbatches", "2",
                               "--hidden", "32", "--sequence", "8"], capsys)
     assert status == 0
-    # 2 microbatches x 2 chunks x 2 layers = 8 graphs: 16 graph steps a pass.
+    # 2 microbatches x 2 chunks x 2 layers = 8 graphs: 16 graph steps to capture; warm-up
+    # runs microbatch 0 of each layer (the other's sample has its layout).
     assert err.splitlines() == [
         "progress: eager reference training (2 steps)",
-        "progress: warm-up pass 1 of 3 (16 graph steps)",
-        "progress: warm-up pass 2 of 3 (16 graph steps)",
-        "progress: warm-up pass 3 of 3 (16 graph steps)",
+        "progress: probe (one forward per layer)",
+        "progress: warm-up pass 1 of 3 (8 graph steps)",
+        "progress: warm-up pass 2 of 3 (8 graph steps)",
+        "progress: warm-up pass 3 of 3 (8 graph steps)",
         "progress: capture (16 graph steps)",
         "progress: graphed training (2 steps)",
     ]
@@ -310,16 +312,18 @@ def test_demo_phases_are_named_with_their_totals_up_front():
                         device="cpu")
     run_demo(config, progress=PhaseProgress(phases.append))
     firsts = [p for i, p in enumerate(phases) if i == 0 or phases[i - 1].name != p.name]
+    # Warm-up runs microbatch 0 of each layer (the other's sample has its layout).
     assert [(p.name, p.done, p.total) for p in firsts] == [
         ("eager reference training", 0, 2),
-        ("warm-up pass 1 of 3", 0, 16),
-        ("warm-up pass 2 of 3", 0, 16),
-        ("warm-up pass 3 of 3", 0, 16),
+        ("probe (one forward per layer)", 0, None),
+        ("warm-up pass 1 of 3", 0, 8),
+        ("warm-up pass 2 of 3", 0, 8),
+        ("warm-up pass 3 of 3", 0, 8),
         ("capture", 0, 16),
         ("graphed training", 0, 2),
     ]
     lasts = [p for i, p in enumerate(phases) if i + 1 == len(phases) or phases[i + 1].name != p.name]
-    assert all(p.done == p.total for p in lasts), lasts
+    assert all(p.done == p.total for p in lasts if p.total is not None), lasts
     capture = [p for p in phases if p.name == "capture"]
     assert [p.done for p in capture] == list(range(17))
     assert capture[1].detail == "forward of graph (chunk 1, microbatch 0, layer 0)"
@@ -340,23 +344,20 @@ def test_without_expectations_events_name_their_own_phase():
     _capture_events(PhaseProgress(phases.append))
     names = list(dict.fromkeys(p.name for p in phases))
     assert names == ["warm-up pass 1", "warm-up pass 2", "capture"]
-    assert phases[-1].count() == "24/24 graph steps"  # counted over the whole call
-
-
-def test_steps_per_pass_counts_each_entry_s_layers():
-    assert steps_per_pass([1, 1, -1, -1], [2]) == 8
-    assert steps_per_pass([1, 2, -2, -1], [1, 3]) == 8
+    # Each counted in its own steps: a warm-up pass runs microbatch 0 (the samples are alike).
+    assert [p.count() for p in phases if p.name == "warm-up pass 1"][-1] == "4/4 graph steps"
+    assert phases[-1].count() == "8/8 graph steps"
 
 
 def test_line_display_writes_one_line_per_phase():
     stream = io.StringIO()
     progress = PhaseProgress(line_display(stream))
-    progress.expect_capture(warmup_passes=2, steps_per_pass=8, memory_check=True, prefix="x: ")
+    progress.expect_capture(warmup_passes=2, memory_check=True, prefix="x: ")
     _capture_events(progress)
     assert stream.getvalue().splitlines() == [
         "progress: x: memory check (one forward per layer)",
-        "progress: x: warm-up pass 1 of 2 (8 graph steps)",
-        "progress: x: warm-up pass 2 of 2 (8 graph steps)",
+        "progress: x: warm-up pass 1 of 2 (4 graph steps)",
+        "progress: x: warm-up pass 2 of 2 (4 graph steps)",
         "progress: x: capture (8 graph steps)",
     ]
 
@@ -371,7 +372,7 @@ def test_progress_bar_follows_events_on_a_terminal(monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     with progress_bar(True) as bar:
         assert isinstance(bar, PhaseProgress)
-        bar.expect_capture(warmup_passes=2, steps_per_pass=8, memory_check=False)
+        bar.expect_capture(warmup_passes=2, memory_check=False)
         _capture_events(bar)
 
 

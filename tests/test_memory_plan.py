@@ -239,19 +239,23 @@ def test_1f1b_is_flat_in_microbatches(make_order) -> None:  # type: ignore[no-un
     assert len({max_in_flight(make_order(m)).total for m in (4, 8, 16)}) == 1
     plans = [_blocks_plan(make_order(m), layers=2) for m in (4, 8, 16)]
     assert len({p.warmup_peak_bytes for p in plans}) == 1
+    assert len({p.eager_peak_bytes for p in plans}) == 1
     assert len({p.capture_peak_bytes for p in plans}) == 1
     assert len({p.held_bytes for p in plans}) == 1
     naive = [p.naive_warmup_peak_bytes for p in plans]
     assert naive[0] < naive[1] < naive[2]
-    assert all(p.naive_warmup_peak_bytes > p.warmup_peak_bytes for p in plans[1:])
+    assert all(p.naive_warmup_peak_bytes > p.eager_peak_bytes for p in plans[1:])
 
 
 def test_gpipe_grows_with_microbatches() -> None:
     plans = [_blocks_plan(gpipe(m)) for m in (2, 4, 8)]
-    peaks = [p.warmup_peak_bytes for p in plans]
+    peaks = [p.eager_peak_bytes for p in plans]
     assert peaks[0] < peaks[1] < peaks[2]
     # GPipe holds every forward until the drain: lean is no better than keep-all.
-    assert all(p.warmup_peak_bytes == p.naive_warmup_peak_bytes for p in plans)
+    assert all(p.eager_peak_bytes == p.naive_warmup_peak_bytes for p in plans)
+    # Warm-up runs microbatch 0 of each layer, whatever the schedule holds.
+    assert len({p.warmup_peak_bytes for p in plans}) == 1
+    assert all(p.warmup_peak_bytes < p.eager_peak_bytes for p in plans)
 
 
 def test_model_by_hand() -> None:
@@ -266,17 +270,21 @@ def test_model_by_hand() -> None:
     # Two input slots (both forwards in flight), one gradient seed.
     assert (plan.static_input_bytes, plan.grad_output_bytes) == (2 * t, t)
     warmup = [s.live_bytes for s in plan.steps if s.phase == "warm-up"]
-    # In-flight forwards + a backward's gradients and its zero grad-output.
-    assert warmup == [2 * t, 4 * t, 4 * t + grads + t, 2 * t + grads + t]
+    # Warm-up runs microbatch 0 only (microbatch 1's sample has its layout): its forward
+    # holds 2t, its backward adds the gradients and its zero grad-output.
+    assert warmup == [2 * t, 2 * t + grads + t]
+    assert plan.warmup_peak_step == "warm-up step 1 (B c1 m0 l0)"
+    # An eager pass holds both forwards.
+    assert plan.eager_peak_bytes == 4 * t + grads + t
+    assert plan.eager_peak_step == "eager step 2 (B c1 m0 l0)"
     capture = [s.live_bytes for s in plan.steps if s.phase == "capture"]
     static = 3 * t
     assert capture == [static + 2 * t, static + 4 * t, static + 4 * t + grads,
                        static + 2 * t + grads]
     assert plan.pool_bytes == 4 * t and plan.held_bytes == static + 4 * t
-    assert plan.warmup_peak_step == "warm-up step 2 (B c1 m0 l0)"
     assert plan.naive_warmup_peak_bytes == 4 * t + grads + t
-    assert [s.step for s in plan.steps[:4]] == ["F c1 m0 l0", "F c1 m1 l0", "B c1 m0 l0",
-                                                "B c1 m1 l0"]
+    assert [s.step for s in plan.steps] == ["F c1 m0 l0", "B c1 m0 l0"] + [
+        "F c1 m0 l0", "F c1 m1 l0", "B c1 m0 l0", "B c1 m1 l0"]
 
 
 def test_static_buffers_follow_the_engines_buffer_plan() -> None:
@@ -323,10 +331,11 @@ def test_describe_and_steps() -> None:
     order = one_f_one_b(2, 0, 4)
     plan = _blocks_plan(order)
     text = plan.describe()
-    for needle in ("per callable", "0-1", "warm-up peak, lean", "held after capture",
-                   format_bytes(plan.held_bytes)):
+    for needle in ("per callable", "0-1", "warm-up peak, lean", "eager pass peak",
+                   "held after capture", format_bytes(plan.held_bytes)):
         assert needle in text
-    assert len(plan.steps) == 2 * 2 * len(order)
+    # Warm-up: microbatch 0's two entries of two layers; capture: every entry's.
+    assert len(plan.steps) == 2 * 2 + 2 * len(order)
     assert plan.peak_step in (plan.capture_peak_step, plan.warmup_peak_step)
     assert format_bytes(1536) == "1.50 KiB" and format_bytes(12) == "12 B"
 

@@ -25,13 +25,19 @@ def test_progress_reports_every_warmup_and_capture_step_in_order():
     events: list[leangraph.ProgressEvent] = []
     _capture(progress=events.append)
     steps = 2 * 12  # 12 order entries x 2 layers
-    assert [e.done for e in events] == list(range(1, 3 * steps + 1))
-    assert {e.total for e in events} == {3 * steps}
-    assert [e.phase for e in events] == ["warm-up"] * 2 * steps + ["capture"] * steps
-    assert str(events[0].step) == "F c1 m0 l0"
+    warm = 2 * 4  # microbatch 0's 4 entries: every microbatch's sample has one layout
+    assert [e.done for e in events] == list(range(1, 2 * warm + steps + 1))
+    assert {e.total for e in events} == {2 * warm + steps}
+    assert [e.pass_done for e in events] == [*range(1, warm + 1)] * 2 + [*range(1, steps + 1)]
+    assert [e.pass_total for e in events] == [warm] * 2 * warm + [steps] * steps
+    assert [e.phase for e in events] == ["warm-up"] * 2 * warm + ["capture"] * steps
+    assert [str(e.step) for e in events[:warm]] == [
+        "F c1 m0 l0", "F c1 m0 l1", "F c2 m0 l0", "F c2 m0 l1",
+        "B c2 m0 l1", "B c2 m0 l0", "B c1 m0 l1", "B c1 m0 l0",
+    ]
     assert events[0].label == "graph (chunk 1, microbatch 0, layer 0)"
     assert str(events[-1].step) == "B c1 m2 l0"
-    assert [e.iteration for e in events] == [0] * steps + [1] * steps + [0] * steps
+    assert [e.iteration for e in events] == [0] * warm + [1] * warm + [0] * steps
 
 
 def test_memory_report_lists_every_callable_and_counts_shared_buffers_once():
@@ -39,8 +45,9 @@ def test_memory_report_lists_every_callable_and_counts_shared_buffers_once():
     report = leangraph.memory_report(graphed)
     assert len(report.callables) == 12 and report.record.device == "cpu"
     assert report.pool_reserved_bytes is None and report.record.warmup_peak_bytes is None
-    # The first warm-up pass and the capture pass; the second warm-up pass repeats the first.
-    assert [p.phase for p in report.timeline] == ["warm-up"] * 24 + ["capture"] * 24
+    # The first warm-up pass (microbatch 0 of each layer) and the capture pass; the second
+    # warm-up pass repeats the first.
+    assert [p.phase for p in report.timeline] == ["warm-up"] * 8 + ["capture"] * 24
     assert 0 < report.static_bytes <= sum(c.static_bytes for c in report.callables)
     assert "graphs: 12 on cpu" in report.describe()
     leangraph.reset_all(graphed)

@@ -38,6 +38,11 @@ class Call:
         plan: The liveness plan of the order (or of torch's drop-in order).
         device: The one device of every sample tensor and parameter.
         single: Whether a single callable was passed (not a tuple).
+        alike: Per graph, the first graph that runs the same callable on samples of the same
+            layout (pytree structure, and per leaf the tensor's type, shape, strides, dtype,
+            device and ``requires_grad``, or the constant): the two run the same kernels, so
+            the probe measures only the first, and warm-up runs only the first (the plan's
+            warm-up is over these graphs).
     """
 
     callables: tuple[Any, ...]
@@ -45,6 +50,7 @@ class Call:
     plan: Plan
     device: torch.device
     single: bool
+    alike: tuple[int, ...]
 
     def callable_index(self, graph: int) -> int:
         """Position in ``callables`` of the callable graph ``graph`` runs."""
@@ -109,7 +115,8 @@ def validate_call(
     plan = _make_plan(len(callables), sample_args, order, num_layers_per_chunk)
     samples = _normalize_samples(sample_args, sample_kwargs, plan.layout.num_graphs)
     device = _common_device(samples, callables)
-    return Call(tuple(callables), samples, plan, device, single)
+    alike = _first_alike(plan, callables, samples)
+    return Call(tuple(callables), samples, plan.warming(set(alike)), device, single, alike)
 
 
 def _make_plan(
@@ -156,6 +163,37 @@ def _normalize_samples(sample_args: Any, sample_kwargs: Any, count: int) -> tupl
         _check_leaves(index, tuple(args), kwargs)
         samples.append((tuple(args), dict(kwargs)))
     return tuple(samples)
+
+
+def _first_alike(
+    plan: Plan, callables: Sequence[Any], samples: Sequence[Sample]
+) -> tuple[int, ...]:
+    """Per graph, the first graph with its callable and sample layout (``Call.alike``)."""
+    first: dict[tuple[Any, ...], int] = {}
+    alike = []
+    for graph, sample in enumerate(samples):
+        graph_id = plan.layout.graph_id(graph)
+        fn = callables[plan.layout.callable_index(graph_id.chunk, graph_id.layer)]
+        alike.append(first.setdefault((id(fn), *_sample_layout(sample)), graph))
+    return tuple(alike)
+
+
+def _sample_layout(sample: Sample) -> tuple[Any, ...]:
+    """What the kernels a callable runs on ``sample`` can depend on, values aside."""
+    leaves, tree = pytree.tree_flatten(sample)
+    return str(tree), tuple(
+        (
+            type(leaf),
+            tuple(leaf.shape),
+            leaf.stride() if leaf.layout is torch.strided else leaf.layout,
+            leaf.dtype,
+            leaf.device,
+            leaf.requires_grad,
+        )
+        if isinstance(leaf, torch.Tensor)
+        else (type(leaf), repr(leaf))
+        for leaf in leaves
+    )
 
 
 def _check_leaves(index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

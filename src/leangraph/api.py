@@ -131,7 +131,9 @@ def make_graphed_callables(
         callables: A callable or ``nn.Module``, or a tuple of them.
         sample_args: One tuple of sample arguments (tensor pytrees) per graph.
         sample_kwargs: One dict of keyword sample arguments per graph, or None.
-        num_warmup_iters: Eager warm-up passes before capture (after a probe forward).
+        num_warmup_iters: Eager warm-up passes before capture (after a probe forward). A
+            pass runs, in the order, one graph per callable and sample layout (graphs alike
+            run the same kernels), so its cost does not grow with the microbatches.
         allow_unused_input: Allow inputs and parameters the outputs do not depend on.
         pool: A graph memory pool handle (``torch.cuda.graph_pool_handle()``) to share.
         order: The pipeline order; None for the torch drop-in behaviour.

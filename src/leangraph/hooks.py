@@ -3,7 +3,8 @@
 Graphs cannot replay Python hooks, so work such as activation offloading or token counting
 that users attach with module hooks has to happen while the graphs are recorded instead.
 Each graphed callable may carry lists of hooks; warm-up and capture call them outside stream
-capture, in the plan's order, once per step:
+capture, in the plan's order, once per step (warm-up runs one graph per callable and sample
+layout, capture every graph):
 
 * ``forward_pre(callable, args, kwargs)`` before a forward step;
 * ``forward(callable, args, kwargs, output)`` after it (``output`` as the callable returned

@@ -10,8 +10,8 @@ still differentiates the forward's saved activations.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
 
 from .order import GraphId, Layout, Step, StepKind, unordered_layout
 
@@ -48,15 +48,26 @@ class GraphStep:
 class Plan:
     """What warm-up and capture run, step by step.
 
-    ``warmup`` is one warm-up pass (repeated ``num_warmup_iters`` times); ``capture`` is the
-    capture pass, which records graphs in exactly this sequence into one pool.
+    ``full_pass`` is one eager pass over every graph in the plan's order (what a tool that
+    warms every graph runs; the memory plan's keep-everything baseline walks it).
+    ``warmup`` is one warm-up pass (repeated ``num_warmup_iters`` times): the steps of
+    ``full_pass`` whose graphs warm-up runs (:meth:`warming`). ``capture`` is the capture
+    pass, which records graphs in exactly this sequence into one pool.
     """
 
     layout: Layout
+    full_pass: tuple[GraphStep, ...]
     warmup: tuple[GraphStep, ...]
     capture: tuple[GraphStep, ...]
     ordered: bool
     split_backward: bool = False
+
+    def warming(self, graphs: Collection[int]) -> Plan:
+        """This plan with warm-up running only ``graphs``: the full pass's steps of those
+        graphs, in its order (every graph keeps its own forward before its backward)."""
+        chosen = frozenset(graphs)
+        warmup = tuple(step for step in self.full_pass if step.graph in chosen)
+        return replace(self, warmup=warmup)
 
     def live_during(
         self, steps: Sequence[GraphStep], *, keep_all: bool = False
@@ -148,11 +159,17 @@ def _expand(layout: Layout, step: Step, split: bool = False) -> list[GraphStep]:
 
 
 def build_plan(layout: Layout, steps: Sequence[Step]) -> Plan:
-    """Plan for an explicit pipeline order: warm-up and capture both follow the order."""
+    """Plan for an explicit pipeline order: warm-up and capture both follow the order (warm-up
+    over every graph until :meth:`Plan.warming` says which)."""
     split = any(step.kind is StepKind.WEIGHT for step in steps)
     expanded = tuple(g for step in steps for g in _expand(layout, step, split))
     return Plan(
-        layout=layout, warmup=expanded, capture=expanded, ordered=True, split_backward=split
+        layout=layout,
+        full_pass=expanded,
+        warmup=expanded,
+        capture=expanded,
+        ordered=True,
+        split_backward=split,
     )
 
 
@@ -172,4 +189,10 @@ def build_unordered_plan(num_callables: int) -> Plan:
         warmup.append(_graph_step(layout, StepKind.FORWARD, 1, 0, layer, forward))
         warmup.append(_graph_step(layout, StepKind.BACKWARD, 1, 0, layer, backward))
     capture = _expand(layout, forward) + _expand(layout, backward)
-    return Plan(layout=layout, warmup=tuple(warmup), capture=tuple(capture), ordered=False)
+    return Plan(
+        layout=layout,
+        full_pass=tuple(warmup),
+        warmup=tuple(warmup),
+        capture=tuple(capture),
+        ordered=False,
+    )

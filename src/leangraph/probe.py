@@ -1,11 +1,12 @@
 """The probe: one forward of each distinct callable, measured once for every later stage.
 
-Before warm-up, every distinct (callable, sample signature) pair runs forward once under
-``torch.autograd.graph.saved_tensors_hooks``. What it returns and what autograd saves give
-the facts the memory check and the buffer plan both read, so the two cannot disagree: each
-graph's input and output buffer keys, which outputs need a gradient (hence whether the
-graph has a backward), its output structure, which parameters it trains, and the byte counts
-of :class:`LayerMemory`. Nothing runs backward (gradient sizes come from tensor metadata).
+Before warm-up, every distinct (callable, sample layout) pair (``Call.alike``) runs forward
+once under ``torch.autograd.graph.saved_tensors_hooks``. What it returns and what autograd
+saves give the facts the memory check and the buffer plan both read, so the two cannot
+disagree: each graph's input and output buffer keys, which outputs need a gradient (hence
+whether the graph has a backward), its output structure, which parameters it trains, and the
+byte counts of :class:`LayerMemory`. Nothing runs backward (gradient sizes come from tensor
+metadata).
 
 The probe leaves no trace: it runs in a forked RNG state, puts module buffers back (a forward
 may update some, BatchNorm's running statistics), and frees what it allocated.
@@ -117,22 +118,21 @@ def probe(
     Raises:
         TypeError: naming the graph whose output has a leaf that is not a tensor.
     """
-    cache: dict[tuple[Any, ...], GraphFacts] = {}
-    facts = []
+    facts: list[GraphFacts] = []
     devices = [call.device] if call.device.type == "cuda" else []
     with (
         torch.random.fork_rng(devices=devices, device_type="cuda"),
         _buffers_kept(call.callables),
         where if where is not None else contextlib.nullcontext(),
     ):
-        for graph in range(call.plan.layout.num_graphs):
-            fn = call.callable_of(graph)
-            key = _signature(fn, call.samples[graph])
-            if key not in cache:
-                label = call.label(graph)
-                with phase_note("the probe", label, "its one forward before warm-up"):
-                    cache[key] = _measure(fn, call.samples[graph], label, around_forward)
-            facts.append(cache[key])
+        for graph, first in enumerate(call.alike):
+            if first != graph:  # the same callable on a sample of the same layout
+                facts.append(facts[first])
+                continue
+            label = call.label(graph)
+            with phase_note("the probe", label, "its one forward before warm-up"):
+                fn, sample = call.callable_of(graph), call.samples[graph]
+                facts.append(_measure(fn, sample, label, around_forward))
     return tuple(facts)
 
 
@@ -168,19 +168,6 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int]:
 
 def _bytes(storages: dict[int, int], keys: Iterable[int]) -> int:
     return sum(storages[k] for k in set(keys))
-
-
-def _signature(fn: Any, sample: Sample) -> tuple[Any, ...]:
-    """What makes two graphs' facts equal: the callable, the samples' metadata and
-    constants."""
-    leaves, tree = pytree.tree_flatten(sample)
-    meta = tuple(
-        (tuple(t.shape), t.dtype, str(t.device), t.requires_grad)
-        if isinstance(t, torch.Tensor)
-        else (type(t), repr(t))
-        for t in leaves
-    )
-    return id(fn), str(tree), meta
 
 
 class _Packed:

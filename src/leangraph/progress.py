@@ -8,7 +8,7 @@ memory timeline of :mod:`leangraph.report` is recorded through the same channel.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .plan import GraphStep
 
@@ -20,9 +20,11 @@ class ProgressEvent:
     """One finished step: ``phase`` is ``"warm-up"`` or ``"capture"``.
 
     ``done``/``total`` count steps over the whole call (all warm-up passes, then capture), so
-    a progress bar can use them directly; ``step`` is the plan step that just ran, ``label``
-    the graph it ran (as errors name it) and ``iteration`` the warm-up pass (0-based; 0 in
-    capture).
+    a progress bar can use them directly; ``pass_done``/``pass_total`` count them within this
+    warm-up pass or the capture (a warm-up pass runs one graph per callable and sample
+    layout, the capture every graph, so the two differ). ``step`` is the plan step that just
+    ran, ``label`` the graph it ran (as errors name it) and ``iteration`` the warm-up pass
+    (0-based; 0 in capture).
     """
 
     phase: str
@@ -31,6 +33,8 @@ class ProgressEvent:
     step: GraphStep
     label: str
     iteration: int = 0
+    pass_done: int = field(kw_only=True)
+    pass_total: int = field(kw_only=True)
 
 
 ProgressCallback = Callable[[ProgressEvent], None]

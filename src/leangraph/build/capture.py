@@ -60,7 +60,15 @@ def run_capture(
             if observers:
                 notify(
                     observers,
-                    ProgressEvent("capture", steps_before + index + 1, total, step, graph.label),
+                    ProgressEvent(
+                        "capture",
+                        steps_before + index + 1,
+                        total,
+                        step,
+                        graph.label,
+                        pass_done=index + 1,
+                        pass_total=len(plan.capture),
+                    ),
                 )
         for graph in graphs:  # a lent buffer whose borrower never came (none in plan order)
             graph.return_lent_grad(backend)

@@ -1,5 +1,9 @@
 """Warm-up: eager passes in the plan's order, holding outputs only until their backward.
 
+A pass runs the graphs the plan warms up: one per callable and sample layout (graphs alike run
+the same kernels, which is what warm-up is for: lazy initialisation, autotuning, per-stream
+state), so its cost does not grow with the microbatches.
+
 At every point of a pass the only warm-up outputs alive are those of forwards whose backward
 has not run yet (the plan's ``born``/``dies``); outputs that need no backward (eval mode,
 ``no_grad``) die right after their forward. Nothing survives a pass.
@@ -64,7 +68,16 @@ def _warmup_pass(
             del outputs
         if observers:
             done = iteration * len(plan.warmup) + index + 1
-            event = ProgressEvent("warm-up", done, total_steps, step, graph.label, iteration)
+            event = ProgressEvent(
+                "warm-up",
+                done,
+                total_steps,
+                step,
+                graph.label,
+                iteration,
+                pass_done=index + 1,
+                pass_total=len(plan.warmup),
+            )
             notify(observers, event)
     if awaiting_backward:
         raise AssertionError(f"plan left warm-up outputs alive: {sorted(awaiting_backward)}")

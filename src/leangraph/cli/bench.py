@@ -63,7 +63,7 @@ from leangraph.report import MemoryReport, TimelinePoint
 from leangraph.schedules import interleaved_1f1b
 
 from .local_pipeline import LayerLookup, run_order
-from .phases import PhaseProgress, steps_per_pass
+from .phases import PhaseProgress
 from .workloads import (
     BlockShape,
     Shape,
@@ -917,7 +917,6 @@ def _announce_capture(work: BenchWorkload, name: str, progress: PhaseProgress | 
         progress.expect_capture(
             prefix=f"{name}: ",
             warmup_passes=work.config.warmup_iters,
-            steps_per_pass=steps_per_pass(work.order, work.layers_per_chunk),
             memory_check=work.config.device.startswith("cuda"),
         )
 

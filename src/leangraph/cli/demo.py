@@ -17,7 +17,7 @@ from leangraph.order import Layout
 from leangraph.schedules import interleaved_1f1b
 
 from .local_pipeline import LayerLookup, run_order
-from .phases import PhaseProgress, steps_per_pass
+from .phases import PhaseProgress
 from .workloads import BlockShape, hidden_batches, make_blocks, sample_hidden
 
 __all__ = ["DemoConfig", "DemoResult", "run_demo"]
@@ -118,7 +118,6 @@ def _capture(
     if progress is not None:
         progress.expect_capture(
             warmup_passes=config.warmup_iters,
-            steps_per_pass=steps_per_pass(training.order, training.layers_per_chunk),
             memory_check=device == "cuda",
         )
     graphed = make_graphed_callables(

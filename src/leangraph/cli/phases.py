@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import TextIO
 
@@ -25,7 +25,6 @@ __all__ = [
     "line_display",
     "phase_display",
     "progress_bar",
-    "steps_per_pass",
 ]
 
 GRAPH_STEPS = "graph steps"
@@ -54,28 +53,21 @@ class Phase:
         return "" if self.total is None else f"{self.done}/{self.total} {self.unit}".rstrip()
 
 
-def steps_per_pass(order: Sequence[int], layers_per_chunk: Sequence[int]) -> int:
-    """Graph steps of one warm-up pass (and of the capture) of a chunk-id order: every entry
-    runs its chunk's layers, one graph step each."""
-    return sum(layers_per_chunk[abs(int(entry)) - 1] for entry in order)
-
-
 @dataclass(frozen=True, slots=True)
 class _CaptureShape:
     """What the next ``make_graphed_callables`` call will run, known before it starts."""
 
     prefix: str
     warmup_passes: int
-    steps_per_pass: int
 
 
 class PhaseProgress:
     """Names the phases of a command and counts their work; ``show`` draws every change.
 
     As a ``progress=`` callback of ``make_graphed_callables`` it shows each event as warm-up
-    pass ``k`` of ``n`` or capture, counted per pass, once :meth:`expect_capture` has said how
-    many passes of how many steps the call runs; without that (or when the events disagree
-    with it) it shows the event's own phase and its count over the whole call.
+    pass ``k`` of ``n`` or capture, each counted in its own steps (the events carry them),
+    once :meth:`expect_capture` has said how many passes the call runs; without that, warm-up
+    pass ``k`` and capture.
     """
 
     def __init__(self, show: Callable[[Phase], None]) -> None:
@@ -93,37 +85,26 @@ class PhaseProgress:
         self._phase = replace(self._phase, done=done, detail=detail)
         self._show(self._phase)
 
-    def expect_capture(
-        self, *, warmup_passes: int, steps_per_pass: int, memory_check: bool, prefix: str = ""
-    ) -> None:
-        """Announce a ``make_graphed_callables`` call and show its first phase: the memory
-        check (CUDA, before any event) or warm-up pass 1."""
-        self._capture = _CaptureShape(prefix, warmup_passes, steps_per_pass)
-        if memory_check:
-            self.begin(f"{prefix}memory check (one forward per layer)")
-        elif warmup_passes > 0:
-            self.begin(f"{prefix}warm-up pass 1 of {warmup_passes}", steps_per_pass, GRAPH_STEPS)
-        else:
-            self.begin(f"{prefix}capture", steps_per_pass, GRAPH_STEPS)
+    def expect_capture(self, *, warmup_passes: int, memory_check: bool, prefix: str = "") -> None:
+        """Announce a ``make_graphed_callables`` call and show its first phase, which runs
+        before any event: the probe, with the memory check on CUDA."""
+        self._capture = _CaptureShape(prefix, warmup_passes)
+        check = "memory check" if memory_check else "probe"
+        self.begin(f"{prefix}{check} (one forward per layer)")
 
     def __call__(self, event: ProgressEvent) -> None:
-        name, done, total = self._place(event)
+        name = self._name(event)
         if name != self._phase.name:
-            self.begin(name, total, GRAPH_STEPS)
-        self.advance(done, f"{_KIND_NAMES[event.step.kind]} of {event.label}")
+            self.begin(name, event.pass_total, GRAPH_STEPS)
+        self.advance(event.pass_done, f"{_KIND_NAMES[event.step.kind]} of {event.label}")
 
-    def _place(self, event: ProgressEvent) -> tuple[str, int, int]:
-        """The phase name, and the event's count within that phase."""
+    def _name(self, event: ProgressEvent) -> str:
         shape = self._capture
-        if shape is None or event.total != (shape.warmup_passes + 1) * shape.steps_per_pass:
-            pass_note = f" pass {event.iteration + 1}" if event.phase == "warm-up" else ""
-            return f"{event.phase}{pass_note}", event.done, event.total
-        if event.phase == "warm-up":
-            done = event.done - event.iteration * shape.steps_per_pass
-            name = f"{shape.prefix}warm-up pass {event.iteration + 1} of {shape.warmup_passes}"
-            return name, done, shape.steps_per_pass
-        done = event.done - shape.warmup_passes * shape.steps_per_pass
-        return f"{shape.prefix}{event.phase}", done, shape.steps_per_pass
+        prefix = "" if shape is None else shape.prefix
+        if event.phase != "warm-up":
+            return f"{prefix}{event.phase}"
+        of = "" if shape is None else f" of {shape.warmup_passes}"
+        return f"{prefix}warm-up pass {event.iteration + 1}{of}"
 
 
 def line_display(stream: TextIO) -> Callable[[Phase], None]:

@@ -48,16 +48,22 @@ class MemoryPlan:
         grad_output_bytes: Gradient seeds (static grad-outputs), one per key.
         static_bytes: The two above.
         warmup_peak_bytes: Lean warm-up peak: in-flight forwards + a backward's gradients and
-            its zero grad-outputs.
-        naive_warmup_peak_bytes: Warm-up peak if every warm-up output and saved activation
-            were kept for the whole pass (a tool that frees warm-up outputs only at the end).
+            its zero grad-outputs, over the graphs warm-up runs (one per callable and sample
+            layout).
+        eager_peak_bytes: Peak of one eager pass over every graph in the plan's order with
+            outputs held until their backward, as the lean warm-up holds them: what an eager
+            step of this order holds (no static buffers, no pool).
+        naive_warmup_peak_bytes: Warm-up peak if every graph were warmed up and every
+            warm-up output and saved activation kept for the whole pass (a tool that frees
+            warm-up outputs only at the end).
         capture_peak_bytes: Capture peak: static buffers + in-flight forwards + transient.
         pool_bytes: High-water mark of in-flight forwards (activations and outputs) in the
             capture pool.
         held_bytes: Held after capture: ``static_bytes + pool_bytes``.
         peak_transient_bytes: Largest backward transient (grad-inputs + parameter grads).
         max_in_flight: Most graphs in flight at once during capture.
-        warmup_peak_step, capture_peak_step, naive_peak_step: Where each peak falls.
+        warmup_peak_step, eager_peak_step, capture_peak_step, naive_peak_step: Where each
+            peak falls.
         peak_step: Where the larger of the warm-up and capture peaks falls.
         steps: Every warm-up step, then every capture step.
     """
@@ -69,12 +75,14 @@ class MemoryPlan:
     static_input_bytes: int
     grad_output_bytes: int
     warmup_peak_bytes: int
+    eager_peak_bytes: int
     naive_warmup_peak_bytes: int
     capture_peak_bytes: int
     pool_bytes: int
     peak_transient_bytes: int
     max_in_flight: int
     warmup_peak_step: str
+    eager_peak_step: str
     naive_peak_step: str
     capture_peak_step: str
     steps: tuple[StepMemory, ...]
@@ -165,6 +173,7 @@ def _describe_plan(plan: MemoryPlan) -> list[str]:
     rows = [
         ("static input slots", plan.static_input_bytes, "shared; chained inputs need none"),
         ("static grad-output seeds", plan.grad_output_bytes, "one per shape"),
+        ("eager pass peak", plan.eager_peak_bytes, plan.eager_peak_step),
         ("warm-up peak, keep-all", plan.naive_warmup_peak_bytes, plan.naive_peak_step),
         ("warm-up peak, lean", plan.warmup_peak_bytes, plan.warmup_peak_step),
         ("capture peak", plan.capture_peak_bytes, plan.capture_peak_step),

@@ -2,6 +2,8 @@
 
 Warm-up holds, for each forward whose backward has not run, its saved activations and its
 outputs; a backward step adds its gradients (and warm-up's zero grad-outputs) for the step.
+Warm-up runs one graph per callable and sample layout; the same walk over every graph is what
+an eager pass of the order holds.
 Capture adds the static buffers of the engine's own buffer plan, and the pool keeps what the
 in-flight forwards hold. "What is alive" at a step is the plan's own fold
 (:meth:`~leangraph.plan.Plan.live_during`); this module only puts bytes on it.
@@ -22,7 +24,8 @@ __all__ = ["walk_plan"]
 
 
 def walk_plan(plan: Plan, graphs: Sequence[LayerMemory], buffers: BufferPlan) -> MemoryPlan:
-    """Walk warm-up (lean and keep-all) and capture over the per-graph measurements.
+    """Walk warm-up (lean), one eager pass over every graph (lean and keep-all) and capture
+    over the per-graph measurements.
 
     Args:
         plan: The liveness plan.
@@ -35,7 +38,8 @@ def walk_plan(plan: Plan, graphs: Sequence[LayerMemory], buffers: BufferPlan) ->
     static_in = sum(key.nbytes for key in buffers.slot_keys)
     grad_out = sum(key.nbytes for key in buffers.seed_keys)
     warmup = _walk(plan, "warm-up", plan.warmup, 0, held, seeded)
-    naive = _walk(plan, "warm-up", plan.warmup, 0, held, seeded, keep_all=True)
+    eager = _walk(plan, "eager", plan.full_pass, 0, held, seeded)
+    naive = _walk(plan, "warm-up", plan.full_pass, 0, held, seeded, keep_all=True)
     capture = _walk(plan, "capture", plan.capture, static_in + grad_out, held, transient)
     return MemoryPlan(
         ordered=plan.ordered,
@@ -45,12 +49,14 @@ def walk_plan(plan: Plan, graphs: Sequence[LayerMemory], buffers: BufferPlan) ->
         static_input_bytes=static_in,
         grad_output_bytes=grad_out,
         warmup_peak_bytes=warmup.peak.live_bytes,
+        eager_peak_bytes=eager.peak.live_bytes,
         naive_warmup_peak_bytes=naive.peak.live_bytes,
         capture_peak_bytes=capture.peak.live_bytes,
         pool_bytes=capture.high_water,
         peak_transient_bytes=max((*transient.backward, *transient.weight), default=0),
         max_in_flight=max((s.in_flight for s in capture.steps), default=0),
         warmup_peak_step=warmup.peak.where(),
+        eager_peak_step=eager.peak.where(),
         naive_peak_step=naive.peak.where(),
         capture_peak_step=capture.peak.where(),
         steps=warmup.steps + capture.steps,
