@@ -395,8 +395,9 @@ def _report_layer(shape: LlamaShape, plan: MemoryPlan) -> list[str]:
 def _report_plan(plan: MemoryPlan, order: Sequence[int]) -> list[str]:
     flight = max_in_flight(order)
     rows = [
-        ("warm-up peak, every warm-up output kept (naive)", plan.naive_warmup_peak_bytes),
-        ("warm-up peak, leangraph (lean)", plan.warmup_peak_bytes),
+        ("eager step peak (this order)", plan.eager_peak_bytes),
+        ("warm-up of every graph, all kept (naive)", plan.naive_warmup_peak_bytes),
+        ("warm-up peak, leangraph (one graph per layer)", plan.warmup_peak_bytes),
         ("capture peak", plan.capture_peak_bytes),
         ("held after capture (pool + static buffers)", plan.held_bytes),
         ("  of which static buffers", plan.static_bytes),
@@ -404,8 +405,9 @@ def _report_plan(plan: MemoryPlan, order: Sequence[int]) -> list[str]:
     lines = [f"Plan: {plan.layout.num_graphs} graphs; the order keeps at most {flight.total} "
              f"chunk-microbatches ({plan.max_in_flight} layer graphs) in flight"]
     lines += [f"  {name:<48} {_gib(value)}" for name, value in rows]
-    lines += [f"  naive / lean warm-up: {plan.naive_warmup_peak_bytes / plan.warmup_peak_bytes:.1f}x",
-              f"  lean warm-up peak at {plan.warmup_peak_step}; capture peak at "
+    naive = plan.naive_warmup_peak_bytes / plan.eager_peak_bytes
+    lines += [f"  naive warm-up / eager step: {naive:.1f}x",
+              f"  eager peak at {plan.eager_peak_step}; capture peak at "
               f"{plan.capture_peak_step}", ""]
     return lines
 

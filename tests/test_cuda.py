@@ -10,6 +10,7 @@ import torch
 
 import leangraph
 from leangraph.cli.local_pipeline import run_order
+from leangraph.order import parse_order
 from models import Block, assert_histories_equal, replay_step, train_both
 from test_build_warmup import MEGATRON_PP2_VP2_RANK0, ORDER, expected_alive
 
@@ -31,11 +32,15 @@ class MemProbe(torch.nn.Module):
         return x * self.weight
 
 
-def _capture_probes(order, log, grad=True, share_buffers=True):
+def _capture_probes(order, log, grad=True, share_buffers=True, distinct=False):
+    """``distinct``: each microbatch's samples of their own layout (stride ``m + 1``), so
+    warm-up runs every graph; else one layout, and warm-up runs microbatch 0's."""
     probes = tuple(MemProbe(log) for _ in range(4))
-    graphs = 4 * order.count(1)
-    samples = tuple((torch.randn(SIZE, device="cuda", requires_grad=grad),)
-                    for _ in range(graphs))
+    layout, _ = parse_order(order, num_callables=4, num_samples=4 * order.count(1))
+    strides = [layout.graph_id(g).microbatch + 1 if distinct else 1
+               for g in range(layout.num_graphs)]
+    samples = tuple((torch.randn(SIZE * step, device="cuda")[::step].requires_grad_(grad),)
+                    for step in strides)
     torch.cuda.synchronize()
     with torch.set_grad_enabled(grad):
         graphed = leangraph.make_graphed_callables(probes, samples, order=order,
@@ -48,8 +53,10 @@ def _capture_probes(order, log, grad=True, share_buffers=True):
 @pytest.mark.parametrize("order", [ORDER, MEGATRON_PP2_VP2_RANK0])
 def test_ordered_warmup_releases_consumed_outputs(order):
     log: list[int] = []
-    _, _, graphed = _capture_probes(order, log)
-    expected = [len(alive) for alive in expected_alive(order, (2, 2), passes=2)]
+    _, _, graphed = _capture_probes(order, log, distinct=True)
+    microbatches = order.count(1)
+    alive = expected_alive(order, (2, 2), passes=2, probes=microbatches)
+    expected = [len(tags) for tags in alive]
     warmup = log[: len(expected)]
     base = warmup[0]
     assert [(m - base) // (SIZE * 4) for m in warmup] == expected
@@ -59,8 +66,8 @@ def test_ordered_warmup_releases_consumed_outputs(order):
 
 def test_inference_warmup_retains_no_outputs():
     log: list[int] = []
-    _, _, graphed = _capture_probes(ORDER, log, grad=False)
-    warmup = log[: 2 * 12]
+    _, _, graphed = _capture_probes(ORDER, log, grad=False, distinct=True)
+    warmup = log[: 2 * 12]  # the probes and the first warm-up pass, of every graph
     assert warmup == [warmup[0]] * len(warmup)
     leangraph.reset_all(graphed)
 
@@ -294,7 +301,8 @@ def test_capture_time_hooks_never_run_while_the_stream_captures():
     graphed = leangraph.make_graphed_callables(layers, samples, order=[1, 2, -2, -1, 1, 2, -2, -1],
                                                num_warmup_iters=2,
                                                capture_time_hooks=[hooks, hooks])
-    assert len(log) == 3 * 8 * 2 and not any(log)
+    # Two hooks a step: two warm-up passes of microbatch 0's 4 steps, then 8 to capture.
+    assert len(log) == (2 * 4 + 8) * 2 and not any(log)
     leangraph.reset_all(graphed)
 
 
@@ -309,9 +317,9 @@ def test_memory_report_on_cuda_reads_the_pool_and_the_phase_peaks():
     assert report.pool_allocated_bytes is not None
     assert report.pool_allocated_bytes <= report.pool_reserved_bytes
     assert report.record.warmup_peak_bytes > base and report.record.capture_peak_bytes > base
-    # Order [1, 1, -1, -1] over 2 layers: 8 steps a pass; the first of the 3 warm-up passes
-    # (the others repeat it) and the capture.
-    assert len(report.timeline) == 2 * 8
+    # Order [1, 1, -1, -1] over 2 layers: 8 steps to capture; the first of the 3 warm-up
+    # passes (the others repeat it) runs microbatch 0's 4.
+    assert len(report.timeline) == 4 + 8
     assert max(p.allocated_bytes for p in report.timeline) > base
     assert report.static_bytes > 0 and "graph pool: reserved" in report.describe()
     leangraph.reset_all(graphed)
