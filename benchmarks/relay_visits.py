@@ -1,0 +1,93 @@
+"""What a parameter's accumulator costs a backward replay when it gets no gradient (the relay
+of ``fuse_grad_accumulation=True`` with accumulator hooks), on the CPU and on CUDA.
+
+One autograd node per step stands for a layer's backward replay; it takes ``x`` and either
+(A) the layer's parameters, returning no gradient for them, so the engine runs each
+parameter's accumulator after it (leangraph's relay), (B) an empty stand-in, and runs the
+accumulators from a backward nested in its own (``fire_relay``), or (C) the stand-in only (no
+accumulator runs: the floor). Per accumulator: (A - C) / parameters, (B - C) / parameters,
+each with and without a Python post-accumulate-grad hook on every parameter (the hooks must
+fire once per parameter per backward, which is checked). This is autograd's own cost, the
+floor of ``fuse_grad_accumulation=True`` with accumulator hooks above ``accumulator_hooks=False``.
+Usage: PYTHONPATH=src python3 benchmarks/relay_visits.py [cpu|cuda ...]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from leangraph.build.accumulation import fire_relay, hook_relay
+
+PARAMS = 12  # one launch-bound block's parameters
+LAYERS = 8  # nodes chained per backward, as a chunk's layers are
+STEPS = 400
+
+
+class _Layer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, relay, x, *params):  # type: ignore[override]
+        ctx.relay, ctx.count = relay, len(params)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if ctx.relay is not None:
+            fire_relay(ctx.relay)
+        return (None, grad) + (None,) * ctx.count
+
+
+def _time(device: str, variant: str, hooked: bool) -> float:
+    layers = [
+        [torch.nn.Parameter(torch.randn(64, device=device)) for _ in range(PARAMS)]
+        for _ in range(LAYERS)
+    ]
+    fired = [0]
+    for params in layers:
+        for p in params if hooked else ():
+            p.register_post_accumulate_grad_hook(lambda _: fired.__setitem__(0, fired[0] + 1))
+    stand_in = torch.empty(0, device=device, requires_grad=True)
+    relays = [hook_relay(params) for params in layers]
+    x = torch.randn(64, device=device, requires_grad=True)
+    times = []
+    for _ in range(STEPS):
+        fired[0] = 0
+        start = time.perf_counter()
+        out = x
+        for params, relay in zip(layers, relays):
+            if variant == "A":
+                out = _Layer.apply(None, out, *params)
+            elif variant == "B":
+                out = _Layer.apply(relay, out, stand_in)
+            else:
+                out = _Layer.apply(None, out, stand_in)
+        out.sum().backward()
+        times.append(time.perf_counter() - start)
+        expected = 0 if variant == "C" or not hooked else PARAMS * LAYERS
+        assert fired[0] == expected, (variant, fired[0])
+    return statistics.median(times[STEPS // 4 :]) * 1e6
+
+
+def main(devices: list[str]) -> None:
+    for device in devices:
+        for hooked in (False, True):
+            rounds: dict[str, list[float]] = {v: [] for v in "ABC"}
+            for _ in range(5):
+                for variant in "ABC":
+                    rounds[variant].append(_time(device, variant, hooked))
+            med = {v: statistics.median(r) for v, r in rounds.items()}
+            per = PARAMS * LAYERS
+            hooks = "a Python post-accumulate hook each" if hooked else "no hooks"
+            print(
+                f"{device}, {hooks}: a backward of {LAYERS} nodes x {PARAMS} parameters, "
+                f"medians of 5 rounds: A {med['A']:.1f} us, B {med['B']:.1f} us, "
+                f"C {med['C']:.1f} us; per accumulator A {(med['A'] - med['C']) / per:.2f} "
+                f"us, B {(med['B'] - med['C']) / per:.2f} us"
+            )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]))
