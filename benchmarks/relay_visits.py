@@ -1,14 +1,16 @@
 """What a parameter's accumulator costs a backward replay when it gets no gradient (the relay
 of ``fuse_grad_accumulation=True`` with accumulator hooks), on the CPU and on CUDA.
 
-One autograd node per step stands for a layer's backward replay; it takes ``x`` and either
+One autograd node per layer stands for a layer's backward replay; it takes ``x`` and either
 (A) the layer's parameters, returning no gradient for them, so the engine runs each
 parameter's accumulator after it (leangraph's relay), (B) an empty stand-in, and runs the
-accumulators from a backward nested in its own (``fire_relay``), or (C) the stand-in only (no
-accumulator runs: the floor). Per accumulator: (A - C) / parameters, (B - C) / parameters,
-each with and without a Python post-accumulate-grad hook on every parameter (the hooks must
-fire once per parameter per backward, which is checked). This is autograd's own cost, the
-floor of ``fuse_grad_accumulation=True`` with accumulator hooks above ``accumulator_hooks=False``.
+accumulators from a backward nested in its own (``fire_relay``, the delivery leangraph uses
+for zero-bubble weight steps), or (C) the stand-in only (no accumulator runs: the floor).
+Built with torch alone, the nodes are those leangraph's replays make. Per accumulator:
+(A - C) / parameters and (B - C) / parameters, each with and without a Python
+post-accumulate-grad hook on every parameter (the hooks must fire once per parameter per
+backward, which is checked). This is autograd's own cost: the floor of
+``fuse_grad_accumulation=True`` with accumulator hooks above ``accumulator_hooks=False``.
 Usage: PYTHONPATH=src python3 benchmarks/relay_visits.py [cpu|cuda ...]
 """
 
@@ -20,11 +22,31 @@ import time
 
 import torch
 
-from leangraph.build.accumulation import fire_relay, hook_relay
-
 PARAMS = 12  # one launch-bound block's parameters
 LAYERS = 8  # nodes chained per backward, as a chunk's layers are
 STEPS = 400
+
+
+class _Deliver(torch.autograd.Function):
+    """A root whose backward hands its inputs no gradient: their accumulators run, adding
+    nothing (what leangraph's relay is, delivered on its own)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):  # type: ignore[override]
+        ctx.count = len(inputs)
+        return torch.zeros((), device=inputs[0].device)
+
+    @staticmethod
+    def backward(ctx, _):  # type: ignore[override]
+        return (None,) * ctx.count
+
+
+def fire_relay(params: list[torch.nn.Parameter]) -> None:
+    """Run ``params``' accumulators from a backward of their own (nested where called from
+    a backward)."""
+    with torch.enable_grad():
+        root = _Deliver.apply(*params)
+    torch.autograd.backward(root)
 
 
 class _Layer(torch.autograd.Function):
@@ -50,18 +72,17 @@ def _time(device: str, variant: str, hooked: bool) -> float:
         for p in params if hooked else ():
             p.register_post_accumulate_grad_hook(lambda _: fired.__setitem__(0, fired[0] + 1))
     stand_in = torch.empty(0, device=device, requires_grad=True)
-    relays = [hook_relay(params) for params in layers]
     x = torch.randn(64, device=device, requires_grad=True)
     times = []
     for _ in range(STEPS):
         fired[0] = 0
         start = time.perf_counter()
         out = x
-        for params, relay in zip(layers, relays):
+        for params in layers:
             if variant == "A":
                 out = _Layer.apply(None, out, *params)
             elif variant == "B":
-                out = _Layer.apply(relay, out, stand_in)
+                out = _Layer.apply(params, out, stand_in)
             else:
                 out = _Layer.apply(None, out, stand_in)
         out.sum().backward()
