@@ -107,28 +107,27 @@ _LLAMA3_70B_TP2 = LlamaShape(
 """A Llama-3-70B decoder layer as one rank of TP2 holds it (half its 64 query heads, 8 KV
 heads and 28672 FFN columns)."""
 
+_SEED_RUN = BenchPreset(
+    name="llama3-70b-pp4vp5",
+    title="20 Llama-3-70B layers of one TP2 rank",
+    pp_size=4,
+    vp_size=5,
+    rank=0,
+    layers_per_chunk=4,
+    num_microbatches=16,
+    shape=_LLAMA3_70B_TP2,
+)
+"""The seed's run: rank 0 of PP4 x VP5, its 20 layers at their TP2 geometry."""
+
 PRESETS: Mapping[str, BenchPreset] = MappingProxyType(
     {
         preset.name: preset
         for preset in (
-            BenchPreset(
-                name="llama3-70b-pp4vp5",
-                title="20 Llama-3-70B layers of one TP2 rank",
-                pp_size=4,
-                vp_size=5,
-                rank=0,
-                layers_per_chunk=4,
-                num_microbatches=16,
-                shape=_LLAMA3_70B_TP2,
-            ),
-            BenchPreset(
+            _SEED_RUN,
+            replace(
+                _SEED_RUN,
                 name="llama3-70b-pp4vp5-norope",
                 title="20 Llama-3-70B layers of one TP2 rank, without RoPE",
-                pp_size=4,
-                vp_size=5,
-                rank=0,
-                layers_per_chunk=4,
-                num_microbatches=16,
                 shape=replace(_LLAMA3_70B_TP2, rope=False),
             ),
         )
