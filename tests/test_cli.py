@@ -362,6 +362,15 @@ def test_line_display_writes_one_line_per_phase():
     ]
 
 
+def test_expect_capture_ignores_the_old_steps_per_pass_with_a_warning():
+    stream = io.StringIO()
+    progress = PhaseProgress(line_display(stream))
+    with pytest.warns(DeprecationWarning, match="steps_per_pass=.* is ignored"):
+        progress.expect_capture(warmup_passes=2, steps_per_pass=8, memory_check=False)
+    _capture_events(progress)
+    assert stream.getvalue().splitlines()[1] == "progress: warm-up pass 1 of 2 (4 graph steps)"
+
+
 def test_progress_bar_is_off_without_a_terminal():
     with progress_bar(True) as callback:  # pytest's stderr is not a terminal
         assert callback is None

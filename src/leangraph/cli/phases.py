@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import TextIO
@@ -85,9 +86,28 @@ class PhaseProgress:
         self._phase = replace(self._phase, done=done, detail=detail)
         self._show(self._phase)
 
-    def expect_capture(self, *, warmup_passes: int, memory_check: bool, prefix: str = "") -> None:
+    def expect_capture(
+        self,
+        *,
+        warmup_passes: int,
+        memory_check: bool,
+        prefix: str = "",
+        steps_per_pass: int | None = None,
+    ) -> None:
         """Announce a ``make_graphed_callables`` call and show its first phase, which runs
-        before any event: the probe, with the memory check on CUDA."""
+        before any event: the probe, with the memory check on CUDA.
+
+        ``steps_per_pass`` is accepted for callers written before the events counted their
+        own passes, and ignored with a ``DeprecationWarning``: a warm-up pass runs one graph
+        per layer, so its size is not the capture's, and each event now says both.
+        """
+        if steps_per_pass is not None:
+            warnings.warn(
+                "expect_capture(steps_per_pass=...) is ignored: progress events carry each "
+                "pass's size (pass_total); drop the argument",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         self._capture = _CaptureShape(prefix, warmup_passes)
         check = "memory check" if memory_check else "probe"
         self.begin(f"{prefix}{check} (one forward per layer)")
