@@ -461,3 +461,20 @@ def test_70b_style_plan_is_flat_in_microbatches() -> None:
              for m in (8, 16)]
     assert plans[0].warmup_peak_bytes == plans[1].warmup_peak_bytes
     assert plans[0].naive_warmup_peak_bytes < plans[1].naive_warmup_peak_bytes
+
+
+def test_warm_up_is_the_eager_pass_when_no_two_graphs_are_alike() -> None:
+    # A sequence length per microbatch: every graph is warmed up, so warm-up holds what an
+    # eager step holds; with one length, microbatch 0's graphs alone.
+    order = one_f_one_b(2, 0, 4)
+    layers = tuple(Scale(8).to("meta") for _ in range(2))
+    apart = tuple((torch.empty(m + 1, 8, device="meta", requires_grad=True),)
+                  for m in range(4) for _ in range(2))
+    alike = tuple((torch.empty(4, 8, device="meta", requires_grad=True),) for _ in range(8))
+    distinct = plan_memory(layers, apart, order=order, num_layers_per_chunk=2)
+    same = plan_memory(layers, alike, order=order, num_layers_per_chunk=2)
+    assert distinct.warmup_peak_bytes == distinct.eager_peak_bytes
+    assert [s.step for s in distinct.steps if s.phase == "warm-up"] == [
+        s.step for s in distinct.steps if s.phase == "capture"]
+    assert same.warmup_peak_bytes < same.eager_peak_bytes
+    assert {s.step.split()[2] for s in same.steps if s.phase == "warm-up"} == {"m0"}

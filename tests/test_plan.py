@@ -135,3 +135,13 @@ def test_max_live_per_chunk_counts_each_chunks_graphs_at_its_own_peak():
     assert plan.max_live(plan.capture) == 4
     assert plan.max_live_per_chunk(plan.capture[:1]) == (1, 0)
     assert plan.max_live_per_chunk(()) == (0, 0)
+
+
+def test_warming_keeps_the_full_pass_s_steps_of_the_chosen_graphs_in_its_order():
+    plan = _plan(SMALL, 3, 6, [2, 1])
+    assert plan.warmup == plan.full_pass == plan.capture  # until warming says which
+    warm = plan.warming({0, 1, 4})  # microbatch 0 of each layer
+    assert _rows(warm.warmup) == [row for row in SMALL_STEPS if row[1] in (0, 1, 4)]
+    assert warm.full_pass == plan.full_pass and warm.capture == plan.capture
+    assert warm.max_live(warm.warmup) == 3 and plan.max_live(plan.full_pass) == 5
+    assert warm.warming(range(6)).warmup == plan.full_pass
