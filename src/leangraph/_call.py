@@ -54,8 +54,7 @@ class Call:
 
     def callable_index(self, graph: int) -> int:
         """Position in ``callables`` of the callable graph ``graph`` runs."""
-        graph_id = self.plan.layout.graph_id(graph)
-        return self.plan.layout.callable_index(graph_id.chunk, graph_id.layer)
+        return self.plan.layout.callable_of_graph(graph)
 
     def callable_of(self, graph: int) -> Any:
         """The callable (or module) graph ``graph`` runs."""
@@ -172,8 +171,7 @@ def _first_alike(
     first: dict[tuple[Any, ...], int] = {}
     alike = []
     for graph, sample in enumerate(samples):
-        graph_id = plan.layout.graph_id(graph)
-        fn = callables[plan.layout.callable_index(graph_id.chunk, graph_id.layer)]
+        fn = callables[plan.layout.callable_of_graph(graph)]
         alike.append(first.setdefault((id(fn), *_sample_layout(sample)), graph))
     return tuple(alike)
 

@@ -100,6 +100,11 @@ class Layout:
         """Position of layer ``layer`` of ``chunk`` in ``callables``."""
         return self.layer_prefix(chunk) + layer
 
+    def callable_of_graph(self, index: int) -> int:
+        """Position in ``callables`` of the callable graph ``index`` runs."""
+        graph_id = self.graph_id(index)
+        return self.callable_index(graph_id.chunk, graph_id.layer)
+
     def graph_id(self, index: int) -> GraphId:
         """Inverse of :meth:`graph_index`."""
         if not 0 <= index < self.num_graphs:

@@ -68,8 +68,7 @@ def _per_callable(plan: Plan, graphs: Sequence[LayerMemory]) -> tuple[LayerMemor
     first: dict[int, LayerMemory] = {}
     layout = plan.layout
     for graph in reversed(range(layout.num_graphs)):
-        graph_id = layout.graph_id(graph)
-        first[layout.callable_index(graph_id.chunk, graph_id.layer)] = graphs[graph]
+        first[layout.callable_of_graph(graph)] = graphs[graph]
     return tuple(first[index] for index in range(layout.num_callables))
 
 
