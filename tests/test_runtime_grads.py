@@ -1,7 +1,8 @@
 """Gradient routing (``leangraph.runtime.grads``): what a backward replay hands autograd. Every
 gradient autograd stores (a leaf input's ``.grad``, a parameter's ``.grad`` while None) is a
 fresh tensor; a parameter gradient another graph of the same backward pass still adds to is a
-copy; the rest are views that earlier nodes consume at once (CPU backend)."""
+copy; the rest are the static buffers themselves, which earlier nodes consume at once (CPU
+backend)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_weights_tied_between_graphed_modules_accumulate_exactly():
         assert torch.equal(second.bias.grad, ref_second.bias.grad)
 
 
-def test_one_microbatch_per_backward_pass_hands_autograd_views(monkeypatch):
+def test_one_microbatch_per_backward_pass_hands_autograd_the_buffers(monkeypatch):
     """The usual pipeline step differentiates one microbatch at a time: no other graph of a
     layer runs in that backward pass, so its parameter gradients need no copy."""
     seen: list[bool] = []
@@ -164,9 +165,11 @@ def test_copies_are_fresh_and_bit_exact():
             assert torch.equal(copy_.view(torch.int32), original.view(torch.int32))
 
 
-def test_a_gradient_autograd_consumes_at_once_is_a_view_of_a_static_buffer():
+def test_a_gradient_autograd_consumes_at_once_is_a_static_buffer():
     """Without buffer sharing each graph keeps its gradient buffers (``static_tensors()``), so
-    where a gradient handed to autograd points says whether it is a view or a copy."""
+    where a gradient handed to autograd points says whether it is the buffer or a copy. It is
+    the buffer tensor itself, not a view of it: autograd never adds into a tensor it does not
+    hold alone, and a view would cost a call per gradient per replay."""
     torch.manual_seed(0)
     first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     graphed = leangraph.make_graphed_callables(
@@ -177,13 +180,14 @@ def test_a_gradient_autograd_consumes_at_once_is_a_view_of_a_static_buffer():
     accumulate = first.weight.view_as(first.weight).grad_fn.next_functions[0][0]
     accumulated: list[int] = []
     accumulate.register_prehook(lambda grads: accumulated.append(grads[0].data_ptr()))
-    for step in range(2):  # .grad None (autograd stores it: a copy), then set (added: a view)
+    for step in range(2):  # .grad None (autograd stores it: a copy), then set (added: the buffer)
         flowing: list[int] = []
         x = torch.randn(2, 4, requires_grad=True)
         hidden = graphed[0](x)
-        hidden.register_hook(lambda grad: flowing.append(grad.data_ptr()))
+        hidden.register_hook(flowing.append)
         graphed[1](hidden).sum().backward()
-        assert flowing and flowing[0] in buffers[1]  # consumed by graph 0's node at once
+        assert flowing and flowing[0].data_ptr() in buffers[1]  # graph 0's node consumes it
+        assert any(flowing[0] is t for t in graphed[1].forward.static_tensors())
         assert x.grad.data_ptr() not in buffers[0]  # a leaf's .grad: a copy
         assert (accumulated[step] in buffers[0]) == (step == 1), step
 

@@ -1,7 +1,7 @@
 """What a graphed callable accepts at replay (``leangraph.runtime.signature``): the captured
 structure, tensors and constants, leaf by leaf, nothing broadcast or moved and a dtype converted
 only where the conversion is exact; every mismatch names the callable and the argument
-(docs/errors.md, R1-R8; R11 for constants)."""
+(docs/errors.md, R1-R8; R11 for constants; R16 for torch.func transforms)."""
 
 from __future__ import annotations
 
@@ -450,3 +450,19 @@ def test_a_signature_made_like_another_takes_its_names_only_for_the_same_structu
     assert [t is x for t in plain.bind((x,), {})] == [True]
     with raises(TypeError, "graph d takes keyword arguments [] as at capture"):
         plain.bind((x,), {"factor": 2.0})
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_r16_a_torch_func_transform_is_refused_naming_the_callable(transform):
+    graphed = graphed_blocks()
+    x = sample()
+    before = [t.clone() for t in graphed[0].forward.static_tensors()]
+    if transform == "vmap":
+        run = lambda: torch.func.vmap(graphed[0])(x.detach().unsqueeze(0))  # noqa: E731
+    else:
+        run = lambda: torch.func.grad(lambda v: graphed[0](v).sum())(x.detach())  # noqa: E731
+    with raises(RuntimeError, "callable 0 (Block) cannot run under a torch.func transform"):
+        run()
+    after = graphed[0].forward.static_tensors()
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing was copied in
+    graphed[2](graphed[1](graphed[0](x))).sum().backward()  # outside it, replays as before

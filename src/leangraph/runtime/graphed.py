@@ -10,6 +10,7 @@ this callable alone.
 from __future__ import annotations
 
 import enum
+import operator
 import threading
 import warnings
 import weakref
@@ -140,6 +141,7 @@ class GraphedCallable:
             GraphResetError: if the callable was reset.
             TypeError, ValueError: if the arguments differ from the captured ones in
                 structure, keys, dtype, shape, device or ``requires_grad``.
+            RuntimeError: under a ``torch.func`` transform.
         """
         record = self._record
         if record is not None and record.module is not None:
@@ -151,10 +153,17 @@ class GraphedCallable:
                     return eager(*args, **kwargs)
             _check_parameters(self._label, self._param_slots)
         record = self._require_ready("call")
+        if _TRANSFORMS_ACTIVE():
+            raise RuntimeError(
+                f"{self._label} cannot run under a torch.func transform (vmap, grad, jvp, "
+                "...): its graphs replay fixed kernels on fixed buffers; call it outside the "
+                "transform, or transform the eager callable"
+            )
         leaves = self._signature.bind(args, kwargs)
+        leaves = [_UNWRAP_IF_DEAD(t) for t in leaves]
         if self._frozen_params:
             self._check_frozen_params()
-        clone_grads = tuple(t.requires_grad and t.grad_fn is None for t in leaves)
+        clone_grads = tuple([t.requires_grad and t.grad_fn is None for t in leaves])
         if self._ungraded_inputs and any(
             t.requires_grad and not s.requires_grad for t, s in zip(leaves, self._specs)
         ):
@@ -163,9 +172,9 @@ class GraphedCallable:
         extra = self._autograd_params
         if self._stand_in and any(t.requires_grad for t in leaves):
             extra = ()
-        outputs = _Replay.apply(self, clone_grads, token, *leaves, *extra)
+        outputs = _C_APPLY(self, clone_grads, token, *leaves, *extra)
         del token  # from here on only the replay's autograd node (if any) keeps it alive
-        if self._has_backward and not any(o.requires_grad for o in outputs):
+        if self._has_backward and not any(map(_REQUIRES_GRAD, outputs)):
             self._sequence.without_backward(self._index)  # grad mode off: no backward comes
         if self._single_output:
             return outputs[0]
@@ -370,6 +379,8 @@ def _params_for_autograd(record: GraphRecord) -> tuple[tuple[torch.Tensor, ...],
     return (torch.empty(0, device=device, requires_grad=True),), True
 
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
 _Slot = tuple[weakref.ref[torch.nn.Module], str, str, torch.nn.Parameter]
 
 
@@ -411,7 +422,7 @@ def _inputs_to_copy(
     its buffer already. A chained input must be the previous layer's output itself."""
     copies = []
     for index, (static, value) in enumerate(zip(record.static_inputs, inputs)):
-        if same_buffer(static, value):
+        if static is value or same_buffer(static, value):
             continue
         source = record.chained_from[index]
         if source is not None:
@@ -464,3 +475,13 @@ def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | Non
 # A graph's backward is not differentiable: torch's wrapper makes a double backward raise. It
 # costs a grad-mode switch per replay, so the usual backward (grad mode off) goes around it.
 _backward_once = torch.autograd.function.once_differentiable(_replay_backward)
+
+
+# ``Function.apply`` is a Python wrapper around autograd's C implementation that, outside
+# torch.func transforms (which a replay refuses), only unwraps dead functorch wrappers among the
+# arguments before calling it; that walk over every parameter costs about as much as the node
+# itself. A replay unwraps its inputs (a captured parameter is never a wrapper) and calls the C
+# implementation directly.
+_C_APPLY = super(torch.autograd.Function, _Replay).apply
+_TRANSFORMS_ACTIVE = torch._C._are_functorch_transforms_active
+_UNWRAP_IF_DEAD = getattr(torch._C._functorch, "unwrap_if_dead", lambda tensor: tensor)

@@ -36,6 +36,16 @@ class TensorSpec:
     def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
         return cls(name, tuple(tensor.shape), tensor.dtype, tensor.device, tensor.requires_grad)
 
+    def matches(self, value: object) -> bool:
+        """Whether ``value`` is a tensor of exactly this spec's dtype, shape and device (the
+        replay's usual argument; :meth:`check` accepts more, or says what differs)."""
+        return (
+            isinstance(value, torch.Tensor)
+            and value.dtype is self.dtype
+            and value.shape == self.shape
+            and value.device == self.device
+        )
+
     def check(self, owner: str, value: object) -> torch.Tensor:
         """Return ``value`` if a replay may copy it into this spec's static buffer, else
         raise naming ``owner``.
@@ -139,12 +149,11 @@ class CallSignature:
             TypeError, ValueError: if they differ in structure, keys, constants, dtype (beyond
                 an exact conversion), shape or device, naming the argument.
         """
-        if (
-            not kwargs
-            and len(args) == self._positional_arity
-            and all(isinstance(arg, torch.Tensor) for arg in args)
-        ):
-            leaves: list[Any] = list(args)  # what pytree gives here, without its walk
+        positional = not kwargs and len(args) == self._positional_arity
+        if positional and all(map(TensorSpec.matches, self.specs, args)):
+            return list(args)  # the usual call: what pytree gives here, without its walk
+        if positional and all(isinstance(arg, torch.Tensor) for arg in args):
+            leaves: list[Any] = list(args)
         else:
             leaves = self._structured_leaves(args, kwargs)
             self._check_constants(leaves)
