@@ -36,7 +36,7 @@ def test_config_refuses_the_cpu_and_empty_rounds():
 
 def test_graphed_layer_refuses_an_unknown_method():
     block = make_blocks(1, TINY, "cpu")[0]
-    with pytest.raises(ValueError, match="no replay method 'eager'; choose from torch, leangraph, leangraph-overlap, leangraph-fused"):
+    with pytest.raises(ValueError, match="no replay method 'eager'; choose from torch, leangraph, leangraph-fused"):
         graphed_layer("eager", block, sample_hidden(TINY, "cpu"))
 
 

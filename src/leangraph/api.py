@@ -60,7 +60,6 @@ class CaptureKeywords(TypedDict, total=False):
     capture_time_hooks: Sequence[Mapping[str, Sequence[Callable[..., None]]] | None] | None
     fuse_grad_accumulation: bool
     accumulator_hooks: bool
-    overlap_grad_accumulation: bool
     generator_states: Sequence[torch.Generator]
 
 
@@ -107,7 +106,6 @@ def make_graphed_callables(
     capture_time_hooks: Sequence[Mapping[str, Sequence[Callable[..., None]]] | None] | None = None,
     fuse_grad_accumulation: bool = False,
     accumulator_hooks: bool = True,
-    overlap_grad_accumulation: bool = False,
     generator_states: Sequence[torch.Generator] = (),
 ) -> Any:
     """Capture callables into forward and backward graphs, optionally in a pipeline order.
@@ -158,16 +156,6 @@ def make_graphed_callables(
             (post-accumulate-grad hooks, torch DDP's and Megatron DDP's gradient-ready
             hooks). False skips them, saving host time per parameter per backward, for loops
             where no such hook is registered; a post-accumulate-grad hook is then refused.
-        overlap_grad_accumulation: Without ``fuse_grad_accumulation``, let autograd add
-            each backward replay's parameter gradients into ``.grad`` on a side stream, where
-            the additions overlap the next layer's backward graph instead of running between
-            graphs (compute-bound steps gain what the additions cost the GPU, a few percent;
-            each backward replay costs one stream wait more on the host). The values are
-            eager's and the hooks fire as without it, once per parameter right after its
-            layer's backward replay, with the side stream current; autograd makes the
-            caller's stream wait for the side stream when the backward pass ends. Not with
-            weight steps (their gradients come at ``backward_dw()``). On the CPU it runs the
-            same nodes, without streams.
         generator_states: Graph-safe CUDA generator states the callables switch to while
             they run (Megatron's graph-safe RNG tracker), registered with every graph.
 
@@ -186,14 +174,8 @@ def make_graphed_callables(
         post_warmup_hook=post_warmup_hook,
         fuse_grad_accumulation=fuse_grad_accumulation,
         accumulator_hooks=accumulator_hooks,
-        overlap_grad_accumulation=overlap_grad_accumulation,
     )
     call = validate_call(callables, sample_args, sample_kwargs, order, num_layers_per_chunk)
-    if options.overlap_grad_accumulation and call.plan.split_backward:
-        raise ValueError(
-            "overlap_grad_accumulation=True needs an order without weight steps (-(c + 0.5)): "
-            "there the parameter gradients come at backward_dw(), on the caller's stream"
-        )
     check_capturable(call, _already_graphed)
     hooks = normalize_hooks(capture_time_hooks, call.callables)
     graph_backend = make_backend(backend, call.device, pool, tuple(generator_states))
@@ -249,14 +231,7 @@ def _hand_back(call: Call, built: Built, options: CaptureOptions) -> Any:
         pending.awaits,
     )
     members = [
-        GraphedCallable(
-            record,
-            graphed_set,
-            pending,
-            sequence,
-            debug_outputs=options.debug_outputs,
-            overlap_grad_accumulation=options.overlap_grad_accumulation,
-        )
+        GraphedCallable(record, graphed_set, pending, sequence, debug_outputs=options.debug_outputs)
         for record in built.records
     ]
     entries: list[Any] = []

@@ -35,7 +35,9 @@ class GradRouting:
     """
 
     def __init__(self, record: GraphRecord, pending: PendingBackwards) -> None:
-        delivers = record.delivers_param_grads()
+        # With in-graph accumulation the parameters' gradients stay in the graphs' buffers;
+        # a split backward's come at the weight step.
+        delivers = record.fused is None and not record.split_backward
         grads = iter(record.static_grads)
         inputs = tuple(next(grads) if s.requires_grad else None for s in record.signature.specs)
         params = (
@@ -46,10 +48,8 @@ class GradRouting:
         # Per tensor passed to the replay that gets a gradient: its static gradient, or None.
         self._grads = inputs + params
         self._inputs_with_grad = tuple(i for i, g in enumerate(inputs) if g is not None)
-        self._num_inputs = len(inputs)
-        # Positions within the parameters' part.
         self._params_with_grad = tuple(
-            (j, param)
+            (len(inputs) + j, param)
             for j, (param, grad) in enumerate(zip(record.params, params))
             if grad is not None
         )
@@ -61,34 +61,19 @@ class GradRouting:
     def scatter(self, clone_inputs: Sequence[bool]) -> tuple[torch.Tensor | None, ...]:
         """One gradient per tensor passed to the replay (inputs, then parameters);
         ``clone_inputs[i]`` says whether input ``i`` is a leaf autograd stores into."""
-        return self.input_grads(clone_inputs) + self.param_grads()
-
-    def input_grads(self, clone_inputs: Sequence[bool]) -> tuple[torch.Tensor | None, ...]:
-        """The inputs' part of :meth:`scatter`."""
-        grads = self._grads[: self._num_inputs]
-        return _handed(grads, [i for i in self._inputs_with_grad if clone_inputs[i]])
-
-    def param_grads(self) -> tuple[torch.Tensor | None, ...]:
-        """The parameters' part of :meth:`scatter` (empty where autograd gets none)."""
-        grads = self._grads[self._num_inputs :]
+        grads = self._grads
+        copy_at = [i for i in self._inputs_with_grad if clone_inputs[i]]
         if self._shared_param_ids and self._pending.reached_now(self._peers):
             shared = self._shared_param_ids
-            copy_at = [i for i, p in self._params_with_grad if p.grad is None or id(p) in shared]
+            copy_at += [i for i, p in self._params_with_grad if p.grad is None or id(p) in shared]
         else:
-            copy_at = [i for i, p in self._params_with_grad if p.grad is None]
-        return _handed(grads, copy_at)
-
-
-def _handed(
-    grads: tuple[torch.Tensor | None, ...], copy_at: list[int]
-) -> tuple[torch.Tensor | None, ...]:
-    """``grads``, with copies at the positions of ``copy_at``."""
-    if not copy_at:
-        return grads
-    handed = list(grads)
-    for index, copy in zip(copy_at, copies([grads[i] for i in copy_at])):
-        handed[index] = copy
-    return tuple(handed)
+            copy_at += [i for i, p in self._params_with_grad if p.grad is None]
+        if not copy_at:
+            return grads
+        handed = list(grads)
+        for index, copy in zip(copy_at, copies([grads[i] for i in copy_at])):
+            handed[index] = copy
+        return tuple(handed)
 
 
 def copies(tensors: list[Any]) -> list[torch.Tensor]:

@@ -26,7 +26,6 @@ from ..errors import GraphResetError
 from ..order import GraphId, StepKind
 from ..result import GraphedSet
 from .accumulation import InGraphAccumulation
-from .delivery import ParamDelivery
 from .grads import GradRouting
 from .guard import OutputGuard
 from .pending import BackwardToken, PendingBackwards
@@ -65,7 +64,6 @@ class GraphedCallable:
         sequence: ReplaySequence,
         *,
         debug_outputs: bool,
-        overlap_grad_accumulation: bool = False,
     ) -> None:
         self._record: GraphRecord | None = record
         self._label = record.label
@@ -98,15 +96,6 @@ class GraphedCallable:
         self._weight = WeightStep(record, self._fused) if record.split_backward else None
         # A stand-in only makes the outputs require grad: not needed when an input does.
         self._autograd_params, self._stand_in = _params_for_autograd(record)
-        # With overlap, a replay's node takes a delivery node's output in place of the
-        # parameters (only where it would take the parameters themselves).
-        delivers = (
-            overlap_grad_accumulation
-            and record.delivers_param_grads()
-            and bool(record.trained_params())
-        )
-        self._delivery = ParamDelivery(_device_of(record)) if delivers else None
-        self._delivering = False  # whether the latest forward replay made a delivery node
         self._param_slots = _parameter_slots(record)
         self._debug_outputs = debug_outputs
         self._guard: OutputGuard | None = None
@@ -183,10 +172,6 @@ class GraphedCallable:
         extra = self._autograd_params
         if self._stand_in and any(t.requires_grad for t in leaves):
             extra = ()
-        self._delivering = self._delivery is not None and torch.is_grad_enabled()
-        if self._delivering:
-            assert self._delivery is not None
-            extra = (self._delivery.node_input(self, extra),)
         outputs = _C_APPLY(self, clone_grads, token, *leaves, *extra)
         del token  # from here on only the replay's autograd node (if any) keeps it alive
         if self._has_backward and not any(map(_REQUIRES_GRAD, outputs)):
@@ -255,7 +240,6 @@ class GraphedCallable:
         self._grads = None
         self._weight = None
         self._fused = None  # its relay holds the parameters' accumulator nodes
-        self._delivery = None
         self._autograd_params = ()
         self._frozen_params = ()
         if self._guard is not None:
@@ -336,11 +320,7 @@ class GraphedCallable:
             return outputs
 
     def _replay_backward(
-        self,
-        grads: Sequence[torch.Tensor],
-        generation: int,
-        clone_inputs: Sequence[bool],
-        delivers: bool,
+        self, grads: Sequence[torch.Tensor], generation: int, clone_inputs: Sequence[bool]
     ) -> tuple[torch.Tensor | None, ...]:
         with self._lock:
             record = self._require_ready("run a backward")
@@ -376,21 +356,7 @@ class GraphedCallable:
             elif self._guard is not None:
                 self._guard.invalidate(f"the backward of {self._label} ran")
             assert self._grads is not None
-            if delivers:  # the parameters' gradients go through the delivery node
-                assert self._delivery is not None
-                return (*self._grads.input_grads(clone_inputs), self._delivery.placeholder_grad)
             return self._grads.scatter(clone_inputs)
-
-    def _deliver_param_grads(self) -> tuple[torch.Tensor | None, ...]:
-        """The parameter gradients of the latest backward replay, for its delivery node."""
-        with self._lock:
-            self._require_ready("hand over its parameter gradients")
-            assert self._grads is not None
-            return self._grads.param_grads()
-
-
-def _device_of(record: GraphRecord) -> torch.device:
-    return record.static_outputs[0].device
 
 
 def _params_for_autograd(record: GraphRecord) -> tuple[tuple[torch.Tensor, ...], bool]:
@@ -405,11 +371,12 @@ def _params_for_autograd(record: GraphRecord) -> tuple[tuple[torch.Tensor, ...],
     relay = None if record.fused is None else record.fused.relay
     if relay is not None and not record.split_backward:
         return relay.inputs, False
-    if record.delivers_param_grads():
+    if record.fused is None and not record.split_backward:
         return record.params, False
     if not record.trained_params():
         return (), False
-    return (torch.empty(0, device=_device_of(record), requires_grad=True),), True
+    device = record.static_outputs[0].device
+    return (torch.empty(0, device=device, requires_grad=True),), True
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -483,7 +450,6 @@ class _Replay(torch.autograd.Function):
         ctx.owner = owner
         ctx.generation = owner._forward_generation
         ctx.clone_inputs = clone_inputs
-        ctx.delivers = owner._delivering
         ctx.num_tensors = len(tensors)
         ctx.token = token
         token.node = weakref.ref(ctx)
@@ -500,7 +466,7 @@ class _Replay(torch.autograd.Function):
 
 def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     owner: GraphedCallable = ctx.owner
-    grad_inputs = owner._replay_backward(grads, ctx.generation, ctx.clone_inputs, ctx.delivers)
+    grad_inputs = owner._replay_backward(grads, ctx.generation, ctx.clone_inputs)
     # Nothing for the relay or stand-in, if given: a relay's accumulators then run their
     # hooks without accumulating, the gradients being in place already.
     return (None, None, None, *grad_inputs) + (None,) * (ctx.num_tensors - len(grad_inputs))
