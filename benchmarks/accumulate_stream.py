@@ -23,15 +23,14 @@ Usage: PYTHONPATH=src python3 benchmarks/accumulate_stream.py
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 
 import torch
+from step_anatomy import runtime_calls
 
 from leangraph.cli.bench import LAUNCH_BOUND, BenchConfig, BenchWorkload, Captured, capture_method
 
 ROUNDS = 5
 SIDE = "leangraph, side-stream adds"
-SYNC_CALLS = ("cudaStreamWaitEvent", "cudaEventRecord")
 
 
 def side_stream_accumulators(captured: Captured) -> list[object]:
@@ -40,21 +39,6 @@ def side_stream_accumulators(captured: Captured) -> list[object]:
     params = [p for block in captured.blocks for p in block.parameters()]
     with torch.cuda.stream(side):
         return [p.view_as(p).grad_fn.next_functions[0][0] for p in params]  # type: ignore[union-attr]
-
-
-def syncs_per_step(step: Callable[[], object], steps: int = 3) -> dict[str, float]:
-    """Stream waits and event records per step under torch.profiler."""
-    step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    counts = dict.fromkeys(SYNC_CALLS, 0.0)
-    for event in prof.key_averages():
-        if event.key in counts:
-            counts[event.key] = event.count / steps
-    return counts
 
 
 def grads_of(captured: Captured) -> list[torch.Tensor]:
@@ -84,7 +68,7 @@ def run(work: BenchWorkload, title: str) -> None:
     print(f"== {title}")
     print(f"{'method':<30} {'step ms':>9} {'stream waits':>13} {'event records':>14}  grads")
     for name, captured in methods.items():
-        syncs = syncs_per_step(captured.step)
+        syncs = runtime_calls(captured.step, steps=3)  # stream waits, event records among them
         same = "= leangraph's" if equal[name] else "differ"
         print(
             f"{name:<30} {statistics.median(times[name]):9.2f} "
