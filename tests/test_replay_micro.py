@@ -36,7 +36,7 @@ def test_config_refuses_the_cpu_and_empty_rounds():
 
 def test_graphed_layer_refuses_an_unknown_method():
     block = make_blocks(1, TINY, "cpu")[0]
-    with pytest.raises(ValueError, match="no replay method 'eager'; choose from torch, leangraph, leangraph-fused"):
+    with pytest.raises(ValueError, match="no replay method 'eager'; choose from torch, leangraph, leangraph-overlap, leangraph-fused"):
         graphed_layer("eager", block, sample_hidden(TINY, "cpu"))
 
 
@@ -83,7 +83,7 @@ def test_replay_micro_times_both_methods_on_cuda():
     result = run_replay_micro(ReplayMicroConfig(shape=TINY, replays=5, rounds=3,
                                                 warmup_replays=2))
     for figures in (result.host_us, result.wall_us):
-        assert set(figures) == {"torch", "leangraph", "leangraph-fused",
+        assert set(figures) == {"torch", "leangraph", "leangraph-overlap", "leangraph-fused",
                                 "leangraph-fused-nohooks"}
         assert all(len(v) == 3 and min(v) > 0 for v in figures.values())
     assert result.ratio() > 0

@@ -255,6 +255,7 @@ class CaptureOptions:
     post_warmup_hook: Callable[[], None] | None = None
     fuse_grad_accumulation: bool = False
     accumulator_hooks: bool = True
+    overlap_grad_accumulation: bool = False
 
     def __post_init__(self) -> None:
         count = self.num_warmup_iters
@@ -269,6 +270,18 @@ class CaptureOptions:
             raise TypeError(
                 "accumulator_hooks must be a bool, got "
                 f"{type(self.accumulator_hooks).__name__} {self.accumulator_hooks!r}"
+            )
+        if not isinstance(self.overlap_grad_accumulation, bool):
+            raise TypeError(
+                "overlap_grad_accumulation must be a bool, got "
+                f"{type(self.overlap_grad_accumulation).__name__} "
+                f"{self.overlap_grad_accumulation!r}"
+            )
+        if self.overlap_grad_accumulation and self.fuse_grad_accumulation:
+            raise ValueError(
+                "overlap_grad_accumulation=True moves autograd's additions of parameter "
+                "gradients to a side stream, and fuse_grad_accumulation=True leaves autograd "
+                "none (the backward graphs add them): choose one"
             )
         if not self.accumulator_hooks and not self.fuse_grad_accumulation:
             raise ValueError(

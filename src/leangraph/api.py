@@ -60,6 +60,7 @@ class CaptureKeywords(TypedDict, total=False):
     capture_time_hooks: Sequence[Mapping[str, Sequence[Callable[..., None]]] | None] | None
     fuse_grad_accumulation: bool
     accumulator_hooks: bool
+    overlap_grad_accumulation: bool
     generator_states: Sequence[torch.Generator]
 
 
@@ -106,6 +107,7 @@ def make_graphed_callables(
     capture_time_hooks: Sequence[Mapping[str, Sequence[Callable[..., None]]] | None] | None = None,
     fuse_grad_accumulation: bool = False,
     accumulator_hooks: bool = True,
+    overlap_grad_accumulation: bool = False,
     generator_states: Sequence[torch.Generator] = (),
 ) -> Any:
     """Capture callables into forward and backward graphs, optionally in a pipeline order.
@@ -156,6 +158,20 @@ def make_graphed_callables(
             (post-accumulate-grad hooks, torch DDP's and Megatron DDP's gradient-ready
             hooks). False skips them, saving host time per parameter per backward, for loops
             where no such hook is registered; a post-accumulate-grad hook is then refused.
+        overlap_grad_accumulation: Without ``fuse_grad_accumulation``, have autograd add
+            the replays' parameter gradients into ``.grad`` on a side stream, where the
+            additions overlap the next layer's backward graph instead of running between
+            graphs, as they do with torch's graphs: each graphed callable holds its
+            parameters' accumulator nodes, made under that stream. Compute-bound steps gain
+            what the additions cost the GPU; each parameter costs a stream wait per backward
+            replay on the host, which launch-bound steps feel. Values and hooks are the
+            default's (the hooks run with the side stream current); autograd makes the
+            caller's stream wait for the side stream when the backward pass ends. torch >=
+            2.9 warns once that an accumulator's stream differs from its gradient's
+            (``torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)``
+            silences it). An accumulator something else already holds (DDP made before
+            graphing) keeps its stream. Not with weight steps (their gradients come at
+            ``backward_dw()``); on the CPU it holds the nodes and changes nothing else.
         generator_states: Graph-safe CUDA generator states the callables switch to while
             they run (Megatron's graph-safe RNG tracker), registered with every graph.
 
@@ -174,8 +190,14 @@ def make_graphed_callables(
         post_warmup_hook=post_warmup_hook,
         fuse_grad_accumulation=fuse_grad_accumulation,
         accumulator_hooks=accumulator_hooks,
+        overlap_grad_accumulation=overlap_grad_accumulation,
     )
     call = validate_call(callables, sample_args, sample_kwargs, order, num_layers_per_chunk)
+    if options.overlap_grad_accumulation and call.plan.split_backward:
+        raise ValueError(
+            "overlap_grad_accumulation=True needs an order without weight steps (-(c + 0.5)): "
+            "there the parameter gradients come at backward_dw(), on the caller's stream"
+        )
     check_capturable(call, _already_graphed)
     hooks = normalize_hooks(capture_time_hooks, call.callables)
     graph_backend = make_backend(backend, call.device, pool, tuple(generator_states))
@@ -231,7 +253,14 @@ def _hand_back(call: Call, built: Built, options: CaptureOptions) -> Any:
         pending.awaits,
     )
     members = [
-        GraphedCallable(record, graphed_set, pending, sequence, debug_outputs=options.debug_outputs)
+        GraphedCallable(
+            record,
+            graphed_set,
+            pending,
+            sequence,
+            debug_outputs=options.debug_outputs,
+            overlap_grad_accumulation=options.overlap_grad_accumulation,
+        )
         for record in built.records
     ]
     entries: list[Any] = []

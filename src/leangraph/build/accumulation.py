@@ -35,6 +35,7 @@ __all__ = [
     "AccumulationTarget",
     "FusedGradients",
     "Relay",
+    "accumulator_node",
     "add_into",
     "allocate_targets",
     "check_fusable",
@@ -204,7 +205,7 @@ def hook_relay(params_in_eager_order: Sequence[torch.nn.Parameter]) -> Relay:
     accumulator; a view's node is fixed when the concatenation takes it.
     """
     with torch.enable_grad():
-        nodes = [_accumulator(p) for p in params_in_eager_order]
+        nodes = [accumulator_node(p) for p in params_in_eager_order]
         if _can_renumber(nodes):
             for node in nodes:
                 node._set_sequence_nr(_TOP_SEQUENCE_NR - next(_renumbered))  # type: ignore[attr-defined]
@@ -218,8 +219,9 @@ def _can_renumber(nodes: Sequence[object]) -> bool:
     return all(hasattr(node, "_set_sequence_nr") for node in nodes)
 
 
-def _accumulator(param: torch.nn.Parameter) -> object:
-    """``param``'s autograd accumulator node (made now if nothing holds one)."""
+def accumulator_node(param: torch.nn.Parameter) -> object:
+    """``param``'s autograd accumulator node (made now, on the current stream, if nothing
+    holds one)."""
     grad_fn = param.view_as(param).grad_fn
     assert grad_fn is not None  # a parameter that requires grad
     return grad_fn.next_functions[0][0]

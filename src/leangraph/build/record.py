@@ -103,6 +103,12 @@ class GraphRecord:
         """Whether any output needs a gradient."""
         return any(self.output_requires_grad)
 
+    def delivers_param_grads(self) -> bool:
+        """Whether a backward replay hands the parameters' gradients to autograd: neither
+        in-graph accumulation (the graphs add them) nor weight steps (they come at
+        ``backward_dw()``)."""
+        return self.fused is None and not self.split_backward
+
     def trained_params(self) -> tuple[torch.nn.Parameter, ...]:
         """The parameters the graphs differentiate, in gradient order."""
         return tuple(p for p, trains in zip(self.params, self.param_trains) if trains)

@@ -85,6 +85,7 @@ __all__ = [
     "LIMIT",
     "METHODS",
     "OPT_IN_METHODS",
+    "OVERLAP",
     "BenchConfig",
     "BenchResult",
     "BenchWorkload",
@@ -114,18 +115,22 @@ __all__ = [
 
 MIB = 1024 * 1024
 
+OVERLAP = "leangraph-overlap"
+"""leangraph with autograd's additions of parameter gradients on a side stream, overlapping the
+next layer's backward graph (``overlap_grad_accumulation=True``)."""
 FUSED = "leangraph-fused"
 """leangraph with in-graph gradient accumulation (``fuse_grad_accumulation=True``)."""
 FUSED_NO_HOOKS = "leangraph-fused-nohooks"
 """In-graph accumulation whose replays run no autograd accumulator (``accumulator_hooks=False``:
 no gradient-ready hook fires, for loops that register none)."""
-METHODS = ("eager", "torch", "leangraph", FUSED, FUSED_NO_HOOKS, "whole-step")
+METHODS = ("eager", "torch", "leangraph", OVERLAP, FUSED, FUSED_NO_HOOKS, "whole-step")
 """Every method the bench knows, in the order it runs them."""
-GRAPHED_METHODS = ("torch", "leangraph", FUSED, FUSED_NO_HOOKS, "whole-step")
+GRAPHED_METHODS = ("torch", "leangraph", OVERLAP, FUSED, FUSED_NO_HOOKS, "whole-step")
 """The methods that capture graphs (and so have capture figures and timing rounds)."""
 LEANGRAPH_METHODS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     {
         "leangraph": MappingProxyType({}),
+        OVERLAP: MappingProxyType({"overlap_grad_accumulation": True}),
         FUSED: MappingProxyType({"fuse_grad_accumulation": True}),
         FUSED_NO_HOOKS: MappingProxyType(
             {"fuse_grad_accumulation": True, "accumulator_hooks": False}
@@ -133,7 +138,7 @@ LEANGRAPH_METHODS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     }
 )
 """The methods that call ``leangraph.make_graphed_callables``, each with its options."""
-OPT_IN_METHODS = (FUSED, FUSED_NO_HOOKS)
+OPT_IN_METHODS = (OVERLAP, FUSED, FUSED_NO_HOOKS)
 """The methods the bench runs only when asked (``--methods``, or a preset's own list)."""
 CUDA_METHODS: Mapping[str, str] = MappingProxyType(
     {"torch": "torch.cuda.make_graphed_callables", "whole-step": "torch.cuda.CUDAGraph"}
@@ -144,16 +149,15 @@ LIMIT = "whole-step"
 
 
 def fused_unavailable(name: str = FUSED) -> str | None:
-    """Why a fused method (``FUSED`` or ``FUSED_NO_HOOKS``) cannot run with the installed
-    leangraph, or None."""
+    """Why an opt-in method (:data:`OPT_IN_METHODS`) cannot run with the installed leangraph,
+    or None."""
     taken = inspect.signature(make_graphed_callables).parameters
     missing = [option for option in LEANGRAPH_METHODS[name] if option not in taken]
     if not missing:
         return None
     wanted = ", ".join(f"{option}={value}" for option, value in LEANGRAPH_METHODS[name].items())
     return (
-        f"needs make_graphed_callables({wanted}) (in-graph gradient accumulation), which the "
-        "installed leangraph does not take yet"
+        f"needs make_graphed_callables({wanted}), which the installed leangraph does not take yet"
     )
 
 

@@ -31,6 +31,7 @@ from .bench import (
     LEANGRAPH_METHODS,
     METHODS,
     OPT_IN_METHODS,
+    OVERLAP,
     BenchConfig,
     BenchResult,
     format_table,
@@ -788,8 +789,10 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
         f"{' and '.join(CUDA_METHODS)} need CUDA, {FUSED} a leangraph whose "
         "make_graphed_callables takes fuse_grad_accumulation); whole-step is the whole "
         "training step captured as one CUDA graph, the limit the others' 'x limit' compares "
-        f"with; {FUSED} is leangraph with in-graph gradient accumulation, {FUSED_NO_HOOKS} "
-        "the same with accumulator_hooks=False (no gradient-ready hook fires)",
+        f"with; {OVERLAP} is leangraph with overlap_grad_accumulation=True (autograd adds "
+        f"parameter gradients on a side stream), {FUSED} leangraph with in-graph gradient "
+        f"accumulation, {FUSED_NO_HOOKS} the same with accumulator_hooks=False (no "
+        "gradient-ready hook fires)",
     )
     bench.add_argument(
         "--rounds",

@@ -35,9 +35,7 @@ class GradRouting:
     """
 
     def __init__(self, record: GraphRecord, pending: PendingBackwards) -> None:
-        # With in-graph accumulation the parameters' gradients stay in the graphs' buffers;
-        # a split backward's come at the weight step.
-        delivers = record.fused is None and not record.split_backward
+        delivers = record.delivers_param_grads()
         grads = iter(record.static_grads)
         inputs = tuple(next(grads) if s.requires_grad else None for s in record.signature.specs)
         params = (

@@ -28,6 +28,7 @@ from ..result import GraphedSet
 from .accumulation import InGraphAccumulation
 from .grads import GradRouting
 from .guard import OutputGuard
+from .overlap import side_stream_accumulators
 from .pending import BackwardToken, PendingBackwards
 from .sequence import ReplaySequence
 from .weight import WeightStep
@@ -64,6 +65,7 @@ class GraphedCallable:
         sequence: ReplaySequence,
         *,
         debug_outputs: bool,
+        overlap_grad_accumulation: bool = False,
     ) -> None:
         self._record: GraphRecord | None = record
         self._label = record.label
@@ -96,6 +98,13 @@ class GraphedCallable:
         self._weight = WeightStep(record, self._fused) if record.split_backward else None
         # A stand-in only makes the outputs require grad: not needed when an input does.
         self._autograd_params, self._stand_in = _params_for_autograd(record)
+        # Held for the callable's life, so that autograd adds its replays' parameter
+        # gradients on the side stream they were made under (overlap_grad_accumulation).
+        self._side_accumulators = (
+            side_stream_accumulators(record.trained_params(), _device_of(record))
+            if overlap_grad_accumulation and record.delivers_param_grads()
+            else ()
+        )
         self._param_slots = _parameter_slots(record)
         self._debug_outputs = debug_outputs
         self._guard: OutputGuard | None = None
@@ -240,6 +249,7 @@ class GraphedCallable:
         self._grads = None
         self._weight = None
         self._fused = None  # its relay holds the parameters' accumulator nodes
+        self._side_accumulators = ()
         self._autograd_params = ()
         self._frozen_params = ()
         if self._guard is not None:
@@ -359,6 +369,10 @@ class GraphedCallable:
             return self._grads.scatter(clone_inputs)
 
 
+def _device_of(record: GraphRecord) -> torch.device:
+    return record.static_outputs[0].device
+
+
 def _params_for_autograd(record: GraphRecord) -> tuple[tuple[torch.Tensor, ...], bool]:
     """What a replay's autograd node takes besides the inputs, and whether that is only a
     stand-in: the parameters, whose gradients it returns. With in-graph accumulation, the
@@ -371,12 +385,11 @@ def _params_for_autograd(record: GraphRecord) -> tuple[tuple[torch.Tensor, ...],
     relay = None if record.fused is None else record.fused.relay
     if relay is not None and not record.split_backward:
         return relay.inputs, False
-    if record.fused is None and not record.split_backward:
+    if record.delivers_param_grads():
         return record.params, False
     if not record.trained_params():
         return (), False
-    device = record.static_outputs[0].device
-    return (torch.empty(0, device=device, requires_grad=True),), True
+    return (torch.empty(0, device=_device_of(record), requires_grad=True),), True
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")

@@ -1,0 +1,54 @@
+"""Parameter gradients added on a side stream (``overlap_grad_accumulation=True``).
+
+Autograd runs a parameter's accumulator node on the stream that was current when the node was
+made, and a node something holds stays as it was made. Made fresh at every step, as eager
+makes them, the nodes run on the caller's stream, and the additions of a step's parameter
+gradients run between the graphs. A graphed callable that makes its parameters' accumulators
+under a side stream and holds them has autograd add its replays' parameter gradients there:
+autograd makes the side stream wait for each gradient (an event record and a stream wait per
+parameter per backward replay, host time), the additions overlap the next layer's backward
+graph on the caller's stream, and when the backward pass ends autograd makes the caller's
+stream wait for the side stream, as for any stream a backward pass used. The values and the
+hooks are the default path's; the hooks run with the side stream current.
+``torch.cuda.make_graphed_callables`` leaves its accumulators on its capture stream, so its
+graphs get this overlap without asking (``benchmarks/accumulate_stream.py``), and torch >= 2.9
+warns about it once (``The AccumulateGrad node's stream does not match ...``); so does this.
+
+Memory aliasing: the gradients the side stream adds are the backward graph's static buffers
+(or copies), which only the same graph's next backward replay writes, after the backward pass
+that read them has ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..build.accumulation import accumulator_node
+
+__all__ = ["side_stream_accumulators"]
+
+# One side stream per device, made on first use: additions need no more, and a stream per
+# call would add per-stream state (the caching allocator's) with every capture.
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STREAMS:
+        _STREAMS[index] = torch.cuda.Stream(device=index)
+    return _STREAMS[index]
+
+
+def side_stream_accumulators(
+    params: Sequence[torch.nn.Parameter], device: torch.device
+) -> tuple[object, ...]:
+    """The accumulator nodes of ``params``, made under the side stream of ``device`` where
+    nothing holds one yet (one something holds, DDP's say, keeps its stream), for the caller
+    to hold. On the CPU, where there are no streams, the nodes as they are."""
+    with torch.enable_grad():
+        if device.type != "cuda":
+            return tuple(accumulator_node(p) for p in params)
+        with torch.cuda.stream(_side_stream(device)):
+            return tuple(accumulator_node(p) for p in params)

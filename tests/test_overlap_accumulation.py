@@ -1,0 +1,168 @@
+"""``overlap_grad_accumulation=True`` (CPU backend): each graphed callable holds its
+parameters' accumulator nodes, made under a side stream (there is none on the CPU), so training
+is eager's bitwise and every hook fires as without the option; misuse is refused before
+warm-up. ``test_cuda_overlap.py`` runs it on a GPU, where the additions move to that stream."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import leangraph
+from helpers import raises
+from leangraph import GraphResetError
+from models import Block, assert_histories_equal, train_both
+from test_runtime_accumulation import ZB
+
+ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
+
+
+def _by_step(logs):
+    return [sorted(step) for step in logs]
+
+
+def _layers(logs):
+    """Per step, the layer of each hook in firing order."""
+    return [[layer for layer, _ in step] for step in logs]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False, lambda step: step % 2 == 0],
+                         ids=["none", "zeros", "alternating"])
+def test_an_interleaved_order_trains_bitwise_as_eager_with_the_same_hooks(set_to_none):
+    logs: dict[str, list] = {}
+    history, graphed = train_both(ORDER, [2, 2], width=8, microbatches=3, steps=3,
+                                  set_to_none=set_to_none, hook_logs=logs,
+                                  overlap_grad_accumulation=True)
+    assert_histories_equal(history, exact=True)
+    # Once per parameter per microbatch, as eager, a layer's right after its backward (as
+    # without the option, within a layer in the order autograd picks among equals).
+    assert _by_step(logs["graphed"]) == _by_step(logs["eager"])
+    assert _layers(logs["graphed"]) == _layers(logs["eager"])
+    assert all(len(step) == 4 * 6 * 3 for step in logs["eager"])
+    leangraph.reset_all(graphed)
+
+
+def test_a_drop_in_module_accumulates_bitwise_over_replays_and_steps():
+    torch.manual_seed(0)
+    eager = Block(8)
+    module = copy.deepcopy(eager)
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), overlap_grad_accumulation=True)
+    for step in range(3):
+        for _ in range(3):
+            x = torch.randn(4, 8, requires_grad=True)
+            y = x.detach().clone().requires_grad_()
+            graphed(x).square().sum().backward()
+            eager(y).square().sum().backward()
+            assert torch.equal(x.grad, y.grad)
+        for a, b in zip(module.parameters(), eager.parameters()):
+            assert torch.equal(a.grad, b.grad), step
+        module.zero_grad(set_to_none=step % 2 == 0)
+        eager.zero_grad(set_to_none=step % 2 == 0)
+
+
+def test_several_microbatches_in_one_backward_pass_accumulate_exactly():
+    """GPipe with the losses summed: autograd waits for every microbatch's gradient of a
+    parameter before adding, while other replays overwrite their buffers."""
+    torch.manual_seed(0)
+    layers = tuple(Block(8) for _ in range(2))
+    reference = copy.deepcopy(layers)
+    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(6))
+    forward, backward = leangraph.StepKind.FORWARD, leangraph.StepKind.BACKWARD
+    order = [leangraph.Step(forward, 1, m) for m in range(3)]
+    order += [leangraph.Step(backward, 1, m) for m in reversed(range(3))]
+    graphed = leangraph.make_graphed_callables(
+        layers, samples, order=order, num_layers_per_chunk=2, overlap_grad_accumulation=True)
+    for _ in range(3):
+        xs = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
+        sum((m + 1) * graphed[2 * m + 1](graphed[2 * m](x)).square().sum()
+            for m, x in enumerate(xs)).backward()
+        sum((m + 1) * reference[1](reference[0](x.detach())).square().sum()
+            for m, x in enumerate(xs)).backward()
+        for a, b in zip(layers, reference):
+            for p, q in zip(a.parameters(), b.parameters()):
+                assert torch.equal(p.grad, q.grad)
+
+
+def test_tied_weights_accumulate_exactly():
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    second.weight = first.weight
+    ref_first, ref_second = copy.deepcopy((first, second))
+    graphed = leangraph.make_graphed_callables(
+        (first, second), tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(2)),
+        overlap_grad_accumulation=True)
+    for _ in range(2):
+        x = torch.randn(4, 8, requires_grad=True)
+        graphed[1](graphed[0](x)).sum().backward()
+        ref_second(ref_first(x.detach())).sum().backward()
+        assert torch.equal(first.weight.grad, ref_first.weight.grad)
+        assert torch.equal(second.bias.grad, ref_second.bias.grad)
+
+
+def test_without_grad_mode_a_replay_makes_no_delivery_and_a_frozen_parameter_gets_none():
+    torch.manual_seed(0)
+    eager = Block(8)
+    module = copy.deepcopy(eager)
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), overlap_grad_accumulation=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert torch.equal(graphed(x), eager(x))
+    module.norm.weight.requires_grad_(False)
+    eager.norm.weight.requires_grad_(False)
+    graphed(x).sum().backward()
+    eager(x).sum().backward()
+    assert module.norm.weight.grad is None and eager.norm.weight.grad is None
+    for a, b in zip(module.parameters(), eager.parameters()):
+        if b.grad is not None:
+            assert torch.equal(a.grad, b.grad)
+
+
+def test_a_reset_between_the_replay_and_its_backward_is_refused():
+    module = Block(8)
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), overlap_grad_accumulation=True)
+    out = graphed(torch.randn(4, 8, requires_grad=True))
+    module.forward.reset()
+    with raises(GraphResetError, "this graphed callable was reset"):
+        out.sum().backward()
+
+
+def test_v_misuse_is_refused_before_warm_up():
+    module = Block(8)
+    sample = (torch.randn(4, 8, requires_grad=True),)
+    with raises(ValueError, "overlap_grad_accumulation=True", "fuse_grad_accumulation=True",
+                "choose one"):
+        leangraph.make_graphed_callables(module, sample, overlap_grad_accumulation=True,
+                                         fuse_grad_accumulation=True)
+    with raises(TypeError, "overlap_grad_accumulation must be a bool, got str 'yes'"):
+        leangraph.make_graphed_callables(module, sample, overlap_grad_accumulation="yes")
+    layers = tuple(Block(8) for _ in range(2))
+    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(4))
+    with raises(ValueError, "needs an order without weight steps"):
+        leangraph.make_graphed_callables(layers, samples, order=ZB, num_layers_per_chunk=1,
+                                         overlap_grad_accumulation=True)
+    assert "forward" not in module.__dict__  # nothing was graphed
+
+
+def test_the_callables_hold_their_parameters_accumulators_until_reset():
+    module = Block(8)
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), overlap_grad_accumulation=True)
+
+    def node(param):
+        return param.view_as(param).grad_fn.next_functions[0][0]
+
+    def tagged():  # a node's metadata lives as long as the node
+        return [bool(node(p).metadata.get("seen")) for p in module.parameters()]
+
+    for p in module.parameters():
+        node(p).metadata["seen"] = True  # the test keeps no reference
+    assert all(tagged())  # the graphed callable holds them (eager's would be gone)
+    graphed(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    assert all(tagged())  # a replay's backward ran through the same nodes
+    module.forward.reset()
+    assert not any(tagged())  # released: each parameter's node is made anew
