@@ -131,7 +131,7 @@ def test_a_reset_between_the_replay_and_its_backward_is_refused():
         out.sum().backward()
 
 
-def test_v_misuse_is_refused_before_warm_up():
+def test_v25_misuse_is_refused_before_warm_up():
     module = Block(8)
     sample = (torch.randn(4, 8, requires_grad=True),)
     with raises(ValueError, "overlap_grad_accumulation=True", "fuse_grad_accumulation=True",
