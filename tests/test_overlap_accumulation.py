@@ -1,7 +1,8 @@
 """``overlap_grad_accumulation=True`` (CPU backend): each graphed callable holds its
 parameters' accumulator nodes, made under a side stream (there is none on the CPU), so training
 is eager's bitwise and every hook fires as without the option; misuse is refused before
-warm-up. ``test_cuda_overlap.py`` runs it on a GPU, where the additions move to that stream."""
+warm-up. (``test_runtime_grads.py`` runs its several-microbatch and tied-weight cases with
+the option too.) ``test_cuda_overlap.py`` runs it on a GPU, where the additions move to that stream."""
 
 from __future__ import annotations
 
@@ -63,46 +64,7 @@ def test_a_drop_in_module_accumulates_bitwise_over_replays_and_steps():
         eager.zero_grad(set_to_none=step % 2 == 0)
 
 
-def test_several_microbatches_in_one_backward_pass_accumulate_exactly():
-    """GPipe with the losses summed: autograd waits for every microbatch's gradient of a
-    parameter before adding, while other replays overwrite their buffers."""
-    torch.manual_seed(0)
-    layers = tuple(Block(8) for _ in range(2))
-    reference = copy.deepcopy(layers)
-    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(6))
-    forward, backward = leangraph.StepKind.FORWARD, leangraph.StepKind.BACKWARD
-    order = [leangraph.Step(forward, 1, m) for m in range(3)]
-    order += [leangraph.Step(backward, 1, m) for m in reversed(range(3))]
-    graphed = leangraph.make_graphed_callables(
-        layers, samples, order=order, num_layers_per_chunk=2, overlap_grad_accumulation=True)
-    for _ in range(3):
-        xs = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
-        sum((m + 1) * graphed[2 * m + 1](graphed[2 * m](x)).square().sum()
-            for m, x in enumerate(xs)).backward()
-        sum((m + 1) * reference[1](reference[0](x.detach())).square().sum()
-            for m, x in enumerate(xs)).backward()
-        for a, b in zip(layers, reference):
-            for p, q in zip(a.parameters(), b.parameters()):
-                assert torch.equal(p.grad, q.grad)
-
-
-def test_tied_weights_accumulate_exactly():
-    torch.manual_seed(0)
-    first, second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-    second.weight = first.weight
-    ref_first, ref_second = copy.deepcopy((first, second))
-    graphed = leangraph.make_graphed_callables(
-        (first, second), tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(2)),
-        overlap_grad_accumulation=True)
-    for _ in range(2):
-        x = torch.randn(4, 8, requires_grad=True)
-        graphed[1](graphed[0](x)).sum().backward()
-        ref_second(ref_first(x.detach())).sum().backward()
-        assert torch.equal(first.weight.grad, ref_first.weight.grad)
-        assert torch.equal(second.bias.grad, ref_second.bias.grad)
-
-
-def test_without_grad_mode_a_replay_makes_no_delivery_and_a_frozen_parameter_gets_none():
+def test_without_grad_mode_a_replay_runs_as_eager_and_a_frozen_parameter_gets_none():
     torch.manual_seed(0)
     eager = Block(8)
     module = copy.deepcopy(eager)

@@ -24,10 +24,12 @@ def _grads(modules):
     return [p.grad.clone() for m in modules for p in m.parameters()]
 
 
-def test_several_microbatches_in_one_backward_pass_accumulate_exactly():
+@pytest.mark.parametrize("overlap", [False, True], ids=["default", "overlap"])
+def test_several_microbatches_in_one_backward_pass_accumulate_exactly(overlap):
     """GPipe with the microbatches' losses summed: one backward pass reaches a layer's
     parameters through every microbatch's graph, so autograd waits for all of them before
-    accumulating, and a shared gradient buffer must not be overwritten meanwhile."""
+    accumulating, and a shared gradient buffer must not be overwritten meanwhile (also with
+    the additions on a side stream, ``overlap_grad_accumulation``)."""
     torch.manual_seed(0)
     layers = tuple(Block(8) for _ in range(2))
     reference = copy.deepcopy(layers)
@@ -39,7 +41,7 @@ def test_several_microbatches_in_one_backward_pass_accumulate_exactly():
     order = [leangraph.Step(forward, 1, m) for m in range(3)]
     order += [leangraph.Step(backward, 1, m) for m in reversed(range(3))]
     graphed = leangraph.make_graphed_callables(
-        layers, samples, order=order, num_layers_per_chunk=2
+        layers, samples, order=order, num_layers_per_chunk=2, overlap_grad_accumulation=overlap
     )
     for _ in range(3):
         xs = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
@@ -51,14 +53,16 @@ def test_several_microbatches_in_one_backward_pass_accumulate_exactly():
         assert all(torch.equal(a, b) for a, b in zip(_grads(layers), _grads(reference)))
 
 
-def test_weights_tied_between_graphed_modules_accumulate_exactly():
+@pytest.mark.parametrize("overlap", [False, True], ids=["default", "overlap"])
+def test_weights_tied_between_graphed_modules_accumulate_exactly(overlap):
     torch.manual_seed(0)
     first, second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
     second.weight = first.weight
     ref_first, ref_second = copy.deepcopy((first, second))
     assert ref_second.weight is ref_first.weight
     graphed = leangraph.make_graphed_callables(
-        (first, second), tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(2))
+        (first, second), tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(2)),
+        overlap_grad_accumulation=overlap,
     )
     for _ in range(3):
         x = torch.randn(4, 8, requires_grad=True)

@@ -22,7 +22,7 @@ from .leaves import is_constant
 from .order import parse_order
 from .plan import Plan, build_plan, build_unordered_plan
 
-__all__ = ["Call", "CaptureOptions", "Sample", "check_capturable", "validate_call"]
+__all__ = ["Call", "CaptureOptions", "Sample", "check_capturable", "check_options", "validate_call"]
 
 Sample = tuple[tuple[Any, ...], dict[str, Any]]
 """One graph's sample call: ``(args, kwargs)``."""
@@ -289,6 +289,19 @@ class CaptureOptions:
                 "accumulates every parameter gradient itself, and its accumulators run their "
                 "hooks; got fuse_grad_accumulation=False"
             )
+
+
+def check_options(call: Call, options: CaptureOptions) -> None:
+    """What the options require of a valid call, checked before any work.
+
+    Raises:
+        ValueError: for ``overlap_grad_accumulation`` with an order that has weight steps.
+    """
+    if options.overlap_grad_accumulation and call.plan.split_backward:
+        raise ValueError(
+            "overlap_grad_accumulation=True needs an order without weight steps (-(c + 0.5)): "
+            "there the parameter gradients come at backward_dw(), on the caller's stream"
+        )
 
 
 _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

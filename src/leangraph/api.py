@@ -17,7 +17,7 @@ from typing import Any, TypedDict, TypeVar, overload
 import torch
 from typing_extensions import Unpack
 
-from ._call import Call, CaptureOptions, check_capturable, validate_call
+from ._call import Call, CaptureOptions, check_capturable, check_options, validate_call
 from ._restore import SavedState
 from .backends import GraphBackend, make_backend
 from .build.builder import Built, build_graphs
@@ -159,19 +159,10 @@ def make_graphed_callables(
             hooks). False skips them, saving host time per parameter per backward, for loops
             where no such hook is registered; a post-accumulate-grad hook is then refused.
         overlap_grad_accumulation: Without ``fuse_grad_accumulation``, have autograd add
-            the replays' parameter gradients into ``.grad`` on a side stream, where the
-            additions overlap the next layer's backward graph instead of running between
-            graphs, as they do with torch's graphs: each graphed callable holds its
-            parameters' accumulator nodes, made under that stream. Compute-bound steps gain
-            what the additions cost the GPU; each parameter costs a stream wait per backward
-            replay on the host, which launch-bound steps feel. Values and hooks are the
-            default's (the hooks run with the side stream current); autograd makes the
-            caller's stream wait for the side stream when the backward pass ends. torch >=
-            2.9 warns once that an accumulator's stream differs from its gradient's
-            (``torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)``
-            silences it). An accumulator something else already holds (DDP made before
-            graphing) keeps its stream. Not with weight steps (their gradients come at
-            ``backward_dw()``); on the CPU it holds the nodes and changes nothing else.
+            the parameter gradients into ``.grad`` on a side stream, overlapping the next
+            layer's backward graph (a stream wait per parameter per backward replay on the
+            host); values and hooks stay the default's, the hooks run with that stream
+            current ([concepts](docs/concepts.md): what it holds, torch's warning, limits).
         generator_states: Graph-safe CUDA generator states the callables switch to while
             they run (Megatron's graph-safe RNG tracker), registered with every graph.
 
@@ -193,11 +184,7 @@ def make_graphed_callables(
         overlap_grad_accumulation=overlap_grad_accumulation,
     )
     call = validate_call(callables, sample_args, sample_kwargs, order, num_layers_per_chunk)
-    if options.overlap_grad_accumulation and call.plan.split_backward:
-        raise ValueError(
-            "overlap_grad_accumulation=True needs an order without weight steps (-(c + 0.5)): "
-            "there the parameter gradients come at backward_dw(), on the caller's stream"
-        )
+    check_options(call, options)
     check_capturable(call, _already_graphed)
     hooks = normalize_hooks(capture_time_hooks, call.callables)
     graph_backend = make_backend(backend, call.device, pool, tuple(generator_states))

@@ -20,7 +20,7 @@ import torch
 
 from .base import BackwardBody, CapturedOutputs, ForwardBody
 
-__all__ = ["CudaBackend", "CudaGraphPair"]
+__all__ = ["CudaBackend", "CudaGraphPair", "stream_per_device"]
 
 _T = TypeVar("_T")
 
@@ -30,11 +30,20 @@ _T = TypeVar("_T")
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+def stream_per_device(
+    streams: dict[int, torch.cuda.Stream], device: torch.device
+) -> torch.cuda.Stream:
+    """``streams``' stream of ``device``, made on first use (one per device for the process:
+    per-stream state, cuBLAS's workspaces and the caching allocator's pools, then stays
+    bounded)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _CAPTURE_STREAMS[index]
+    if index not in streams:
+        streams[index] = torch.cuda.Stream(device=index)
+    return streams[index]
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    return stream_per_device(_CAPTURE_STREAMS, device)
 
 
 class CudaBackend:

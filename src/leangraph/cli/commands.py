@@ -789,10 +789,8 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
         f"{' and '.join(CUDA_METHODS)} need CUDA, {FUSED} a leangraph whose "
         "make_graphed_callables takes fuse_grad_accumulation); whole-step is the whole "
         "training step captured as one CUDA graph, the limit the others' 'x limit' compares "
-        f"with; {OVERLAP} is leangraph with overlap_grad_accumulation=True (autograd adds "
-        f"parameter gradients on a side stream), {FUSED} leangraph with in-graph gradient "
-        f"accumulation, {FUSED_NO_HOOKS} the same with accumulator_hooks=False (no "
-        "gradient-ready hook fires)",
+        f"with; {OVERLAP} is leangraph with overlap_grad_accumulation=True, {FUSED} with "
+        f"fuse_grad_accumulation=True, {FUSED_NO_HOOKS} also with accumulator_hooks=False",
     )
     bench.add_argument(
         "--rounds",

@@ -25,20 +25,12 @@ from collections.abc import Sequence
 
 import torch
 
+from ..backends.cuda import stream_per_device
 from ..build.accumulation import accumulator_node
 
 __all__ = ["side_stream_accumulators"]
 
-# One side stream per device, made on first use: additions need no more, and a stream per
-# call would add per-stream state (the caching allocator's) with every capture.
-_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _STREAMS:
-        _STREAMS[index] = torch.cuda.Stream(device=index)
-    return _STREAMS[index]
+_STREAMS: dict[int, torch.cuda.Stream] = {}  # the side stream of each device
 
 
 def side_stream_accumulators(
@@ -50,5 +42,5 @@ def side_stream_accumulators(
     with torch.enable_grad():
         if device.type != "cuda":
             return tuple(accumulator_node(p) for p in params)
-        with torch.cuda.stream(_side_stream(device)):
+        with torch.cuda.stream(stream_per_device(_STREAMS, device)):
             return tuple(accumulator_node(p) for p in params)
