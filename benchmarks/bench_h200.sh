@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The benchmark runs quoted in docs/benchmarks.md, on one GPU.
 # Usage: benchmarks/bench_h200.sh OUTDIR [all|compute|launch]
-# Each run trains eager, torch, leangraph, leangraph-fused, leangraph-fused-nohooks and
-# whole-step (the whole step as one CUDA graph, the limit of the "x limit" column), then
-# captures and times the graphed methods again, in turn, 5 times (--rounds), and last counts
-# each method's launches per step (--launches: 3 steps under torch.profiler once all timing is
-# done). Then the replay microbenchmark (torch's and leangraph's replay of one block, host
-# time). About 9 minutes on an H200: "compute" runs the 16- and 32-microbatch workloads only,
-# "launch" the launch-bound one and the microbenchmark.
+# Each run trains eager, torch, leangraph, leangraph-overlap, leangraph-fused,
+# leangraph-fused-nohooks and whole-step (the whole step as one CUDA graph, the limit of the
+# "x limit" column), then captures and times the graphed methods again, in turn, 5 times
+# (--rounds), and last counts each method's launches per step (--launches: 3 steps under
+# torch.profiler once all timing is done). Then the replay microbenchmark (torch's and
+# leangraph's replay of one block, host time). About 7 minutes on an H200 (7.1 at e5a9e3e):
+# "compute" runs the 16- and 32-microbatch workloads only, "launch" the launch-bound one and
+# the microbenchmark.
 set -euo pipefail
 out=${1:-bench-out}
 part=${2:-all}
