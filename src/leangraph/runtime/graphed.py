@@ -496,5 +496,6 @@ _backward_once = torch.autograd.function.once_differentiable(_replay_backward)
 # itself. A replay unwraps its inputs (a captured parameter is never a wrapper) and calls the C
 # implementation directly.
 _C_APPLY = super(torch.autograd.Function, _Replay).apply
-_TRANSFORMS_ACTIVE = torch._C._are_functorch_transforms_active
+# Both have been there since torch 2.0; looked up defensively all the same.
+_TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 _UNWRAP_IF_DEAD = getattr(torch._C._functorch, "unwrap_if_dead", lambda tensor: tensor)
