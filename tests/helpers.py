@@ -75,11 +75,13 @@ def three_graphs():
     return reference, leangraph.make_graphed_callables(layers, samples)
 
 
-def one_graph():
-    """One module graphed alone: its replays are the whole capture order."""
+def one_graph(**options):
+    """One module graphed alone: its replays are the whole capture order. ``options`` go to
+    ``make_graphed_callables``."""
     layer = Block(4)
     reference = [copy.deepcopy(layer)]
-    graphed = leangraph.make_graphed_callables(layer, (torch.randn(2, 4, requires_grad=True),))
+    graphed = leangraph.make_graphed_callables(
+        layer, (torch.randn(2, 4, requires_grad=True),), **options)
     return reference, (graphed,)
 
 

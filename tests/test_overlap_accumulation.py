@@ -6,13 +6,12 @@ the option too.) ``test_cuda_overlap.py`` runs it on a GPU, where the additions 
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
 import leangraph
-from helpers import raises
+from helpers import one_graph, raises
 from leangraph import GraphResetError
 from models import Block, assert_histories_equal, train_both
 from test_runtime_accumulation import ZB
@@ -47,13 +46,11 @@ def test_an_interleaved_order_trains_bitwise_as_eager_with_the_same_hooks(set_to
 
 def test_a_drop_in_module_accumulates_bitwise_over_replays_and_steps():
     torch.manual_seed(0)
-    eager = Block(8)
-    module = copy.deepcopy(eager)
-    graphed = leangraph.make_graphed_callables(
-        module, (torch.randn(4, 8, requires_grad=True),), overlap_grad_accumulation=True)
+    (eager,), (graphed,) = one_graph(overlap_grad_accumulation=True)
+    module = graphed
     for step in range(3):
         for _ in range(3):
-            x = torch.randn(4, 8, requires_grad=True)
+            x = torch.randn(2, 4, requires_grad=True)
             y = x.detach().clone().requires_grad_()
             graphed(x).square().sum().backward()
             eager(y).square().sum().backward()
@@ -66,11 +63,9 @@ def test_a_drop_in_module_accumulates_bitwise_over_replays_and_steps():
 
 def test_without_grad_mode_a_replay_runs_as_eager_and_a_frozen_parameter_gets_none():
     torch.manual_seed(0)
-    eager = Block(8)
-    module = copy.deepcopy(eager)
-    graphed = leangraph.make_graphed_callables(
-        module, (torch.randn(4, 8, requires_grad=True),), overlap_grad_accumulation=True)
-    x = torch.randn(4, 8)
+    (eager,), (graphed,) = one_graph(overlap_grad_accumulation=True)
+    module = graphed
+    x = torch.randn(2, 4)
     with torch.no_grad():
         assert torch.equal(graphed(x), eager(x))
     module.norm.weight.requires_grad_(False)

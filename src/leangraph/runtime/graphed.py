@@ -435,7 +435,7 @@ def _inputs_to_copy(
     its buffer already. A chained input must be the previous layer's output itself."""
     copies = []
     for index, (static, value) in enumerate(zip(record.static_inputs, inputs)):
-        if static is value or same_buffer(static, value):
+        if same_buffer(static, value):
             continue
         source = record.chained_from[index]
         if source is not None:

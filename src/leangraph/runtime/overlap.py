@@ -21,6 +21,7 @@ that read them has ended.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -39,8 +40,10 @@ def side_stream_accumulators(
     """The accumulator nodes of ``params``, made under the side stream of ``device`` where
     nothing holds one yet (one something holds, DDP's say, keeps its stream), for the caller
     to hold. On the CPU, where there are no streams, the nodes as they are."""
-    with torch.enable_grad():
-        if device.type != "cuda":
-            return tuple(accumulator_node(p) for p in params)
-        with torch.cuda.stream(stream_per_device(_STREAMS, device)):
-            return tuple(accumulator_node(p) for p in params)
+    stream = (
+        torch.cuda.stream(stream_per_device(_STREAMS, device))
+        if device.type == "cuda"
+        else contextlib.nullcontext()
+    )
+    with torch.enable_grad(), stream:
+        return tuple(accumulator_node(p) for p in params)
