@@ -58,6 +58,9 @@ class Setup:
     steps: int = 3
     overlap_grad_reduce: bool = False
     fuse_grad_accumulation: bool = False
+    # With fuse_grad_accumulation: how DDP's gradient-ready hooks fire (True: autograd's
+    # accumulators; "python": the replays call them, Megatron-core's hooks being Python).
+    accumulator_hooks: bool | str = True
     device: str = "cpu"
 
     @property
@@ -67,7 +70,9 @@ class Setup:
     @property
     def capture_options(self) -> dict[str, Any]:
         """What :func:`install` passes on to every capture."""
-        return {"fuse_grad_accumulation": True} if self.fuse_grad_accumulation else {}
+        if not self.fuse_grad_accumulation:
+            return {}
+        return {"fuse_grad_accumulation": True, "accumulator_hooks": self.accumulator_hooks}
 
 
 def initialize(setup: Setup, rank: int, world: int) -> None:
@@ -250,13 +255,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--fuse", action="store_true",
                         help="fuse_grad_accumulation: backward graphs add into main_grad")
-    return parser.parse_args(argv)
+    parser.add_argument("--python-hooks", action="store_true",
+                        help="with --fuse, accumulator_hooks='python': the replays call DDP's "
+                        "gradient-ready hooks themselves")
+    args = parser.parse_args(argv)
+    if args.python_hooks and not args.fuse:
+        parser.error("--python-hooks needs --fuse")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup = Setup(pp=args.pp, vp=args.vp, microbatches=2 * args.pp, steps=args.steps,
-                  fuse_grad_accumulation=args.fuse, device=args.device)
+                  fuse_grad_accumulation=args.fuse,
+                  accumulator_hooks="python" if args.python_hooks else True, device=args.device)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -2,7 +2,8 @@
 (CPU backend): DDP's reducer hooks (C++, on the parameters' accumulators) fire through the
 relay and all-reduce the fused ``.grad``; training equals eager DDP bitwise, ``no_sync``
 microbatches included. ``gradient_as_bucket_view=True`` makes DDP swap ``.grad`` for its
-bucket, which the next replay refuses clearly."""
+bucket, which the next replay refuses clearly. With ``accumulator_hooks="python"`` the replays
+could not call DDP's hooks (C++), so a replay inside DDP's forward is refused (R17)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ from models import Block
 STEPS, MICROBATCHES = 3, 3
 
 
-def _train(rank: int, bucket_view: bool) -> dict[str, object]:
+def _train(rank: int, bucket_view: bool, hooks: bool | str = True) -> dict[str, object]:
     torch.manual_seed(0)
     eager_module = Block(16)
     graphed_module = copy.deepcopy(eager_module)
     leangraph.make_graphed_callables(
-        graphed_module, (torch.randn(4, 16, requires_grad=True),), fuse_grad_accumulation=True)
+        graphed_module, (torch.randn(4, 16, requires_grad=True),), fuse_grad_accumulation=True,
+        accumulator_hooks=hooks)
     models = [DistributedDataParallel(m, gradient_as_bucket_view=bucket_view)
               for m in (eager_module, graphed_module)]
     optims = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
@@ -64,6 +66,10 @@ def _cases(rank: int) -> dict[str, object]:
         result["bucket_view"] = "no error"
     except RuntimeError as exc:
         result["bucket_view"] = str(exc)
+    try:
+        result["python_hooks"] = _train(rank, bucket_view=False, hooks="python")
+    except RuntimeError as exc:
+        result["python_hooks"] = str(exc)
     return result
 
 
@@ -72,6 +78,7 @@ def test_fused_accumulation_trains_like_eager_ddp(tmp_path: Path) -> None:
         assert result["plain"] == {"same_grads": True, "same_params": True,
                                    "grad_sums_equal": True}, result
         assert ".grad is another tensor than at capture" in result["bucket_view"], result
+        assert "runs inside torch's DistributedDataParallel" in result["python_hooks"], result
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""``accumulator_hooks=False`` (with ``fuse_grad_accumulation=True``): replays run no autograd
-accumulator, so training stays exact while no accumulator hook fires; a post-accumulate-grad
-hook is refused, before warm-up (V24) or at the next backward (R15) (CPU backend; the CUDA
-versions are in test_cuda_accumulation.py)."""
+"""``accumulator_hooks=False`` and ``"python"`` (with ``fuse_grad_accumulation=True``): replays
+run no autograd accumulator, so training stays exact. With False no accumulator hook fires and
+a post-accumulate-grad hook is refused, before warm-up (V24) or at the next backward (R15);
+with ``"python"`` the replays call the hooks registered from Python themselves, and refuse
+what they cannot call or order (R17) (CPU backend; the CUDA versions are in
+test_cuda_accumulation.py; the hooks' order and Megatron's protocol in
+test_runtime_accumulation.py)."""
 
 from __future__ import annotations
 
@@ -46,10 +49,11 @@ def _accumulator(param: torch.Tensor):
     return param.view_as(param).grad_fn.next_functions[0][0]
 
 
-@pytest.mark.parametrize("hooks", [True, False])
+@pytest.mark.parametrize("hooks", [True, "python", False])
 def test_accumulator_node_hooks_fire_only_with_accumulator_hooks(hooks):
-    """DDP and Megatron hook the accumulator nodes (held, as they hold them): with the relay
-    each fires once per backward; without it none does, which is what the option trades."""
+    """DDP and Megatron hook the accumulator nodes (held, as they hold them), here after
+    capture: with the relay, or called by the replay, each fires once per backward; without
+    accumulator hooks none does, which is what the option trades."""
     _, module = _block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
@@ -96,11 +100,16 @@ def test_r15_a_post_accumulate_grad_hook_added_after_capture_is_refused_at_the_b
 def test_v24_option_misuse_is_refused():
     _, module = _block_pair()
     sample = (torch.randn(4, 8, requires_grad=True),)
-    with raises(TypeError, "accumulator_hooks must be a bool, got int 0"):
+    with raises(TypeError, "accumulator_hooks must be True, False or 'python', got int 0"):
         leangraph.make_graphed_callables(module, sample, fuse_grad_accumulation=True,
                                          accumulator_hooks=0)
+    with raises(ValueError, "accumulator_hooks must be True, False or 'python', got 'Python'"):
+        leangraph.make_graphed_callables(module, sample, fuse_grad_accumulation=True,
+                                         accumulator_hooks="Python")
     with raises(ValueError, "accumulator_hooks=False needs fuse_grad_accumulation=True"):
         leangraph.make_graphed_callables(module, sample, accumulator_hooks=False)
+    with raises(ValueError, "accumulator_hooks='python' needs fuse_grad_accumulation=True"):
+        leangraph.make_graphed_callables(module, sample, accumulator_hooks="python")
 
 
 @pytest.mark.parametrize("case", ["fused-without-hooks", "split-backward"])
@@ -124,5 +133,85 @@ def test_an_input_without_grad_still_trains_the_parameters(case):
         out.square().sum().backward()
         if case == "split-backward":
             graphed.backward_dw()
+    for a, b in zip(eager.parameters(), module.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("hooks", [True, "python", False])
+def test_only_the_relay_hands_autograd_the_parameters(hooks):
+    """What the modes trade: with the relay the replay's autograd node reaches every
+    parameter's accumulator (autograd visits each per backward); otherwise none."""
+    _, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+        accumulator_hooks=hooks)
+    out = graphed(torch.randn(4, 8, requires_grad=True))
+    reached = {id(node) for node, _ in out.grad_fn.next_functions if node is not None}
+    accumulators = {id(_accumulator(p)) for p in module.parameters()}
+    assert (accumulators <= reached) if hooks is True else not (accumulators & reached)
+    out.sum().backward()
+
+
+def test_python_hooks_get_what_autograd_gives_an_accumulator_without_a_gradient():
+    """Pre-hooks, post-accumulate-grad hooks and hooks of each node, in that order, with
+    autograd's arguments, grad mode as in the backward (off)."""
+    _, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+        accumulator_hooks="python")
+    seen: dict[str, list] = {"relay": [], "python": []}
+    p = module.down.bias
+    node = _accumulator(p)
+    node.register_prehook(lambda grads: seen[mode].append(("pre", grads)))
+    p.register_post_accumulate_grad_hook(lambda t: seen[mode].append(("acc", t is p)))
+    node.register_hook(lambda grads, inputs: seen[mode].append(
+        ("node", grads, inputs, torch.is_grad_enabled())))
+    mode = "python"
+    graphed(torch.randn(4, 8)).sum().backward()
+    mode = "relay"  # what autograd itself gives them (the relay's delivery)
+    from leangraph.build.accumulation import fire_relay, hook_relay
+    fire_relay(hook_relay([p]))
+    assert seen["python"] == seen["relay"] == [
+        ("pre", (None,)), ("acc", True), ("node", (), (None,), False)]
+
+
+def test_r17_a_hook_returning_a_value_is_refused_naming_the_parameter():
+    _, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+        accumulator_hooks="python")
+    module.down.bias.register_post_accumulate_grad_hook(lambda t: t)
+    with raises(RuntimeError, "parameter 'down.bias': a post-accumulate-grad hook returned a "
+                "value", "return None"):
+        graphed(torch.randn(4, 8)).sum().backward()
+
+
+@pytest.mark.parametrize("hooks", [True, "python"])
+def test_r17_a_parameter_also_used_outside_the_graph(hooks):
+    """A backward pass reaching a parameter both through the graph and eagerly: the relay
+    fires its hooks once, after both gradients, as eager does; called by the replay they
+    could not be, so that is refused before the graph runs."""
+    eager, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+        accumulator_hooks=hooks)
+    counts = {"eager": 0, "graphed": 0}
+    for name, m in (("eager", eager), ("graphed", module)):
+        m.up.weight.register_post_accumulate_grad_hook(
+            lambda _, name=name: counts.__setitem__(name, counts[name] + 1))
+    x = torch.randn(4, 8)
+    eager_loss = eager(x).sum() + eager.up.weight.square().sum()
+    loss = graphed(x).sum() + module.up.weight.square().sum()
+    eager_loss.backward()
+    if hooks == "python":
+        with raises(RuntimeError, "parameter 'up.weight': this backward pass reaches its "
+                    "gradient outside the graph too", "accumulator_hooks=True"):
+            loss.backward()
+        # Refused before the graph added its gradient (autograd may have added the eager one).
+        grad, weight = module.up.weight.grad, module.up.weight.detach()
+        assert grad is None or torch.equal(grad, 2 * weight)
+        return
+    loss.backward()
+    assert counts == {"eager": 1, "graphed": 1}
     for a, b in zip(eager.parameters(), module.parameters()):
         assert torch.equal(a.grad, b.grad)

@@ -58,7 +58,8 @@ def _example() -> Any:
 
 # name -> (world size, Setup keyword arguments). A "-fused" case captures with
 # install(capture_options={"fuse_grad_accumulation": True}) and is compared with the eager run
-# of the case without it (run once per process).
+# of the case without it (run once per process); "-python" also with accumulator_hooks="python"
+# (the replays call Megatron DDP's hooks themselves).
 CASES = {
     "pp1": (1, {"pp": 1, "microbatches": 2}),
     "pp1-fused": (1, {"pp": 1, "microbatches": 2, "fuse_grad_accumulation": True}),
@@ -66,11 +67,16 @@ CASES = {
     "pp1-overlap-grad-reduce-fused": (
         1, {"pp": 1, "microbatches": 2, "overlap_grad_reduce": True,
             "fuse_grad_accumulation": True}),
+    "pp1-overlap-grad-reduce-fused-python": (
+        1, {"pp": 1, "microbatches": 2, "overlap_grad_reduce": True,
+            "fuse_grad_accumulation": True, "accumulator_hooks": "python"}),
     "pp2": (2, {"pp": 2, "microbatches": 4}),
     "pp2-vp2": (2, {"pp": 2, "vp": 2, "microbatches": 4}),
     "pp2-vp2-fused": (2, {"pp": 2, "vp": 2, "microbatches": 4, "fuse_grad_accumulation": True}),
+    "pp2-vp2-fused-python": (2, {"pp": 2, "vp": 2, "microbatches": 4,
+                                 "fuse_grad_accumulation": True, "accumulator_hooks": "python"}),
 }
-CUDA_CASES = ("pp1", "pp1-fused")
+CUDA_CASES = ("pp1", "pp1-fused", "pp1-overlap-grad-reduce-fused-python")
 
 
 class DdpProbe:
@@ -243,7 +249,8 @@ def _reset_error(example: Any, setup: Any) -> str:
 def run_case(name: str, device: str) -> dict[str, Any]:
     example = _example()
     setup = example.Setup(**CASES[name][1], device=device)
-    unfused = replace(setup, fuse_grad_accumulation=False)  # eager does not depend on it
+    # Eager depends on neither option.
+    unfused = replace(setup, fuse_grad_accumulation=False, accumulator_hooks=True)
     if unfused not in _EAGER:
         _EAGER[unfused] = _eager_run(example, unfused)
     eager, eager_hooks, eager_syncs = _EAGER[unfused]
@@ -353,7 +360,7 @@ def check_hooks(result: dict[str, Any], kwargs: dict[str, Any], fused: bool) -> 
     ``overlap_grad_reduce`` (else ``finish_grad_sync`` would assert)."""
     calls = result["hook_calls"]
     assert calls[0] == calls[1] > 0 and result["same_hook_calls"], result
-    if fused:  # the relay runs each graph's accumulators in eager's order
+    if fused:  # the relay (or the replay) runs each graph's hooks in eager's order
         assert result["same_order"] == [True, True], result
     assert result["hooks_per_param"] == [3 * kwargs["microbatches"]], result
     assert result["hook_saw_grad"] == [True], result

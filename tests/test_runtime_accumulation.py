@@ -18,6 +18,9 @@ from helpers import raises
 from models import Block, assert_histories_equal, train_both
 
 ZB = [1, 2, 1, -2, 2, -1, -2.5, -2, -1.5, -1, -2.5, -1.5]
+# The two ways a fused replay fires the accumulators' hooks: autograd's relay, or leangraph
+# calling the hooks registered from Python; every hook test holds for both.
+HOOK_MODES = pytest.mark.parametrize("hooks", [True, "python"], ids=["relay", "python"])
 
 
 def _block_pair(width: int = 8, dtype: torch.dtype = torch.float32):
@@ -31,15 +34,17 @@ def _log_hooks(module: torch.nn.Module, log: list[str]) -> None:
         p.register_post_accumulate_grad_hook(lambda _, name=name: log.append(name))
 
 
+@HOOK_MODES
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_drop_in_accumulates_like_eager_over_microbatches_and_steps(set_to_none):
+def test_drop_in_accumulates_like_eager_over_microbatches_and_steps(set_to_none, hooks):
     eager, graphed_module = _block_pair()
     eager_log: list[str] = []
     graphed_log: list[str] = []
     _log_hooks(eager, eager_log)
     _log_hooks(graphed_module, graphed_log)
     graphed = leangraph.make_graphed_callables(
-        graphed_module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
+        graphed_module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+        accumulator_hooks=hooks)
     optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, graphed_module)]
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
@@ -74,15 +79,16 @@ def test_no_accumulation_outside_the_graph():
     assert all(p.grad is b for p, b in zip(module.parameters(), buffers))
 
 
+@HOOK_MODES
 @pytest.mark.parametrize("set_to_none", [True, False, lambda step: step % 2 == 0],
                          ids=["none", "zero", "alternating"])
-def test_interleaved_order_trains_exactly_and_hooks_follow_eager(set_to_none):
+def test_interleaved_order_trains_exactly_and_hooks_follow_eager(set_to_none, hooks):
     order = leangraph.schedules.interleaved_1f1b(
         pp_size=2, vp_size=2, rank=0, num_microbatches=4)
     logs: dict[str, list] = {}
     history, graphed = train_both(order, [2, 2], width=8, microbatches=4, steps=3,
                                   set_to_none=set_to_none, hook_logs=logs,
-                                  fuse_grad_accumulation=True)
+                                  fuse_grad_accumulation=True, accumulator_hooks=hooks)
     assert_histories_equal(history, exact=True)
     # Once per parameter per backward (4 layers x 6 parameters x 4 microbatches), in order.
     assert [len(step) for step in logs["eager"]] == [96] * 3
@@ -90,10 +96,11 @@ def test_interleaved_order_trains_exactly_and_hooks_follow_eager(set_to_none):
     leangraph.reset_all(graphed)
 
 
-def test_zero_bubble_weight_steps_accumulate_in_graph_with_hooks_at_the_weight_step():
+@HOOK_MODES
+def test_zero_bubble_weight_steps_accumulate_in_graph_with_hooks_at_the_weight_step(hooks):
     logs: dict[str, list] = {}
     history, graphed = train_both(ZB, [1, 1], width=8, microbatches=2, steps=3, hook_logs=logs,
-                                  fuse_grad_accumulation=True)
+                                  fuse_grad_accumulation=True, accumulator_hooks=hooks)
     assert_histories_equal(history, exact=True)
     assert logs["graphed"] == logs["eager"]
     leangraph.reset_all(graphed)
@@ -139,14 +146,15 @@ class _Megatron:
             p.grad_added_to_main_grad = False
 
 
+@HOOK_MODES
 @pytest.mark.parametrize("overlap_grad_reduce", [False, True])
-def test_main_grad_follows_megatrons_protocol_exactly_in_bf16(overlap_grad_reduce):
+def test_main_grad_follows_megatrons_protocol_exactly_in_bf16(overlap_grad_reduce, hooks):
     eager, module = _block_pair(dtype=torch.bfloat16)
     ddp_eager = _Megatron(eager, overlap_grad_reduce)
     ddp_graphed = _Megatron(module, overlap_grad_reduce)
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True),),
-        fuse_grad_accumulation=True)
+        fuse_grad_accumulation=True, accumulator_hooks=hooks)
     gen = torch.Generator().manual_seed(2)
     for _ in range(2):
         for _ in range(3):
@@ -163,7 +171,8 @@ def test_main_grad_follows_megatrons_protocol_exactly_in_bf16(overlap_grad_reduc
             ddp.zero_grad_buffer()
 
 
-def test_a_parameter_shared_by_two_graphs_fires_its_hooks_once_per_backward():
+@HOOK_MODES
+def test_a_parameter_shared_by_two_graphs_fires_its_hooks_once_per_backward(hooks):
     torch.manual_seed(0)
     shared = torch.nn.Linear(8, 8)
     eager_layers = [shared, shared]
@@ -176,7 +185,7 @@ def test_a_parameter_shared_by_two_graphs_fires_its_hooks_once_per_backward():
     samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(2))
     graphed = leangraph.make_graphed_callables(
         (graphed_shared, graphed_shared), samples, order=[1, -1], num_layers_per_chunk=[2],
-        fuse_grad_accumulation=True)
+        fuse_grad_accumulation=True, accumulator_hooks=hooks)
     x = torch.randn(4, 8, requires_grad=True)
     eager_layers[1](eager_layers[0](x)).sum().backward()
     graphed[1](graphed[0](x)).sum().backward()
@@ -295,7 +304,7 @@ def test_a_compiled_module_accumulates_in_graph_exactly():
         assert torch.equal(a.grad, b.grad)
 
 
-def _two_layer_hook_logs(register, *, before_capture: bool):
+def _two_layer_hook_logs(register, *, before_capture: bool, hooks: bool | str = True):
     """Eager and fused-graphed runs of the same two chained layers, every parameter hooked by
     ``register(param, record)`` (before or after capture) and the gradient between the layers
     hooked too: each run's log of hook events, the eager and graphed layers, and the graphed
@@ -315,7 +324,7 @@ def _two_layer_hook_logs(register, *, before_capture: bool):
         hook_all()
     graphed = leangraph.make_graphed_callables(
         tuple(layers), ((torch.randn(4, 8, requires_grad=True),),) * 2, order=[1, -1],
-        num_layers_per_chunk=2, fuse_grad_accumulation=True)
+        num_layers_per_chunk=2, fuse_grad_accumulation=True, accumulator_hooks=hooks)
     if not before_capture:
         hook_all()
     x = torch.randn(4, 8)
@@ -326,13 +335,14 @@ def _two_layer_hook_logs(register, *, before_capture: bool):
     return logs, eager, layers, graphed
 
 
-def test_hooks_fire_right_after_their_layer_as_in_eager():
+@HOOK_MODES
+def test_hooks_fire_right_after_their_layer_as_in_eager(hooks):
     """A layer's accumulators run as soon as its backward replay ran, before the previous
     layer's: the events of parameter hooks and of a hook on the gradient between the layers
     come in eager's order."""
     logs, _, _, graphed = _two_layer_hook_logs(
         lambda p, record: p.register_post_accumulate_grad_hook(lambda _: record()),
-        before_capture=False)
+        before_capture=False, hooks=hooks)
     assert logs["graphed"] == logs["eager"]
     assert logs["eager"].index("between the layers") == 6  # after layer 1's six parameters
     leangraph.reset_all(graphed)
@@ -354,10 +364,14 @@ def test_where_nodes_cannot_be_renumbered_a_view_relay_keeps_eagers_order(monkey
     leangraph.reset_all(graphed)
 
 
-def test_hooks_on_accumulator_nodes_fire_right_after_their_layer_as_in_eager():
-    """Hooks on the accumulator nodes themselves, registered before capture and the nodes
-    held as DDP's reducer and Megatron-core's DDP hold them: they too fire as soon as their
-    layer's backward replay ran, in eager's order."""
+@HOOK_MODES
+@pytest.mark.parametrize("before_capture", [True, False], ids=["before", "after"])
+def test_hooks_on_accumulator_nodes_fire_right_after_their_layer_as_in_eager(
+        hooks, before_capture):
+    """Hooks on the accumulator nodes themselves, registered before or after capture (as
+    Megatron-core's DDP does, wrapping before or after graphing), the nodes held as DDP's
+    reducer and Megatron-core's DDP hold them: they too fire as soon as their layer's
+    backward replay ran, in eager's order."""
     held = []
 
     def on_node(p, record):
@@ -365,7 +379,8 @@ def test_hooks_on_accumulator_nodes_fire_right_after_their_layer_as_in_eager():
         node.register_hook(lambda *_: record())
         held.append(node)
 
-    logs, eager, layers, graphed = _two_layer_hook_logs(on_node, before_capture=True)
+    logs, eager, layers, graphed = _two_layer_hook_logs(
+        on_node, before_capture=before_capture, hooks=hooks)
     assert logs["graphed"] == logs["eager"]
     assert logs["eager"].index("between the layers") == 6  # after layer 1's six parameters
     for a, b in zip(eager, layers):

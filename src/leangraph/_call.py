@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from .build.accumulation import HookDelivery
 from .leaves import is_constant
 from .order import parse_order
 from .plan import Plan, build_plan, build_unordered_plan
@@ -254,7 +255,7 @@ class CaptureOptions:
     pre_warmup_hook: Callable[[], None] | None = None
     post_warmup_hook: Callable[[], None] | None = None
     fuse_grad_accumulation: bool = False
-    accumulator_hooks: bool = True
+    accumulator_hooks: bool | str = True
     overlap_grad_accumulation: bool = False
 
     def __post_init__(self) -> None:
@@ -266,11 +267,14 @@ class CaptureOptions:
                 "fuse_grad_accumulation must be a bool, got "
                 f"{type(self.fuse_grad_accumulation).__name__} {self.fuse_grad_accumulation!r}"
             )
-        if not isinstance(self.accumulator_hooks, bool):
+        hooks = self.accumulator_hooks
+        if not isinstance(hooks, (bool, str)):
             raise TypeError(
-                "accumulator_hooks must be a bool, got "
-                f"{type(self.accumulator_hooks).__name__} {self.accumulator_hooks!r}"
+                "accumulator_hooks must be True, False or 'python', got "
+                f"{type(hooks).__name__} {hooks!r}"
             )
+        if isinstance(hooks, str) and hooks != HookDelivery.PYTHON.value:
+            raise ValueError(f"accumulator_hooks must be True, False or 'python', got {hooks!r}")
         if not isinstance(self.overlap_grad_accumulation, bool):
             raise TypeError(
                 "overlap_grad_accumulation must be a bool, got "
@@ -283,12 +287,17 @@ class CaptureOptions:
                 "gradients to a side stream, and fuse_grad_accumulation=True leaves autograd "
                 "none (the backward graphs add them): choose one"
             )
-        if not self.accumulator_hooks and not self.fuse_grad_accumulation:
+        if hooks is not True and not self.fuse_grad_accumulation:
             raise ValueError(
-                "accumulator_hooks=False needs fuse_grad_accumulation=True: without it autograd "
-                "accumulates every parameter gradient itself, and its accumulators run their "
-                "hooks; got fuse_grad_accumulation=False"
+                f"accumulator_hooks={hooks!r} needs fuse_grad_accumulation=True: without it "
+                "autograd accumulates every parameter gradient itself, and its accumulators "
+                "run their hooks; got fuse_grad_accumulation=False"
             )
+
+    @property
+    def hook_delivery(self) -> HookDelivery:
+        """How the hooks on fused graphs' parameters' accumulators fire."""
+        return HookDelivery(self.accumulator_hooks)
 
 
 def check_options(call: Call, options: CaptureOptions) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypedDict, TypeVar, overload
+from typing import Any, Literal, TypedDict, TypeVar, overload
 
 import torch
 from typing_extensions import Unpack
@@ -59,7 +59,7 @@ class CaptureKeywords(TypedDict, total=False):
     post_warmup_hook: Callable[[], None] | None
     capture_time_hooks: Sequence[Mapping[str, Sequence[Callable[..., None]]] | None] | None
     fuse_grad_accumulation: bool
-    accumulator_hooks: bool
+    accumulator_hooks: bool | Literal["python"]
     overlap_grad_accumulation: bool
     generator_states: Sequence[torch.Generator]
 
@@ -106,7 +106,7 @@ def make_graphed_callables(
     post_warmup_hook: Callable[[], None] | None = None,
     capture_time_hooks: Sequence[Mapping[str, Sequence[Callable[..., None]]] | None] | None = None,
     fuse_grad_accumulation: bool = False,
-    accumulator_hooks: bool = True,
+    accumulator_hooks: bool | Literal["python"] = True,
     overlap_grad_accumulation: bool = False,
     generator_states: Sequence[torch.Generator] = (),
 ) -> Any:
@@ -153,11 +153,14 @@ def make_graphed_callables(
         fuse_grad_accumulation: Add parameter gradients into ``main_grad`` (where present)
             or ``.grad`` inside the backward graphs; both then alias graph-written memory
             until reset ([concepts](docs/concepts.md): zeroing, hooks, Megatron's flag).
-        accumulator_hooks: With ``fuse_grad_accumulation``, whether each backward replay
-            still runs the parameters' autograd accumulators, so that their hooks fire
-            (post-accumulate-grad hooks, torch DDP's and Megatron DDP's gradient-ready
-            hooks). False skips them, saving host time per parameter per backward, for loops
-            where no such hook is registered; a post-accumulate-grad hook is then refused.
+        accumulator_hooks: With ``fuse_grad_accumulation``, how the hooks on the
+            parameters' accumulators fire after each backward replay (post-accumulate-grad
+            hooks, torch DDP's and Megatron-core DDP's gradient-ready hooks). True: autograd
+            runs every accumulator, so every hook fires, C++ ones included, at some
+            microseconds of host time per parameter. ``"python"``: the replay calls the
+            hooks registered from Python itself (Megatron-core DDP's among them), in eager's
+            order, and autograd runs no accumulator; for loops without torch DDP, whose
+            hooks are C++. False: no hook fires, and a post-accumulate-grad hook is refused.
         overlap_grad_accumulation: Without ``fuse_grad_accumulation``, have autograd add
             the parameter gradients into ``.grad`` on a side stream, overlapping the next
             layer's backward graph (a stream wait per parameter per backward replay on the

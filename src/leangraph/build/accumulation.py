@@ -18,11 +18,19 @@ node as in eager, and their hooks fire once per parameter per backward pass, in 
 order. (On a torch whose nodes cannot be renumbered, the relay is a zero-element tensor that
 reaches each accumulator through a view of its own, made so that the views' nodes order them,
 and that fires after the rest of the backward pass.)
+
+Each accumulator autograd visits costs the host several microseconds, hooked or not. With
+``accumulator_hooks="python"`` a replay visits none: it calls the hooks registered from Python
+itself (:class:`PythonHooks`), in the same order and with the same arguments autograd would.
+Hooks registered from C++ (torch DDP's reducer) cannot be seen from Python, so that mode is
+for loops that have none.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import enum
 import functools
 import itertools
 from collections.abc import Iterator, Sequence
@@ -30,22 +38,41 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.graph import Node
 
 __all__ = [
     "AccumulationTarget",
     "FusedGradients",
+    "HookDelivery",
+    "PythonHooks",
     "Relay",
     "accumulator_node",
     "add_into",
     "allocate_targets",
+    "call_python_hooks",
     "check_fusable",
+    "check_python_hooks_alone",
     "deliver_gradients",
     "fire_relay",
     "has_post_accumulate_hooks",
+    "hook_deliveries",
     "hook_relay",
     "post_accumulate_hook_refusal",
+    "python_hooks",
     "unchanged_by",
 ]
+
+
+class HookDelivery(enum.Enum):
+    """How the hooks on a fused graph's parameters' accumulators fire (``accumulator_hooks``)."""
+
+    AUTOGRAD = True
+    """Autograd runs each accumulator after the backward replay (the relay): every hook fires,
+    those registered from C++ included."""
+    PYTHON = "python"
+    """The replay calls the hooks registered from Python itself; autograd visits none."""
+    NONE = False
+    """No accumulator runs; a post-accumulate-grad hook is refused."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,14 +102,35 @@ class Relay:
 
 
 @dataclass(frozen=True, eq=False)
+class PythonHooks:
+    """The hooks registered from Python on the accumulators of one graph's parameters, which
+    its replays call themselves (``accumulator_hooks="python"``), parameters in eager's order.
+
+    ``pre_hooks`` and ``post_hooks`` are each accumulator node's own dicts of Python hooks
+    (``node.register_prehook``, ``node.register_hook``: Megatron-core's DDP registers its
+    gradient-ready hooks so), live: hooks registered after capture land in them too. A
+    parameter's post-accumulate-grad hooks are read from it at each call. ``nodes`` keep the
+    accumulators, and so their dicts, alive until reset.
+    """
+
+    names: tuple[str, ...]
+    params: tuple[torch.nn.Parameter, ...]
+    pre_hooks: tuple[dict[int, Any], ...]
+    post_hooks: tuple[dict[int, Any], ...]
+    nodes: tuple[Node, ...]
+
+
+@dataclass(frozen=True, eq=False)
 class FusedGradients:
-    """One graph's share of the accumulation: its targets in gradient order, and the relay
-    its replays hand autograd (None when it trains no parameter, or without
-    ``accumulator_hooks``: then no accumulator runs, and no hook may wait for one)."""
+    """One graph's share of the accumulation: its targets in gradient order, how the hooks on
+    its parameters' accumulators fire, and what that needs: the relay its replays hand
+    autograd (``AUTOGRAD``), or the hooks they call (``PYTHON``); both None when it trains no
+    parameter. With ``NONE`` no accumulator runs, and no hook may wait for one."""
 
     targets: tuple[AccumulationTarget, ...]
     relay: Relay | None
-    accumulator_hooks: bool = True
+    delivery: HookDelivery = HookDelivery.AUTOGRAD
+    python_hooks: PythonHooks | None = None
 
 
 def _main_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -91,26 +139,31 @@ def _main_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 
 def check_fusable(
-    label: str, params: Sequence[tuple[str, torch.nn.Parameter]], *, accumulator_hooks: bool
+    label: str, params: Sequence[tuple[str, torch.nn.Parameter]], *, delivery: HookDelivery
 ) -> None:
     """Refuse, before warm-up, parameters whose gradient cannot be added into a buffer, and
-    (without ``accumulator_hooks``) parameters with a hook that would never fire.
+    (with ``NONE``) parameters with a hook that would never fire.
 
     Raises:
         ValueError: for a ``main_grad`` of another shape or device, or not floating point;
-            for a post-accumulate-grad hook without ``accumulator_hooks``.
-        RuntimeError: if this torch's accumulators skip hooks for a missing gradient.
+            for a post-accumulate-grad hook with ``NONE``.
+        RuntimeError: for ``AUTOGRAD``, if this torch's accumulators skip hooks for a
+            missing gradient.
     """
-    if not accumulator_hooks:
+    if delivery is HookDelivery.NONE:
         for name, param in params:
             if has_post_accumulate_hooks(param):
                 raise ValueError(post_accumulate_hook_refusal(label, name))
-    elif params and not _accumulators_run_hooks_without_gradient():
+    elif (
+        delivery is HookDelivery.AUTOGRAD
+        and params
+        and not _accumulators_run_hooks_without_gradient()
+    ):
         raise RuntimeError(
             f"{label}: fuse_grad_accumulation=True needs a torch whose autograd runs "
             "post-accumulate-grad hooks for a parameter that got no gradient; torch "
             f"{torch.__version__} does not, so the hooks would not fire; use the default "
-            "fuse_grad_accumulation=False"
+            "fuse_grad_accumulation=False, or accumulator_hooks='python'"
         )
     for name, param in params:
         main_grad = _main_grad(param)
@@ -147,7 +200,8 @@ def post_accumulate_hook_refusal(label: str, name: str) -> str:
 @functools.lru_cache(maxsize=1)
 def _accumulators_run_hooks_without_gradient() -> bool:
     """Whether an accumulator reached with no gradient runs its post-accumulate-grad hooks
-    (the relay relies on it): tried once on the CPU."""
+    (the relay relies on it; ``accumulator_hooks="python"`` does not): tried once on the
+    CPU."""
     param = torch.nn.Parameter(torch.zeros(1))
     fired: list[bool] = []
     param.register_post_accumulate_grad_hook(lambda _: fired.append(True))
@@ -219,12 +273,101 @@ def _can_renumber(nodes: Sequence[object]) -> bool:
     return all(hasattr(node, "_set_sequence_nr") for node in nodes)
 
 
-def accumulator_node(param: torch.nn.Parameter) -> object:
+def python_hooks(
+    names: Sequence[str], params_in_eager_order: Sequence[torch.nn.Parameter]
+) -> PythonHooks:
+    """The :class:`PythonHooks` of ``params_in_eager_order`` (named ``names``)."""
+    with torch.enable_grad():
+        nodes = tuple(accumulator_node(p) for p in params_in_eager_order)
+    return PythonHooks(
+        names=tuple(names),
+        params=tuple(params_in_eager_order),
+        pre_hooks=tuple(_hook_dict(node.register_prehook) for node in nodes),
+        post_hooks=tuple(_hook_dict(node.register_hook) for node in nodes),
+        nodes=nodes,
+    )
+
+
+def _hook_dict(register: Any) -> dict[int, Any]:
+    """A node's dict of Python hooks of one kind. torch keeps one per node and kind, made at
+    the first registration and not listed publicly; a registration's handle refers to it."""
+    handle = register(_no_hook)
+    try:
+        hooks = handle.hooks_dict_ref()
+    finally:
+        handle.remove()
+    assert isinstance(hooks, dict)
+    return hooks
+
+
+def _no_hook(*_: Any) -> None:
+    return None
+
+
+def check_python_hooks_alone(label: str, hooks: PythonHooks) -> None:
+    """Refuse a backward pass that will run one of ``hooks``' accumulators itself: it reaches
+    the parameter outside the graph too (an eager use in the same pass), so autograd would
+    call its hooks, maybe before the graph adds its gradient, and the replay again. Outside
+    a backward pass (a weight step) there is nothing to check.
+
+    Raises:
+        RuntimeError: naming the parameter.
+    """
+    if _GRAPH_TASK_ID() == -1 or not any(map(_WILL_ENGINE_EXECUTE, hooks.nodes)):
+        return
+    name = next(n for n, node in zip(hooks.names, hooks.nodes) if _WILL_ENGINE_EXECUTE(node))
+    raise RuntimeError(
+        f"{label} parameter {name!r}: this backward pass reaches its gradient outside the "
+        "graph too (the parameter is used outside it as well), so autograd runs its "
+        "accumulator and hooks itself; with accumulator_hooks='python' the replay would call "
+        "them as well, maybe first. Capture with accumulator_hooks=True"
+    )
+
+
+_GRAPH_TASK_ID = torch._C._current_graph_task_id
+_WILL_ENGINE_EXECUTE = torch._C._will_engine_execute_node
+
+
+def call_python_hooks(label: str, hooks: PythonHooks) -> None:
+    """Call the hooks of ``hooks``' parameters' accumulators as autograd calls them when an
+    accumulator gets no gradient: per parameter, in eager's order, its node's pre-hooks with
+    ``(None,)``, its post-accumulate-grad hooks with the parameter, its node's hooks with
+    ``((), (None,))``; in the caller's grad mode.
+
+    Raises:
+        RuntimeError: naming the parameter, for a hook that returns something (a gradient
+            the graph has added already cannot be replaced).
+    """
+    for name, param, pre_hooks, post_hooks in zip(
+        hooks.names, hooks.params, hooks.pre_hooks, hooks.post_hooks
+    ):
+        if pre_hooks:
+            _call_each(label, name, "accumulator pre-hook", pre_hooks.values(), (None,))
+        accumulate_hooks = param._post_accumulate_grad_hooks
+        if accumulate_hooks:
+            _call_each(label, name, "post-accumulate-grad hook", accumulate_hooks.values(), param)
+        if post_hooks:
+            _call_each(label, name, "accumulator hook", post_hooks.values(), (), (None,))
+
+
+def _call_each(label: str, name: str, kind: str, hooks: Any, *args: Any) -> None:
+    for hook in tuple(hooks):  # a hook may remove itself
+        if hook(*args) is not None:
+            raise RuntimeError(
+                f"{label} parameter {name!r}: a {kind} returned a value; with "
+                "fuse_grad_accumulation=True the backward graph has added the gradient "
+                "already, so a hook can only observe it: return None"
+            )
+
+
+def accumulator_node(param: torch.nn.Parameter) -> Node:
     """``param``'s autograd accumulator node (made now, on the current stream, if nothing
     holds one)."""
     grad_fn = param.view_as(param).grad_fn
     assert grad_fn is not None  # a parameter that requires grad
-    return grad_fn.next_functions[0][0]
+    node = grad_fn.next_functions[0][0]
+    assert node is not None
+    return node
 
 
 def allocate_targets(
@@ -249,6 +392,25 @@ def allocate_targets(
             targets.append(target)
         result.append(tuple(targets))
     return result
+
+
+def hook_deliveries(
+    params_of: Sequence[Sequence[tuple[str, torch.nn.Parameter]]], requested: HookDelivery
+) -> list[HookDelivery]:
+    """How each graph (``params_of[g]``: its trained parameters, named) fires its
+    accumulators' hooks: as ``requested``, except that with ``PYTHON`` a graph training a
+    parameter another graph trains too (tied weights) keeps autograd's relay. Only autograd
+    knows when a backward pass has brought all of a parameter's gradients, so only its
+    accumulator can fire the hooks once per pass, after the last one."""
+    if requested is not HookDelivery.PYTHON:
+        return [requested] * len(params_of)
+    graphs_training = collections.Counter(id(p) for params in params_of for _, p in params)
+    return [
+        HookDelivery.AUTOGRAD
+        if any(graphs_training[id(p)] > 1 for _, p in params)
+        else HookDelivery.PYTHON
+        for params in params_of
+    ]
 
 
 @contextlib.contextmanager

@@ -28,7 +28,14 @@ from ..probe import GraphFacts
 from ..progress import ProgressCallback
 from ..report import CaptureRecord
 from ..runtime.signature import CallSignature
-from .accumulation import AccumulationTarget, allocate_targets, check_fusable, unchanged_by
+from .accumulation import (
+    AccumulationTarget,
+    HookDelivery,
+    allocate_targets,
+    check_fusable,
+    hook_deliveries,
+    unchanged_by,
+)
 from .capture import run_capture
 from .graph import GraphBuilder, GraphSource
 from .record import GraphRecord, ModuleBinding, ParameterSharing
@@ -62,14 +69,17 @@ def build_graphs(
         Whatever the callables raise, with a note naming the phase, graph and step.
     """
     sources = graph_sources(call, facts, hooks, options)
+    deliveries: list[HookDelivery] = []
     if options.fuse_grad_accumulation:
-        for source in sources:
-            check_fusable(
-                source.label, _trained(source), accumulator_hooks=options.accumulator_hooks
-            )
+        trained = [_trained(source) for source in sources]
+        deliveries = hook_deliveries(trained, options.hook_delivery)
+        for source, params, delivery in zip(sources, trained, deliveries):
+            check_fusable(source.label, params, delivery=delivery)
     builders = [GraphBuilder(source, backend.new_pair()) for source in sources]
     try:
-        capture = _warm_up_and_capture(call, builders, buffer_plan, backend, options, progress)
+        capture = _warm_up_and_capture(
+            call, builders, buffer_plan, backend, options, deliveries, progress
+        )
         return Built(tuple(b.record() for b in builders), capture)
     except BaseException as exc:
         note_out_of_memory(exc, call.device)  # figures as at the failure, before the resets
@@ -84,6 +94,7 @@ def _warm_up_and_capture(
     buffer_plan: BufferPlan | None,
     backend: GraphBackend,
     options: CaptureOptions,
+    deliveries: Sequence[HookDelivery],
     progress: ProgressCallback | None,
 ) -> CaptureRecord:
     plan = call.plan
@@ -108,8 +119,8 @@ def _warm_up_and_capture(
     targets: list[tuple[AccumulationTarget, ...]] = []
     if options.fuse_grad_accumulation:
         targets = allocate_targets([_trained(b.source) for b in builders])
-        for builder, graph_targets in zip(builders, targets):
-            builder.fuse_into(graph_targets, accumulator_hooks=options.accumulator_hooks)
+        for builder, graph_targets, delivery in zip(builders, targets, deliveries):
+            builder.fuse_into(graph_targets, delivery=delivery)
     # A capture that runs its work adds capture-time gradients into the targets: keep what
     # they held (an adopted .grad, a main_grad) and put it back, as a CUDA capture leaves it.
     kept = unchanged_by(targets) if backend.capture_runs_work else contextlib.nullcontext()

@@ -21,7 +21,14 @@ from ..hooks import CaptureHooks
 from ..order import GraphId, StepKind
 from ..probe import GraphFacts, output_template
 from ..runtime.signature import CallSignature
-from .accumulation import AccumulationTarget, FusedGradients, add_into, hook_relay
+from .accumulation import (
+    AccumulationTarget,
+    FusedGradients,
+    HookDelivery,
+    add_into,
+    hook_relay,
+    python_hooks,
+)
 from .record import GraphRecord, ModuleBinding, ParameterSharing
 
 __all__ = ["GraphBuilder", "GraphSource"]
@@ -67,7 +74,7 @@ class GraphBuilder:
         self._static_weight_grads: tuple[torch.Tensor | None, ...] = ()
         self._released = False
         self._accumulate: tuple[AccumulationTarget, ...] = ()
-        self._accumulator_hooks = True
+        self._delivery = HookDelivery.AUTOGRAD
         # Input 0's gradient buffer, kept owned after this graph's backward capture so that
         # the previous layer's backward reads it as its seed (no copy at replay).
         self._lent_grad: torch.Tensor | None = None
@@ -183,14 +190,12 @@ class GraphBuilder:
                 for o, rg in zip(self._static_outputs, self._output_requires_grad)
             )
 
-    def fuse_into(
-        self, targets: tuple[AccumulationTarget, ...], *, accumulator_hooks: bool
-    ) -> None:
+    def fuse_into(self, targets: tuple[AccumulationTarget, ...], *, delivery: HookDelivery) -> None:
         """Add the trained parameters' gradients into ``targets`` inside the backward graph
-        (in-graph accumulation; set before capture); ``accumulator_hooks``: replays still run
-        the parameters' accumulators, through a relay."""
+        (in-graph accumulation; set before capture); ``delivery``: how replays fire the
+        hooks on the parameters' accumulators."""
         self._accumulate = targets
-        self._accumulator_hooks = accumulator_hooks
+        self._delivery = delivery
 
     def _grad_body(
         self, targets: Callable[[], tuple[torch.Tensor, ...]], retain: bool, *, params: bool
@@ -372,8 +377,9 @@ class GraphBuilder:
 
     def _fused_gradients(self) -> FusedGradients | None:
         """The in-graph accumulation's record: the targets, and a relay reaching the
-        parameters the backward reached, in that order. Made after the capture pass, graph
-        by graph, so a later layer's relay is newer (its hooks first, as in eager)."""
+        parameters the backward reached, in that order (or their Python hooks, to call in
+        it). Made after the capture pass, graph by graph, so a later layer's relay is newer
+        (its hooks first, as in eager)."""
         if not self._accumulate:
             return None
         reached = list(dict.fromkeys(self._eager_order))
@@ -381,8 +387,13 @@ class GraphBuilder:
         # eager, so its .grad stays None: it is no target at replay either.
         targets = tuple(self._accumulate[i] for i in sorted(reached))
         params = [self._accumulate[i].param for i in reached]
-        relay = hook_relay(params) if params and self._accumulator_hooks else None
-        return FusedGradients(targets, relay, self._accumulator_hooks)
+        delivery = self._delivery
+        if not params or delivery is HookDelivery.NONE:
+            return FusedGradients(targets, None, delivery)
+        if delivery is HookDelivery.PYTHON:
+            names = [self._accumulate[i].name for i in reached]
+            return FusedGradients(targets, None, delivery, python_hooks(names, params))
+        return FusedGradients(targets, hook_relay(params), delivery)
 
     def abandon(self) -> None:
         """Release the pair after a failed build."""

@@ -5,7 +5,8 @@ this module keeps those buffers the parameters' gradients. Before a replay, a pa
 ``.grad`` was set to None (``zero_grad()``'s default) gets its buffer zeroed and attached again;
 one whose ``.grad`` or ``main_grad`` was replaced by another tensor is refused, since the graph
 would add into memory that is no longer the parameter's gradient. After it, parameters under
-Megatron-LM's protocol are told their gradient is already in ``main_grad``.
+Megatron-LM's protocol are told their gradient is already in ``main_grad``, and with
+``accumulator_hooks="python"`` the hooks on the parameters' accumulators are called.
 """
 
 from __future__ import annotations
@@ -13,10 +14,14 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from ..build.accumulation import (
     AccumulationTarget,
     FusedGradients,
+    HookDelivery,
+    call_python_hooks,
+    check_python_hooks_alone,
     has_post_accumulate_hooks,
     post_accumulate_hook_refusal,
 )
@@ -31,7 +36,9 @@ class InGraphAccumulation:
         self._label = label
         self._targets = fused.targets
         self.relay = fused.relay
-        self._hooks = fused.accumulator_hooks
+        self._python_hooks = fused.python_hooks
+        # Without accumulator hooks, a post-accumulate-grad hook added since capture is refused.
+        self._hooks = fused.delivery is not HookDelivery.NONE
         # The common replay, every target attached as at capture, checked in C-level loops.
         grad_targets = [t for t in fused.targets if not t.into_main_grad]
         main_targets = [t for t in fused.targets if t.into_main_grad]
@@ -48,14 +55,35 @@ class InGraphAccumulation:
             if t.into_main_grad and hasattr(t.param, "grad_added_to_main_grad")
         )
 
+    def before_forward(self) -> None:
+        """With ``accumulator_hooks="python"``, refuse a forward replay inside torch's
+        ``DistributedDataParallel``: its reducer hooks the accumulators from C++, where the
+        replays cannot see or call them, so DDP would never reduce the gradients.
+
+        Raises:
+            RuntimeError: naming the callable.
+        """
+        if self._python_hooks is not None and _active_torch_ddp() is not None:
+            raise RuntimeError(
+                f"{self._label} runs inside torch's DistributedDataParallel, whose "
+                "gradient-ready hooks are registered from C++ on the parameters' "
+                "accumulators; accumulator_hooks='python' calls only hooks registered from "
+                "Python, so DDP would never reduce the gradients. Capture with "
+                "accumulator_hooks=True"
+            )
+
     def before_replay(self) -> None:
         """Make every target the parameter's gradient again; raise for a replaced one.
 
         Raises:
             RuntimeError: for a parameter frozen since capture, or whose ``.grad`` or
                 ``main_grad`` is another tensor than the one the graph adds into; without
-                accumulator hooks, for one that got a post-accumulate-grad hook since.
+                accumulator hooks, for one that got a post-accumulate-grad hook since; with
+                ``accumulator_hooks="python"``, for one this backward pass reaches outside
+                the graph too.
         """
+        if self._python_hooks is not None:
+            check_python_hooks_alone(self._label, self._python_hooks)
         if self._as_captured():
             return
         cleared: list[AccumulationTarget] = []
@@ -100,11 +128,18 @@ class InGraphAccumulation:
 
     def after_replay(self) -> None:
         """Tell Megatron's hooks the gradient is in ``main_grad`` (and give its
-        ``overlap_grad_reduce`` check a ``.grad``: a broadcast zero, which the hook drops)."""
+        ``overlap_grad_reduce`` check a ``.grad``: a broadcast zero, which the hook drops);
+        then call the hooks registered from Python, with ``accumulator_hooks="python"``.
+
+        Raises:
+            RuntimeError: for a hook that returns a value; whatever a hook raises.
+        """
         for param, zero in self._megatron:
             param.grad_added_to_main_grad = True
             if param.grad is None:
                 param.grad = zero.expand(param.shape)
+        if self._python_hooks is not None:
+            call_python_hooks(self._label, self._python_hooks)
 
     def _replaced(self, target: AccumulationTarget, what: str) -> str:
         return (
@@ -114,6 +149,11 @@ class InGraphAccumulation:
             "zero_grad() (set_to_none=True or False) instead of assigning a new tensor, or "
             "capture again"
         )
+
+
+def _active_torch_ddp() -> object:
+    """The torch DDP module whose forward is running, or None (torch sets it for dynamo)."""
+    return getattr(DistributedDataParallel, "_active_ddp_module", None)
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")

@@ -150,7 +150,8 @@ class GraphedCallable:
             GraphResetError: if the callable was reset.
             TypeError, ValueError: if the arguments differ from the captured ones in
                 structure, keys, dtype, shape, device or ``requires_grad``.
-            RuntimeError: under a ``torch.func`` transform.
+            RuntimeError: under a ``torch.func`` transform; with
+                ``accumulator_hooks="python"``, inside torch's ``DistributedDataParallel``.
         """
         record = self._record
         if record is not None and record.module is not None:
@@ -168,6 +169,8 @@ class GraphedCallable:
                 "...): its graphs replay fixed kernels on fixed buffers; call it outside the "
                 "transform, or transform the eager callable"
             )
+        if self._fused is not None:
+            self._fused.before_forward()
         leaves = self._signature.bind(args, kwargs)
         leaves = [_UNWRAP_IF_DEAD(t) for t in leaves]
         if self._frozen_params:

@@ -9,6 +9,8 @@ post-accumulate-grad hooks as in eager's weight step.
 
 from __future__ import annotations
 
+import torch
+
 from ..build.accumulation import deliver_gradients, fire_relay
 from ..build.record import GraphRecord
 from .accumulation import InGraphAccumulation
@@ -62,8 +64,10 @@ class WeightStep:
             self._pair.replay_weight()
         self._pending = None
         if fused is not None:
-            # The graph added the gradients; the accumulators only run their hooks.
-            fused.after_replay()
+            # The graph added the gradients; the accumulators only run their hooks. They run
+            # with grad mode off, as in the relay's backward (and in eager's).
+            with torch.no_grad():
+                fused.after_replay()
             if fused.relay is not None:
                 fire_relay(fused.relay)
             return
