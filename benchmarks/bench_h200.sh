@@ -2,7 +2,7 @@
 # The benchmark runs quoted in docs/benchmarks.md, on one GPU.
 # Usage: benchmarks/bench_h200.sh OUTDIR [all|compute|launch]
 # Each run trains eager, torch, leangraph, leangraph-overlap, leangraph-fused,
-# leangraph-fused-nohooks and whole-step (the whole step as one CUDA graph, the limit of the
+# leangraph-fused-python, leangraph-fused-nohooks and whole-step (the whole step as one CUDA graph, the limit of the
 # "x limit" column), then captures and times the graphed methods again, in turn, 5 times
 # (--rounds), and last counts each method's launches per step (--launches: 3 steps under
 # torch.profiler once all timing is done). Then the replay microbenchmark (torch's and

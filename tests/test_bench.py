@@ -18,6 +18,7 @@ from leangraph.cli import main
 from leangraph.cli.bench import (
     FUSED,
     FUSED_NO_HOOKS,
+    FUSED_PYTHON_HOOKS,
     OVERLAP,
     BenchConfig,
     BenchResult,
@@ -77,9 +78,11 @@ def test_bench_cli_writes_json(tmp_path, capsys):
     data = json.loads(out.read_text())
     # The CPU default: eager and the leangraph methods (torch and whole-step need CUDA).
     assert data["losses_agree"] == {"leangraph": True, "leangraph-overlap": True,
-                                    "leangraph-fused": True, "leangraph-fused-nohooks": True}
+                                    "leangraph-fused": True, "leangraph-fused-python": True,
+                                    "leangraph-fused-nohooks": True}
     assert set(data["methods"]) == {"eager", "leangraph", "leangraph-overlap",
-                                    "leangraph-fused", "leangraph-fused-nohooks"}
+                                    "leangraph-fused", "leangraph-fused-python",
+                                    "leangraph-fused-nohooks"}
     assert len(data["leangraph_timeline"]) > 0
     printed = capsys.readouterr().out
     assert "CPU reference backend" in printed and f"wrote {out}" in printed
@@ -94,7 +97,8 @@ def test_bench_on_the_cpu_by_default_is_small_and_finishes_in_seconds(capsys):
     assert "so the torch and whole-step methods are left out" in out
     rows = [line.split()[0] for line in out.splitlines() if line.split()[-1:] in (["ref"], ["ok"])]
     assert rows == ["eager", "leangraph"] + (
-        [OVERLAP, FUSED, FUSED_NO_HOOKS] if fused_unavailable() is None else [])
+        [OVERLAP, FUSED, FUSED_PYTHON_HOOKS, FUSED_NO_HOOKS] if fused_unavailable() is None
+        else [])
     # Seconds on an idle laptop; the bound leaves room for a busy test machine.
     assert elapsed < 60, elapsed
 

@@ -1,6 +1,7 @@
 """In-graph gradient accumulation on a real GPU (skipped without one): exact against eager in
 ``.grad`` and Megatron-style ``main_grad``, hooks in eager's order (the accumulators run on
-autograd's CPU thread there), and no accumulation kernel launched outside the graphs."""
+autograd's device thread there), fired by the relay or called by the replays
+(``accumulator_hooks="python"``), and no accumulation kernel launched outside the graphs."""
 
 from __future__ import annotations
 
@@ -12,27 +13,31 @@ import torch
 import leangraph
 import leangraph.schedules
 from models import Block, assert_histories_equal, train_both
-from test_runtime_accumulation import ZB, _Megatron
+from test_runtime_accumulation import HOOK_MODES, ZB, _Megatron
 
 pytestmark = pytest.mark.cuda
 
 INTERLEAVED = leangraph.schedules.interleaved_1f1b(pp_size=2, vp_size=2, rank=0, num_microbatches=4)
 
 
+@HOOK_MODES
 @pytest.mark.parametrize(("order", "layers", "microbatches"), [
     (INTERLEAVED, [2, 2], 4), (ZB, [1, 1], 2)], ids=["interleaved", "zero-bubble"])
-def test_fused_training_is_exact_with_hooks_in_eager_order_on_cuda(order, layers, microbatches):
+def test_fused_training_is_exact_with_hooks_in_eager_order_on_cuda(
+        order, layers, microbatches, hooks):
     logs: dict[str, list] = {}
     history, graphed = train_both(order, layers, width=64, microbatches=microbatches, steps=4,
                                   device="cuda", set_to_none=lambda step: step % 2 == 0,
-                                  hook_logs=logs, fuse_grad_accumulation=True)
+                                  hook_logs=logs, fuse_grad_accumulation=True,
+                                  accumulator_hooks=hooks)
     assert_histories_equal(history, exact=True)
     assert logs["graphed"] == logs["eager"]
     assert all(len(step) == sum(layers) * 6 * microbatches for step in logs["eager"])
     leangraph.reset_all(graphed)
 
 
-def test_bf16_gradients_accumulate_into_fp32_main_grad_exactly_on_cuda():
+@HOOK_MODES
+def test_bf16_gradients_accumulate_into_fp32_main_grad_exactly_on_cuda(hooks):
     torch.manual_seed(0)
     eager = Block(256).to("cuda", torch.bfloat16)
     module = copy.deepcopy(eager)
@@ -41,7 +46,8 @@ def test_bf16_gradients_accumulate_into_fp32_main_grad_exactly_on_cuda():
     # stream break a capture (test_cuda_faults.py), as they do torch's own.
     ddp_graphed = _Megatron(module, overlap_grad_reduce=True, hooks=False)
     sample = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    graphed = leangraph.make_graphed_callables(module, (sample,), fuse_grad_accumulation=True)
+    graphed = leangraph.make_graphed_callables(module, (sample,), fuse_grad_accumulation=True,
+                                               accumulator_hooks=hooks)
     ddp_graphed.register_hooks()
     for _ in range(2):
         for _ in range(4):
@@ -111,3 +117,4 @@ def _accumulators_run(**options) -> int:
 def test_without_accumulator_hooks_only_the_inputs_accumulator_runs_on_cuda():
     assert _accumulators_run() == 4 * (6 + 1)  # the control: the relay reaches 6 parameters
     assert _accumulators_run(accumulator_hooks=False) == 4
+    assert _accumulators_run(accumulator_hooks="python") == 4

@@ -84,7 +84,7 @@ def test_replay_micro_times_both_methods_on_cuda():
                                                 warmup_replays=2))
     for figures in (result.host_us, result.wall_us):
         assert set(figures) == {"torch", "leangraph", "leangraph-overlap", "leangraph-fused",
-                                "leangraph-fused-nohooks"}
+                                "leangraph-fused-python", "leangraph-fused-nohooks"}
         assert all(len(v) == 3 and min(v) > 0 for v in figures.values())
     assert result.ratio() > 0
     assert "leangraph / torch" in format_replay_micro(result)

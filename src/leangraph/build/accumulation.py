@@ -33,6 +33,7 @@ import contextlib
 import enum
 import functools
 import itertools
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,7 @@ __all__ = [
     "hook_deliveries",
     "hook_relay",
     "post_accumulate_hook_refusal",
+    "post_accumulate_hooks",
     "python_hooks",
     "unchanged_by",
 ]
@@ -180,6 +182,11 @@ def check_fusable(
                 f"{tuple(param.shape)} on {param.device}; got {main_grad.dtype} of shape "
                 f"{tuple(main_grad.shape)} on {main_grad.device}"
             )
+
+
+post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
+"""A tensor's ``register_post_accumulate_grad_hook`` hooks: None or a dict (torch keeps them in
+this attribute, publicly unlisted); a C-level getter, for loops over many parameters."""
 
 
 def has_post_accumulate_hooks(param: torch.Tensor) -> bool:
@@ -338,6 +345,12 @@ def call_python_hooks(label: str, hooks: PythonHooks) -> None:
         RuntimeError: naming the parameter, for a hook that returns something (a gradient
             the graph has added already cannot be replaced).
     """
+    if not (
+        any(hooks.pre_hooks)
+        or any(hooks.post_hooks)
+        or any(map(post_accumulate_hooks, hooks.params))
+    ):
+        return  # checked in C-level loops: the common case, no hook at all
     for name, param, pre_hooks, post_hooks in zip(
         hooks.names, hooks.params, hooks.pre_hooks, hooks.post_hooks
     ):

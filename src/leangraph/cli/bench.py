@@ -77,6 +77,7 @@ __all__ = [
     "CUDA_METHODS",
     "FUSED",
     "FUSED_NO_HOOKS",
+    "FUSED_PYTHON_HOOKS",
     "GRAPHED_METHODS",
     "GRAPH_LAUNCH_CALLS",
     "KERNEL_LAUNCH_CALLS",
@@ -120,25 +121,41 @@ OVERLAP = "leangraph-overlap"
 next layer's backward graph (``overlap_grad_accumulation=True``)."""
 FUSED = "leangraph-fused"
 """leangraph with in-graph gradient accumulation (``fuse_grad_accumulation=True``)."""
+FUSED_PYTHON_HOOKS = "leangraph-fused-python"
+"""In-graph accumulation whose replays call the accumulators' Python hooks themselves
+(``accumulator_hooks="python"``: autograd runs no accumulator; Megatron-core DDP's hooks, and
+post-accumulate-grad hooks, still fire)."""
 FUSED_NO_HOOKS = "leangraph-fused-nohooks"
 """In-graph accumulation whose replays run no autograd accumulator (``accumulator_hooks=False``:
 no gradient-ready hook fires, for loops that register none)."""
-METHODS = ("eager", "torch", "leangraph", OVERLAP, FUSED, FUSED_NO_HOOKS, "whole-step")
+METHODS = (
+    "eager",
+    "torch",
+    "leangraph",
+    OVERLAP,
+    FUSED,
+    FUSED_PYTHON_HOOKS,
+    FUSED_NO_HOOKS,
+    "whole-step",
+)
 """Every method the bench knows, in the order it runs them."""
-GRAPHED_METHODS = ("torch", "leangraph", OVERLAP, FUSED, FUSED_NO_HOOKS, "whole-step")
+GRAPHED_METHODS = METHODS[1:]
 """The methods that capture graphs (and so have capture figures and timing rounds)."""
 LEANGRAPH_METHODS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     {
         "leangraph": MappingProxyType({}),
         OVERLAP: MappingProxyType({"overlap_grad_accumulation": True}),
         FUSED: MappingProxyType({"fuse_grad_accumulation": True}),
+        FUSED_PYTHON_HOOKS: MappingProxyType(
+            {"fuse_grad_accumulation": True, "accumulator_hooks": "python"}
+        ),
         FUSED_NO_HOOKS: MappingProxyType(
             {"fuse_grad_accumulation": True, "accumulator_hooks": False}
         ),
     }
 )
 """The methods that call ``leangraph.make_graphed_callables``, each with its options."""
-OPT_IN_METHODS = (OVERLAP, FUSED, FUSED_NO_HOOKS)
+OPT_IN_METHODS = (OVERLAP, FUSED, FUSED_PYTHON_HOOKS, FUSED_NO_HOOKS)
 """The methods the bench runs only when asked (``--methods``, or a preset's own list)."""
 CUDA_METHODS: Mapping[str, str] = MappingProxyType(
     {"torch": "torch.cuda.make_graphed_callables", "whole-step": "torch.cuda.CUDAGraph"}

@@ -28,6 +28,7 @@ from .bench import (
     CUDA_METHODS,
     FUSED,
     FUSED_NO_HOOKS,
+    FUSED_PYTHON_HOOKS,
     LEANGRAPH_METHODS,
     METHODS,
     OPT_IN_METHODS,
@@ -790,7 +791,8 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
         "make_graphed_callables takes fuse_grad_accumulation); whole-step is the whole "
         "training step captured as one CUDA graph, the limit the others' 'x limit' compares "
         f"with; {OVERLAP} is leangraph with overlap_grad_accumulation=True, {FUSED} with "
-        f"fuse_grad_accumulation=True, {FUSED_NO_HOOKS} also with accumulator_hooks=False",
+        f"fuse_grad_accumulation=True, {FUSED_PYTHON_HOOKS} also with "
+        f"accumulator_hooks='python', {FUSED_NO_HOOKS} with accumulator_hooks=False",
     )
     bench.add_argument(
         "--rounds",

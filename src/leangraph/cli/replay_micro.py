@@ -51,8 +51,9 @@ REPLAY_METHODS = ("torch", *LEANGRAPH_METHODS)
 """The methods the microbenchmark compares (the bench's leangraph methods, with their options),
 in the order of its first round
 (``leangraph-fused``: with ``fuse_grad_accumulation=True``, which accumulates the parameter
-gradients inside the backward graph instead of through autograd; ``-nohooks``: also with
-``accumulator_hooks=False``, so no autograd accumulator runs at all)."""
+gradients inside the backward graph instead of through autograd; ``-python``: also with
+``accumulator_hooks="python"``, the replay calling the accumulators' Python hooks itself;
+``-nohooks``: with ``accumulator_hooks=False``, so no autograd accumulator runs at all)."""
 
 Layer = Callable[[torch.Tensor], torch.Tensor]
 

@@ -24,6 +24,7 @@ from ..build.accumulation import (
     check_python_hooks_alone,
     has_post_accumulate_hooks,
     post_accumulate_hook_refusal,
+    post_accumulate_hooks,
 )
 
 __all__ = ["InGraphAccumulation"]
@@ -121,7 +122,7 @@ class InGraphAccumulation:
                 all(map(_REQUIRES_GRAD, self._params))
                 and all(map(operator.is_, map(_GRAD, self._grad_params), self._grad_buffers))
                 and all(map(operator.is_, map(_MAIN_GRAD, self._main_params), self._main_buffers))
-                and (self._hooks or not any(map(_POST_ACCUMULATE_HOOKS, self._params)))
+                and (self._hooks or not any(map(post_accumulate_hooks, self._params)))
             )
         except AttributeError:  # a main_grad deleted: the full check names it
             return False
@@ -159,4 +160,3 @@ def _active_torch_ddp() -> object:
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _GRAD = operator.attrgetter("grad")
 _MAIN_GRAD = operator.attrgetter("main_grad")
-_POST_ACCUMULATE_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")  # None or a dict
