@@ -74,8 +74,7 @@ class _PythonHooks:
         self.post = [_hook_dict(n.register_hook) for n in self.nodes]
 
     def __call__(self) -> None:
-        if torch._C._current_graph_task_id() != -1:
-            assert not any(map(torch._C._will_engine_execute_node, self.nodes))
+        assert not any(map(torch._C._will_engine_execute_node, self.nodes))
         if not (any(self.pre) or any(self.post) or any(map(_POST_HOOKS, self.params))):
             return
         for param, pre, post in zip(self.params, self.pre, self.post):

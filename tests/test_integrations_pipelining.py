@@ -61,10 +61,19 @@ class Case:
     layers: int
     glue: bool
     microbatches: int = 4
+    # With fuse_grad_accumulation: its accumulator_hooks (None: not fused).
+    fused_hooks: bool | str | None = None
 
     @property
     def id(self) -> str:
-        return f"{self.schedule}-{'glue' if self.glue else 'bare'}"
+        fused = "" if self.fused_hooks is None else f"-fused-{self.fused_hooks}".lower()
+        return f"{self.schedule}-{'glue' if self.glue else 'bare'}{fused}"
+
+    @property
+    def capture_options(self) -> dict[str, Any]:
+        if self.fused_hooks is None:
+            return {}
+        return {"fuse_grad_accumulation": True, "accumulator_hooks": self.fused_hooks}
 
     @property
     def schedule_class(self) -> type:
@@ -334,8 +343,13 @@ def one_rank(tmp_path: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+# Fused too: torch's runtime runs the backwards, and in-graph accumulation must train as eager.
 ONE_RANK_CASES = [Case("ScheduleInterleaved1F1B", 2, 2, glue=True),
-                  Case("ScheduleZBVZeroBubble", 2, 1, glue=False)]
+                  Case("ScheduleZBVZeroBubble", 2, 1, glue=False),
+                  *(Case(schedule, 2, layers, glue=False, fused_hooks=hooks)
+                    for schedule, layers in (("ScheduleInterleaved1F1B", 2),
+                                             ("ScheduleZBVZeroBubble", 1))
+                    for hooks in (True, "python"))]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -387,3 +387,38 @@ def test_hooks_on_accumulator_nodes_fire_right_after_their_layer_as_in_eager(
         for pa, pb in zip(a.parameters(), b.parameters()):
             assert torch.equal(pa.grad, pb.grad)
     leangraph.reset_all(graphed)
+
+
+@pytest.mark.parametrize("hooks", [True, "python", False], ids=["relay", "python", "none"])
+def test_r18_a_backward_pass_that_accumulates_into_no_parameter_is_refused(hooks):
+    """``torch.autograd.grad`` leaves eager's ``.grad`` alone, and the fused graph would add
+    every gradient: refused before it runs; a plain backward of the same replay then trains
+    as eager's."""
+    eager, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+        accumulator_hooks=hooks)
+    x = torch.randn(4, 8, requires_grad=True)
+    out = graphed(x).square().sum()
+    with raises(RuntimeError, "callable 0 (Block): this backward pass accumulates no gradient "
+                "into some or all of its parameters (torch.autograd.grad",
+                "Use backward() without inputs"):
+        torch.autograd.grad(out, x, retain_graph=True)
+    assert all(p.grad is None for p in module.parameters())
+    eager(x).square().sum().backward()
+    out.backward()  # the refused pass left the replay's backward to run
+    for a, b in zip(eager.parameters(), module.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_r18_with_the_relay_a_backward_into_some_parameters_is_refused():
+    """``backward(inputs=[...])`` accumulates into the parameters named only. The relay
+    hands autograd every parameter, so it sees which; without it (``"python"``, False) the
+    replay is on no path to a parameter and autograd does not run it (docs/concepts.md)."""
+    _, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
+    out = graphed(torch.randn(4, 8)).sum()
+    with raises(RuntimeError, "this backward pass accumulates no gradient into some or all"):
+        out.backward(inputs=[module.up.weight])
+    assert module.up.weight.grad is None

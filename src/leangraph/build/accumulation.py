@@ -100,7 +100,7 @@ class Relay:
     (a parameter's accumulator lives only while something holds it)."""
 
     inputs: tuple[torch.Tensor, ...]
-    nodes: tuple[object, ...]
+    nodes: tuple[Node, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -275,7 +275,7 @@ def hook_relay(params_in_eager_order: Sequence[torch.nn.Parameter]) -> Relay:
         return Relay((torch.cat(views),), ())
 
 
-def _can_renumber(nodes: Sequence[object]) -> bool:
+def _can_renumber(nodes: Sequence[Node]) -> bool:
     """Whether this torch lets Python set a node's sequence number (torch >= 2.2 does)."""
     return all(hasattr(node, "_set_sequence_nr") for node in nodes)
 
@@ -312,15 +312,15 @@ def _no_hook(*_: Any) -> None:
 
 
 def check_python_hooks_alone(label: str, hooks: PythonHooks) -> None:
-    """Refuse a backward pass that will run one of ``hooks``' accumulators itself: it reaches
-    the parameter outside the graph too (an eager use in the same pass), so autograd would
-    call its hooks, maybe before the graph adds its gradient, and the replay again. Outside
-    a backward pass (a weight step) there is nothing to check.
+    """Refuse a backward pass (the one running) that will run one of ``hooks``'
+    accumulators itself: it reaches the parameter outside the graph too (an eager use in
+    the same pass), so autograd would call its hooks, maybe before the graph adds its
+    gradient, and the replay again.
 
     Raises:
         RuntimeError: naming the parameter.
     """
-    if _GRAPH_TASK_ID() == -1 or not any(map(_WILL_ENGINE_EXECUTE, hooks.nodes)):
+    if not any(map(_WILL_ENGINE_EXECUTE, hooks.nodes)):
         return
     name = next(n for n, node in zip(hooks.names, hooks.nodes) if _WILL_ENGINE_EXECUTE(node))
     raise RuntimeError(
@@ -331,7 +331,6 @@ def check_python_hooks_alone(label: str, hooks: PythonHooks) -> None:
     )
 
 
-_GRAPH_TASK_ID = torch._C._current_graph_task_id
 _WILL_ENGINE_EXECUTE = torch._C._will_engine_execute_node
 
 
@@ -373,7 +372,7 @@ def _call_each(label: str, name: str, kind: str, hooks: Any, *args: Any) -> None
             )
 
 
-def accumulator_node(param: torch.nn.Parameter) -> Node:
+def accumulator_node(param: torch.Tensor) -> Node:
     """``param``'s autograd accumulator node (made now, on the current stream, if nothing
     holds one)."""
     grad_fn = param.view_as(param).grad_fn

@@ -20,6 +20,7 @@ from ..build.accumulation import (
     AccumulationTarget,
     FusedGradients,
     HookDelivery,
+    accumulator_node,
     call_python_hooks,
     check_python_hooks_alone,
     has_post_accumulate_hooks,
@@ -33,11 +34,21 @@ __all__ = ["InGraphAccumulation"]
 class InGraphAccumulation:
     """The accumulation state of one graph's parameters (fused gradient accumulation)."""
 
-    def __init__(self, label: str, fused: FusedGradients) -> None:
+    def __init__(self, label: str, fused: FusedGradients, device: torch.device) -> None:
         self._label = label
         self._targets = fused.targets
         self.relay = fused.relay
         self._python_hooks = fused.python_hooks
+        # What a backward replay hands autograd besides its inputs: the relay, or else an
+        # empty leaf. Either way accumulator nodes autograd runs only in a backward pass that
+        # accumulates into every parameter they stand for, as eager's accumulators would.
+        if fused.relay is not None:
+            self.autograd_inputs: tuple[torch.Tensor, ...] = fused.relay.inputs
+            watched = fused.relay.nodes
+        else:
+            self.autograd_inputs = (torch.empty(0, device=device, requires_grad=True),)
+            watched = (accumulator_node(self.autograd_inputs[0]),)
+        self._watched = watched if fused.targets else ()
         # Without accumulator hooks, a post-accumulate-grad hook added since capture is refused.
         self._hooks = fused.delivery is not HookDelivery.NONE
         # The common replay, every target attached as at capture, checked in C-level loops.
@@ -79,12 +90,8 @@ class InGraphAccumulation:
         Raises:
             RuntimeError: for a parameter frozen since capture, or whose ``.grad`` or
                 ``main_grad`` is another tensor than the one the graph adds into; without
-                accumulator hooks, for one that got a post-accumulate-grad hook since; with
-                ``accumulator_hooks="python"``, for one this backward pass reaches outside
-                the graph too.
+                accumulator hooks, for one that got a post-accumulate-grad hook since.
         """
-        if self._python_hooks is not None:
-            check_python_hooks_alone(self._label, self._python_hooks)
         if self._as_captured():
             return
         cleared: list[AccumulationTarget] = []
@@ -113,6 +120,30 @@ class InGraphAccumulation:
             torch._foreach_zero_(buffers)
             for target, buffer in zip(cleared, buffers):
                 target.param.grad = buffer
+
+    def check_backward_pass(self) -> None:
+        """Refuse, before a backward replay changes anything, a backward pass the graph
+        cannot train in as eager would: one that accumulates into none or only some of the
+        parameters (``torch.autograd.grad``, ``backward(inputs=...)``: the graph adds every
+        gradient, where eager's would leave those ``.grad`` alone) and, with
+        ``accumulator_hooks="python"``, one that reaches a parameter outside the graph too.
+
+        Raises:
+            RuntimeError: naming the callable (and the parameter).
+        """
+        if self._python_hooks is not None:
+            check_python_hooks_alone(self._label, self._python_hooks)
+        if all(map(_WILL_ENGINE_EXECUTE, self._watched)):
+            return
+        if not all(map(_REQUIRES_GRAD, self._params)):
+            return  # a parameter frozen since capture has no edge: before_replay names it
+        raise RuntimeError(
+            f"{self._label}: this backward pass accumulates no gradient into some or all of its "
+            "parameters (torch.autograd.grad, or backward(inputs=...)), but with "
+            "fuse_grad_accumulation=True the backward graph adds every parameter's gradient "
+            "into its .grad or main_grad, which eager's would leave alone. Use backward() "
+            "without inputs, or capture without fuse_grad_accumulation"
+        )
 
     def _as_captured(self) -> bool:
         """Whether every target is its parameter's gradient as at capture, every parameter
@@ -150,6 +181,9 @@ class InGraphAccumulation:
             "zero_grad() (set_to_none=True or False) instead of assigning a new tensor, or "
             "capture again"
         )
+
+
+_WILL_ENGINE_EXECUTE = torch._C._will_engine_execute_node
 
 
 def _active_torch_ddp() -> object:

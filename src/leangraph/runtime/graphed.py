@@ -93,11 +93,13 @@ class GraphedCallable:
         )
         self._grads: GradRouting | None = GradRouting(record, pending)
         self._fused = (
-            None if record.fused is None else InGraphAccumulation(record.label, record.fused)
+            None
+            if record.fused is None
+            else InGraphAccumulation(record.label, record.fused, _device_of(record))
         )
         self._weight = WeightStep(record, self._fused) if record.split_backward else None
         # A stand-in only makes the outputs require grad: not needed when an input does.
-        self._autograd_params, self._stand_in = _params_for_autograd(record)
+        self._autograd_params, self._stand_in = _params_for_autograd(record, self._fused)
         # Held for the callable's life, so that autograd adds its replays' parameter
         # gradients on the side stream they were made under (overlap_grad_accumulation).
         self._side_accumulators = (
@@ -351,11 +353,13 @@ class GraphedCallable:
                     "asked to retain the graph; to replay a backward more than once per "
                     "forward, capture with retain_graph_in_backward=True"
                 )
+            fused = self._fused if self._weight is None else None  # else: at the weight step
+            if fused is not None:
+                fused.check_backward_pass()
             self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
             for static, grad in zip(record.static_grad_outputs, grads):
                 if static is not None and not same_buffer(static, grad):
                     static.copy_(grad)
-            fused = self._fused if self._weight is None else None  # else: at the weight step
             if fused is not None:
                 fused.before_replay()
             if record.static_grads:
@@ -376,18 +380,19 @@ def _device_of(record: GraphRecord) -> torch.device:
     return record.static_outputs[0].device
 
 
-def _params_for_autograd(record: GraphRecord) -> tuple[tuple[torch.Tensor, ...], bool]:
+def _params_for_autograd(
+    record: GraphRecord, fused: InGraphAccumulation | None
+) -> tuple[tuple[torch.Tensor, ...], bool]:
     """What a replay's autograd node takes besides the inputs, and whether that is only a
-    stand-in: the parameters, whose gradients it returns. With in-graph accumulation, the
-    relay instead: the gradients are in place already, and the relay's accumulators run
-    their hooks in eager's order. A split backward returns none (the weight step delivers
-    them), and autograd would still run their accumulators, and their post-accumulate-grad
-    hooks, with no gradient; nor does in-graph accumulation without accumulator hooks. There
-    an empty leaf that requires grad stands in for the parameters, so the outputs require
-    grad exactly when eager's would."""
-    relay = None if record.fused is None else record.fused.relay
-    if relay is not None and not record.split_backward:
-        return relay.inputs, False
+    stand-in: the parameters, whose gradients it returns. With in-graph accumulation, what
+    the accumulation hands autograd instead (the relay, or an empty leaf: the gradients are
+    in place already, and its accumulator nodes tell the replay whether the backward pass
+    accumulates). A split backward returns none (the weight step delivers them), and
+    autograd would still run their accumulators, and their post-accumulate-grad hooks, with
+    no gradient. There an empty leaf that requires grad stands in for the parameters, so the
+    outputs require grad exactly when eager's would."""
+    if fused is not None and not record.split_backward:
+        return fused.autograd_inputs, False
     if record.delivers_param_grads():
         return record.params, False
     if not record.trained_params():
