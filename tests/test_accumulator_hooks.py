@@ -215,3 +215,23 @@ def test_r17_a_parameter_also_used_outside_the_graph(hooks):
     assert counts == {"eager": 1, "graphed": 1}
     for a, b in zip(eager.parameters(), module.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("hooks", [True, "python"], ids=["relay", "python"])
+def test_the_accumulators_hooked_through_are_held_until_reset(hooks):
+    """The replays keep each parameter's accumulator node (and so the hooks on it) while they
+    can replay, and let it go at reset."""
+    _, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+        accumulator_hooks=hooks)
+
+    def tagged():  # a node's metadata lives as long as the node
+        return [bool(_accumulator(p).metadata.get("seen")) for p in module.parameters()]
+
+    for p in module.parameters():
+        _accumulator(p).metadata["seen"] = True  # the test keeps no reference
+    graphed(torch.randn(4, 8)).sum().backward()
+    assert all(tagged())
+    leangraph.reset_all(graphed)
+    assert not any(tagged())

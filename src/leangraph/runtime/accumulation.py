@@ -160,16 +160,20 @@ class InGraphAccumulation:
 
     def after_replay(self) -> None:
         """Tell Megatron's hooks the gradient is in ``main_grad`` (and give its
-        ``overlap_grad_reduce`` check a ``.grad``: a broadcast zero, which the hook drops);
-        then call the hooks registered from Python, with ``accumulator_hooks="python"``.
-
-        Raises:
-            RuntimeError: for a hook that returns a value; whatever a hook raises.
-        """
+        ``overlap_grad_reduce`` check a ``.grad``: a broadcast zero, which the hook drops)."""
         for param, zero in self._megatron:
             param.grad_added_to_main_grad = True
             if param.grad is None:
                 param.grad = zero.expand(param.shape)
+
+    def call_hooks(self) -> None:
+        """With ``accumulator_hooks="python"``, call the hooks registered from Python on the
+        parameters' accumulators (after :meth:`after_replay`, outside the callable's lock, as
+        autograd runs the relay's after the replay's node); else nothing.
+
+        Raises:
+            RuntimeError: for a hook that returns a value; whatever a hook raises.
+        """
         if self._python_hooks is not None:
             call_python_hooks(self._label, self._python_hooks)
 

@@ -375,6 +375,13 @@ class GraphedCallable:
             assert self._grads is not None
             return self._grads.scatter(clone_inputs)
 
+    def _call_accumulator_hooks(self) -> None:
+        """After a backward replay, outside the lock: the Python hooks it calls itself
+        (``accumulator_hooks="python"``; at the weight step for a split backward)."""
+        fused = self._fused
+        if fused is not None and self._weight is None:
+            fused.call_hooks()
+
 
 def _device_of(record: GraphRecord) -> torch.device:
     return record.static_outputs[0].device
@@ -488,6 +495,7 @@ class _Replay(torch.autograd.Function):
 def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     owner: GraphedCallable = ctx.owner
     grad_inputs = owner._replay_backward(grads, ctx.generation, ctx.clone_inputs)
+    owner._call_accumulator_hooks()
     # Nothing for the relay or stand-in, if given: a relay's accumulators then run their
     # hooks without accumulating, the gradients being in place already.
     return (None, None, None, *grad_inputs) + (None,) * (ctx.num_tensors - len(grad_inputs))

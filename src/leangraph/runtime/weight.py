@@ -66,8 +66,9 @@ class WeightStep:
         if fused is not None:
             # The graph added the gradients; the accumulators only run their hooks. They run
             # with grad mode off, as in the relay's backward (and in eager's).
+            fused.after_replay()
             with torch.no_grad():
-                fused.after_replay()
+                fused.call_hooks()
             if fused.relay is not None:
                 fire_relay(fused.relay)
             return
