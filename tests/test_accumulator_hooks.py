@@ -235,3 +235,93 @@ def test_the_accumulators_hooked_through_are_held_until_reset(hooks):
     assert all(tagged())
     leangraph.reset_all(graphed)
     assert not any(tagged())
+
+
+def test_in_a_pipeline_order_the_python_hooks_need_no_relay():
+    """A layer's graphs, one per microbatch, share its parameters and have their backward
+    passes one by one: their replays call the hooks, none hands autograd a parameter."""
+    torch.manual_seed(0)
+    layers = (Block(8), Block(8))
+    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(4))
+    graphed = leangraph.make_graphed_callables(
+        layers, samples, order=[1, 1, -1, -1], num_layers_per_chunk=2,
+        fuse_grad_accumulation=True, accumulator_hooks="python")
+    fired: list[str] = []
+    for index, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda _, tag=f"{index}.{name}": fired.append(tag))
+    accumulators = {id(_accumulator(p)) for layer in layers for p in layer.parameters()}
+    outs = []
+    for microbatch in range(2):
+        out = graphed[2 * microbatch + 1](graphed[2 * microbatch](torch.randn(4, 8)))
+        reached = {id(node) for node, _ in out.grad_fn.next_functions if node is not None}
+        assert not accumulators & reached
+        outs.append(out)
+    for out in outs:
+        out.sum().backward()
+    assert len(fired) == 2 * 12  # every parameter once per microbatch's backward
+    leangraph.reset_all(graphed)
+
+
+def _tied_pair() -> tuple[torch.nn.Linear, torch.nn.Linear]:
+    first = torch.nn.Linear(8, 8)
+    second = torch.nn.Linear(8, 8)
+    second.weight, second.bias = first.weight, first.bias
+    return first, second
+
+
+@pytest.mark.parametrize("hooks", [True, "python"], ids=["relay", "python"])
+def test_r17_two_calls_calling_one_parameters_hooks_in_one_pass(hooks):
+    """Two modules tied to the same parameters, graphed by two calls, both in one backward
+    pass: eager fires the hooks once, after both gradients. The relay does so too; called
+    by the replays, the second call's replay refuses."""
+    torch.manual_seed(0)
+    eager = _tied_pair()
+    tied = copy.deepcopy(eager)
+    assert tied[0].weight is tied[1].weight
+    for p in (*eager[0].parameters(), *tied[0].parameters()):
+        p.grad = torch.zeros_like(p)  # both calls adopt it (else each would attach its own)
+    counts = {"eager": 0, "graphed": 0}
+    for name, pair in (("eager", eager), ("graphed", tied)):
+        pair[0].weight.register_post_accumulate_grad_hook(
+            lambda _, name=name: counts.__setitem__(name, counts[name] + 1))
+    graphed = [leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+        accumulator_hooks=hooks) for module in tied]
+    x = torch.randn(4, 8)
+    (eager[0](x).sum() + eager[1](x).sum()).backward()
+    loss = graphed[0](x).sum() + graphed[1](x).sum()
+    if hooks == "python":
+        with raises(RuntimeError, "parameter 'bias': the replay of another graph",
+                    "Capture with accumulator_hooks=True"):
+            loss.backward()
+        return
+    loss.backward()
+    assert counts == {"eager": 1, "graphed": 1}
+    assert torch.equal(eager[0].weight.grad, tied[0].weight.grad)
+
+
+def test_tied_parameters_of_two_callables_keep_the_relay_with_python_hooks():
+    """Within one call the graphs training a parameter another callable trains keep the
+    relay, so the hooks fire once per pass, after both gradients, as in eager."""
+    torch.manual_seed(0)
+    eager = _tied_pair()
+    tied = copy.deepcopy(eager)
+    counts = {"eager": 0, "graphed": 0}
+    for name, pair in (("eager", eager), ("graphed", tied)):
+        pair[0].weight.register_post_accumulate_grad_hook(
+            lambda _, name=name: counts.__setitem__(name, counts[name] + 1))
+    graphed = leangraph.make_graphed_callables(
+        tied, tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(2)),
+        fuse_grad_accumulation=True, accumulator_hooks="python")
+    for _ in range(2):
+        for module in (*eager, *tied):
+            # From None, adding the two graphs' gradients one by one rounds as eager's sum of
+            # them; onto an existing .grad it may not (docs/concepts.md).
+            module.zero_grad(set_to_none=True)
+        x = torch.randn(4, 8)
+        eager[1](eager[0](x)).sum().backward()
+        graphed[1](graphed[0](x)).sum().backward()
+        assert torch.equal(eager[0].weight.grad, tied[0].weight.grad)
+    assert counts == {"eager": 2, "graphed": 2}

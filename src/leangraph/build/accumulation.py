@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import Node
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "AccumulationTarget",
@@ -342,7 +343,8 @@ def call_python_hooks(label: str, hooks: PythonHooks) -> None:
 
     Raises:
         RuntimeError: naming the parameter, for a hook that returns something (a gradient
-            the graph has added already cannot be replaced).
+            the graph has added already cannot be replaced), or whose hooks another graph's
+            replay called in this backward pass already.
     """
     if not (
         any(hooks.pre_hooks)
@@ -350,6 +352,9 @@ def call_python_hooks(label: str, hooks: PythonHooks) -> None:
         or any(map(post_accumulate_hooks, hooks.params))
     ):
         return  # checked in C-level loops: the common case, no hook at all
+    task = _GRAPH_TASK_ID()
+    if task != -1:
+        _claim_pass(label, hooks, task)
     for name, param, pre_hooks, post_hooks in zip(
         hooks.names, hooks.params, hooks.pre_hooks, hooks.post_hooks
     ):
@@ -360,6 +365,37 @@ def call_python_hooks(label: str, hooks: PythonHooks) -> None:
             _call_each(label, name, "post-accumulate-grad hook", accumulate_hooks.values(), param)
         if post_hooks:
             _call_each(label, name, "accumulator hook", post_hooks.values(), (), (None,))
+
+
+# Per parameter, the backward pass (graph task) in which replays last called its hooks, and
+# whose PythonHooks did: two graphs (of two calls, or two microbatches of one layer) must not
+# both call its hooks in one pass.
+_CALLED_IN: WeakIdKeyDictionary = (
+    WeakIdKeyDictionary()
+)  # keyed by identity: a tensor's == is elementwise
+_GRAPH_TASK_ID = torch._C._current_graph_task_id
+
+
+def _claim_pass(label: str, hooks: PythonHooks, task: int) -> None:
+    """Note that ``hooks`` call their parameters' hooks in backward pass ``task``.
+
+    Raises:
+        RuntimeError: naming the parameter, if another graph's replay called its hooks in
+            this pass already (autograd alone knows when all its gradients arrived).
+    """
+    mine = (task, id(hooks))
+    for name, param in zip(hooks.names, hooks.params):
+        called = _CALLED_IN.get(param)
+        if called is not None and called[0] == task and called != mine:
+            raise RuntimeError(
+                f"{label} parameter {name!r}: the replay of another graph (another "
+                "microbatch's, or another make_graphed_callables call's) called its hooks in "
+                "this backward pass already; with accumulator_hooks='python' a parameter's "
+                "gradient must come from one graph per backward pass (only autograd knows "
+                "when all of them arrived). Capture with accumulator_hooks=True"
+            )
+    for param in hooks.params:
+        _CALLED_IN[param] = mine
 
 
 def _call_each(label: str, name: str, kind: str, hooks: Any, *args: Any) -> None:
@@ -407,19 +443,26 @@ def allocate_targets(
 
 
 def hook_deliveries(
-    params_of: Sequence[Sequence[tuple[str, torch.nn.Parameter]]], requested: HookDelivery
+    params_of: Sequence[Sequence[tuple[str, torch.nn.Parameter]]],
+    callable_of: Sequence[int],
+    requested: HookDelivery,
 ) -> list[HookDelivery]:
-    """How each graph (``params_of[g]``: its trained parameters, named) fires its
-    accumulators' hooks: as ``requested``, except that with ``PYTHON`` a graph training a
-    parameter another graph trains too (tied weights) keeps autograd's relay. Only autograd
-    knows when a backward pass has brought all of a parameter's gradients, so only its
-    accumulator can fire the hooks once per pass, after the last one."""
+    """How each graph (``params_of[g]``: its trained parameters, named; ``callable_of[g]``:
+    its callable) fires its accumulators' hooks: as ``requested``, except that with
+    ``PYTHON`` a graph training a parameter another callable trains too (tied weights) keeps
+    autograd's relay. Only autograd knows when a backward pass has brought all of a
+    parameter's gradients, so only its accumulator can fire the hooks once per pass, after
+    the last one. (The graphs of one callable, one per microbatch, have their backward
+    passes one by one; where two meet in one pass, :func:`call_python_hooks` refuses.)"""
     if requested is not HookDelivery.PYTHON:
         return [requested] * len(params_of)
-    graphs_training = collections.Counter(id(p) for params in params_of for _, p in params)
+    callables_training: dict[int, set[int]] = collections.defaultdict(set)
+    for params, index in zip(params_of, callable_of):
+        for _, param in params:
+            callables_training[id(param)].add(index)
     return [
         HookDelivery.AUTOGRAD
-        if any(graphs_training[id(p)] > 1 for _, p in params)
+        if any(len(callables_training[id(p)]) > 1 for _, p in params)
         else HookDelivery.PYTHON
         for params in params_of
     ]

@@ -72,7 +72,8 @@ def build_graphs(
     deliveries: list[HookDelivery] = []
     if options.fuse_grad_accumulation:
         trained = [_trained(source) for source in sources]
-        deliveries = hook_deliveries(trained, options.hook_delivery)
+        callables = [call.callable_index(source.index) for source in sources]
+        deliveries = hook_deliveries(trained, callables, options.hook_delivery)
         for source, params, delivery in zip(sources, trained, deliveries):
             check_fusable(source.label, params, delivery=delivery)
     builders = [GraphBuilder(source, backend.new_pair()) for source in sources]
