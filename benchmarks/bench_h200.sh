@@ -6,9 +6,11 @@
 # "x limit" column), then captures and times the graphed methods again, in turn, 5 times
 # (--rounds), and last counts each method's launches per step (--launches: 3 steps under
 # torch.profiler once all timing is done). Then the replay microbenchmark (torch's and
-# leangraph's replay of one block, host time). About 7 minutes on an H200 (7.1 at e5a9e3e):
-# "compute" runs the 16- and 32-microbatch workloads only, "launch" the launch-bound one and
-# the microbenchmark.
+# leangraph's replay of one block, host time). "all" took 7.1 minutes on an H200 at e5a9e3e,
+# before leangraph-fused-python and the launch-bound run with --grad-hooks; with them expect
+# more than a 10-minute device call allows, so run "compute" (the 16- and 32-microbatch
+# workloads) and "launch" (the launch-bound ones, without and with a gradient-ready hook on
+# every parameter, and the microbenchmark) as two calls.
 set -euo pipefail
 out=${1:-bench-out}
 part=${2:-all}
@@ -26,6 +28,9 @@ echo "== launch-bound: hidden 256, seq 128, 8 microbatches"
 # Host-bound steps vary more from capture to capture: more rounds, more steps per round.
 run --pp 4 --vp 2 --rank 0 --microbatches 8 --layers 4 --hidden 256 --heads 4 --sequence 128 \
     --dtype bf16 --steps 50 --rounds 9 --json "$out/bench_launch.json"
+echo "== launch-bound, a gradient-ready hook on every parameter (as Megatron-core's DDP registers)"
+run --pp 4 --vp 2 --rank 0 --microbatches 8 --layers 4 --hidden 256 --heads 4 --sequence 128 \
+    --dtype bf16 --steps 50 --rounds 9 --grad-hooks --json "$out/bench_launch_hooks.json"
 echo "== replay microbenchmark: one launch-bound block (hidden 256, seq 128), torch vs leangraph"
 python3 -m leangraph bench --no-progress --replay-micro --hidden 256 --heads 4 --sequence 128 \
     --dtype bf16 --json "$out/replay_micro.json"

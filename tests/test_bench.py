@@ -39,7 +39,7 @@ from leangraph.cli.bench import (
     timeline_references,
 )
 from leangraph.cli.phases import Phase, PhaseProgress
-from leangraph.cli.workloads import BlockShape
+from leangraph.cli.workloads import BlockShape, make_blocks
 from leangraph.report import TimelinePoint
 
 TINY = BlockShape(hidden=32, heads=4, sequence=16, dtype=torch.float32)
@@ -67,6 +67,20 @@ def test_bench_runs_eager_and_leangraph_on_cpu_and_losses_agree():
     assert result.losses_agree == {"leangraph": True}
     assert result.methods["eager"].losses == result.methods["leangraph"].losses
     assert "leangraph" in format_table(result)
+
+
+def test_grad_hooks_fire_per_parameter_per_microbatch_where_the_method_runs_them(capsys):
+    """Every method but accumulator_hooks=False calls the hooks as eager does: once per
+    parameter per microbatch's backward; the table has their count per step."""
+    methods = ("eager", "leangraph", OVERLAP, FUSED, FUSED_PYTHON_HOOKS, FUSED_NO_HOOKS)
+    result = run_bench(_tiny(grad_hooks=True, methods=methods))
+    params = sum(1 for _ in make_blocks(1, TINY, "cpu")[0].parameters())
+    expected = params * 2 * 4  # 2 blocks on the rank, 4 microbatches
+    calls = {name: m.grad_hook_calls_per_step for name, m in result.methods.items()}
+    assert calls == {**dict.fromkeys(methods, expected), FUSED_NO_HOOKS: 0}
+    assert all(result.losses_agree.values())
+    assert "grad hooks/step" in format_table(result)
+    assert "grad hooks/step" not in format_table(run_bench(_tiny()))
 
 
 def test_bench_cli_writes_json(tmp_path, capsys):

@@ -144,6 +144,8 @@ USAGE_ERRORS = [
      "--replay-micro times torch.cuda.make_graphed_callables' replays"),
     (["bench", "--device", "cpu", "--replay-micro", "--methods", "eager", "--launches"],
      "leangraph bench", "--methods, --launches: not used with --replay-micro"),
+    (["bench", "--device", "cpu", "--replay-micro", "--grad-hooks"],
+     "leangraph bench", "--grad-hooks: not used with --replay-micro"),
     (["bench", "--device", "cpu", "--replays", "10"], "leangraph bench",
      "--replays: only with --replay-micro"),
     (["bench", "--replays", "0"], "leangraph bench", "argument --replays: must be at least 1"),

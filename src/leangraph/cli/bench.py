@@ -34,6 +34,7 @@ blocks), :func:`graph_methods`, :func:`profile_steps`, :func:`count_launches`,
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import gc
 import inspect
@@ -41,7 +42,7 @@ import os
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -91,6 +92,7 @@ __all__ = [
     "BenchResult",
     "BenchWorkload",
     "Captured",
+    "GradReadyHooks",
     "LaunchCounts",
     "MethodResult",
     "RoundTimes",
@@ -211,6 +213,9 @@ class BenchConfig:
     # device (a workload whose weights are a good part of the GPU, as the presets').
     initial_on_host: bool = False
     preset: str | None = None  # the name of the preset this config is, for the record
+    # A gradient-ready hook on every parameter's accumulator node, for every method but the
+    # whole-step graph (see GradReadyHooks).
+    grad_hooks: bool = False
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.methods if name not in METHODS]
@@ -275,6 +280,7 @@ class MethodResult:
     start_allocated_bytes: int | None = None  # allocated at the start: the zero of the above
     losses: list[float] = field(default_factory=list)
     launches: LaunchCounts | None = None  # with BenchConfig.launch_steps
+    grad_hook_calls_per_step: float | None = None  # with BenchConfig.grad_hooks
     # Why the method has no figures (it ran out of memory), and the peak allocated when it
     # did, above start_allocated_bytes: since the method started, or since leangraph last
     # restarted the peak counter (it does so per phase).
@@ -494,6 +500,32 @@ class BenchWorkload:
         return lambda c, m, l: blocks[self.layout.callable_index(c, l)]
 
 
+class GradReadyHooks:
+    """A Python hook on every parameter's accumulator node, as Megatron-core's DDP registers
+    its gradient-ready hooks (and, as it does, the nodes held): what a training loop that
+    reduces gradients during the backward adds to each method's step. Each call counts.
+
+    Registered after capture: accumulator nodes held from before a CUDA capture break it.
+    The whole-step graph gets none (a Python hook in a captured graph does not run at
+    replay).
+    """
+
+    def __init__(self, blocks: Sequence[torch.nn.Module]) -> None:
+        self.calls = 0
+        self._nodes = []
+        for block in blocks:
+            for param in block.parameters():
+                grad_fn = param.view_as(param).grad_fn
+                assert grad_fn is not None
+                node = grad_fn.next_functions[0][0]
+                assert node is not None
+                node.register_hook(self._called)
+                self._nodes.append(node)
+
+    def _called(self, *_: object) -> None:
+        self.calls += 1
+
+
 @dataclass(frozen=True)
 class Captured:
     """One graphed method's result over its own copy of the blocks of ``work``.
@@ -510,6 +542,7 @@ class Captured:
     lookup: LayerLookup | None = None
     graphed: tuple[GraphedCallable, ...] | None = None
     whole_step: WholeStepGraph | None = None
+    grad_hooks: GradReadyHooks | None = None  # with BenchConfig.grad_hooks
 
     def __post_init__(self) -> None:
         if (self.lookup is None) == (self.whole_step is None):
@@ -722,11 +755,15 @@ def capture_method(
         raise ValueError(f"the {name} method {why}")
     blocks = work.copy_blocks() if blocks is None else blocks
     if name == "torch":
-        return capture_torch(work, blocks)
-    if name == "whole-step":
+        captured = capture_torch(work, blocks)
+    elif name == "whole-step":
         return capture_whole_step(work, blocks)
-    options = {**LEANGRAPH_METHODS[name], **options}
-    return capture_leangraph(work, blocks, progress=progress, **options)
+    else:
+        options = {**LEANGRAPH_METHODS[name], **options}
+        captured = capture_leangraph(work, blocks, progress=progress, **options)
+    if work.config.grad_hooks:
+        return dataclasses.replace(captured, grad_hooks=GradReadyHooks(blocks))
+    return captured
 
 
 def graph_methods(
@@ -903,6 +940,7 @@ def _bench_eager(work: BenchWorkload, progress: PhaseProgress | None) -> MethodR
     on_step = _training_phase(progress, "eager: training", work.config, measured=1)
     meter = _Meter(work.config.device)
     lookup = work.eager_lookup(blocks)
+    hooks = GradReadyHooks(blocks) if work.config.grad_hooks else None
     losses = work.step(lookup, blocks)
     result = MethodResult(
         "eager",
@@ -910,8 +948,26 @@ def _bench_eager(work: BenchWorkload, progress: PhaseProgress | None) -> MethodR
         start_allocated_bytes=meter.allocated,
         losses=losses,
     )
-    _, result.step_seconds = work.timed_steps(lambda: work.step(lookup, blocks), on_step)
+    result.step_seconds, result.grad_hook_calls_per_step = _timed_with_hooks(
+        work, lambda: work.step(lookup, blocks), on_step, hooks
+    )
     return result
+
+
+def _timed_with_hooks(
+    work: BenchWorkload,
+    step: Callable[[], list[float]],
+    on_step: Callable[[int], None] | None,
+    hooks: GradReadyHooks | None,
+) -> tuple[float, float | None]:
+    """:meth:`BenchWorkload.timed_steps`' median step time, and the gradient-ready hook
+    calls per step over those steps (None without hooks)."""
+    if hooks is not None:
+        hooks.calls = 0
+    _, seconds = work.timed_steps(step, on_step)
+    if hooks is None:
+        return seconds, None
+    return seconds, hooks.calls / (work.config.steps + 1)  # timed_steps' untimed one too
 
 
 def _leangraph_figures(result: MethodResult, report: MemoryReport, meter: _Meter) -> None:
@@ -971,7 +1027,9 @@ def _bench_graphed(
     else:
         result.losses = work.step(_sampling_replay(captured, work.layout, replay), blocks)
     result.step_peak_bytes = meter.peak_reserved()
-    _, result.step_seconds = work.timed_steps(captured.step, on_step)
+    result.step_seconds, result.grad_hook_calls_per_step = _timed_with_hooks(
+        work, captured.step, on_step, captured.grad_hooks
+    )
     captured.release()
     return result, None if report is None else report.with_points(replay)
 
@@ -1172,6 +1230,18 @@ def _table_columns(result: BenchResult) -> list[tuple[str, int, _Cell]]:
     ]
     if LIMIT in result.methods:
         columns.append(("x limit", 7, lambda name, _: _times(result.limit_ratio(name))))
+    if any(m.grad_hook_calls_per_step is not None for m in result.methods.values()):
+        columns.append(
+            (
+                "grad hooks/step",
+                15,
+                lambda _, m: (
+                    "-"
+                    if m.grad_hook_calls_per_step is None
+                    else f"{m.grad_hook_calls_per_step:.0f}"
+                ),
+            )
+        )
     if any(m.launches is not None for m in result.methods.values()):
         columns += [
             ("graph launches/step", 19, lambda _, m: _per_step(m.launches, "graph_launches")),

@@ -442,6 +442,8 @@ def _bench(args: argparse.Namespace) -> int:
             launch_steps=LAUNCH_STEPS if args.launches else 0,
         )
         described = work.describe()
+    if args.grad_hooks:
+        config = replace(config, grad_hooks=True)
     if device == "cpu":
         print(
             f"{why_cpu[0].upper()}{why_cpu[1:]}: leangraph's CPU reference backend, times "
@@ -450,7 +452,11 @@ def _bench(args: argparse.Namespace) -> int:
         )
     else:
         print("".join(f"Note: {note[0].upper()}{note[1:]}.\n" for note in notes), end="")
-    print(f"workload: {described}; {', '.join(config.methods)}; {config.steps} timed steps each")
+    hooked = "; a gradient-ready hook on every parameter" if config.grad_hooks else ""
+    print(
+        f"workload: {described}; {', '.join(config.methods)}; {config.steps} timed steps "
+        f"each{hooked}"
+    )
     with _intra_op_threads(args.threads, device), phase_display(not args.no_progress) as progress:
         result = run_bench(config, progress=progress)
     print(format_table(result))
@@ -524,6 +530,7 @@ _NOT_WITH_REPLAY_MICRO = (
     ("--steps", lambda a: a.steps is not None),
     ("--rounds", lambda a: a.rounds != 0),
     ("--launches", lambda a: a.launches),
+    ("--grad-hooks", lambda a: a.grad_hooks),
     ("--plot", lambda a: a.plot is not None),
     ("--bars", lambda a: a.bars is not None),
 )
@@ -807,6 +814,13 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
         help=f"once all timing is done, profile {LAUNCH_STEPS} steps of each method "
         "(torch.profiler; graphed methods captured again) and print its graph launches and "
         "kernels launched outside graphs per step (GPU only)",
+    )
+    bench.add_argument(
+        "--grad-hooks",
+        action="store_true",
+        help="register a gradient-ready hook on every parameter's accumulator node, as "
+        "Megatron-core's DDP does, for every method but whole-step (after capture), and "
+        "print each method's hook calls per step",
     )
     bench.add_argument(
         "--replay-micro",
