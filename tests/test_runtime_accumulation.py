@@ -422,3 +422,26 @@ def test_r18_with_the_relay_a_backward_into_some_parameters_is_refused():
     with raises(RuntimeError, "this backward pass accumulates no gradient into some or all"):
         out.backward(inputs=[module.up.weight])
     assert module.up.weight.grad is None
+
+
+def test_two_calls_training_one_parameter_share_its_buffer():
+    """Modules tied to the same parameters, graphed by two calls while ``.grad`` is None:
+    the second call adds into the buffer the first allocated, so either's replay finds it
+    attached as ``.grad`` and both train it as eager does."""
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    second.weight, second.bias = first.weight, first.bias
+    eager = copy.deepcopy((first, second))
+    graphed = [leangraph.make_graphed_callables(
+        module, (torch.randn(rows, 8, requires_grad=True),), fuse_grad_accumulation=True)
+        for module, rows in ((first, 4), (second, 2))]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        for which, rows in ((0, 4), (1, 2), (0, 4)):
+            x = torch.randn(rows, 8, generator=gen)
+            eager[which](x).square().sum().backward()
+            graphed[which](x).square().sum().backward()
+        for a, b in zip(eager[0].parameters(), first.parameters()):
+            assert torch.equal(a.grad, b.grad)
+        for module in (*eager, first, second):
+            module.zero_grad(set_to_none=step == 0)

@@ -34,6 +34,7 @@ import enum
 import functools
 import itertools
 import operator
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -501,11 +502,23 @@ def _make_target(name: str, param: torch.nn.Parameter) -> AccumulationTarget:
     grad = param.grad
     if grad is not None and _has_layout_of(grad, param):
         return AccumulationTarget(param, name, grad, into_main_grad=False)
-    buffer = torch.zeros_like(param, memory_format=torch.preserve_format)
+    # Another call's graphs may add into a buffer for this parameter that is not attached
+    # yet (.grad None until their first replay): share it, as graphs of one call do.
+    earlier = _BUFFERS.get(param)
+    buffer = None if earlier is None else earlier()
+    if grad is not None or buffer is None:
+        buffer = torch.zeros_like(param, memory_format=torch.preserve_format)
+        _BUFFERS[param] = weakref.ref(buffer)
     if grad is not None:
         buffer.copy_(grad)
         param.grad = buffer
     return AccumulationTarget(param, name, buffer, into_main_grad=False)
+
+
+# The buffer leangraph last allocated for a parameter's gradient, while anything holds it
+# (a call's targets, or the parameter as .grad): keyed by identity, as a tensor's == is
+# elementwise.
+_BUFFERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _has_layout_of(grad: torch.Tensor, param: torch.Tensor) -> bool:
