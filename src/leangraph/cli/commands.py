@@ -801,6 +801,23 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
         f"fuse_grad_accumulation=True, {FUSED_PYTHON_HOOKS} also with "
         f"accumulator_hooks='python', {FUSED_NO_HOOKS} with accumulator_hooks=False",
     )
+    _add_bench_measures(bench)
+    _add_replay_micro(bench)
+    _add_device(bench)
+    _add_threads(bench)
+    _add_no_progress(bench)
+    bench.add_argument("--json", metavar="FILE", help="write every figure as JSON here")
+    bench.add_argument(
+        "--plot", metavar="FILE", help="write leangraph's memory timeline PNG here (GPU only)"
+    )
+    bench.add_argument(
+        "--bars", metavar="FILE", help="write a bar chart of each method's memory here (GPU only)"
+    )
+    bench.set_defaults(handler=_bench, command_parser=bench)
+
+
+def _add_bench_measures(bench: argparse.ArgumentParser) -> None:
+    """What the bench measures besides each method's one run: rounds, launches, hooks."""
     bench.add_argument(
         "--rounds",
         type=_count(0),
@@ -822,6 +839,10 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
         "Megatron-core's DDP does, for every method but whole-step (after capture), and "
         "print each method's hook calls per step",
     )
+
+
+def _add_replay_micro(bench: argparse.ArgumentParser) -> None:
+    """The bench's replay microbenchmark, which runs instead of the bench."""
     bench.add_argument(
         "--replay-micro",
         action="store_true",
@@ -837,17 +858,6 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
         help="with --replay-micro: replays per method and round (default: "
         f"{ReplayMicroConfig().replays}, in each of {ReplayMicroConfig().rounds} rounds)",
     )
-    _add_device(bench)
-    _add_threads(bench)
-    _add_no_progress(bench)
-    bench.add_argument("--json", metavar="FILE", help="write every figure as JSON here")
-    bench.add_argument(
-        "--plot", metavar="FILE", help="write leangraph's memory timeline PNG here (GPU only)"
-    )
-    bench.add_argument(
-        "--bars", metavar="FILE", help="write a bar chart of each method's memory here (GPU only)"
-    )
-    bench.set_defaults(handler=_bench, command_parser=bench)
 
 
 def _add_plan(sub: Any, common: argparse.ArgumentParser) -> None:
