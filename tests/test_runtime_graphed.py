@@ -291,3 +291,25 @@ def test_a_backward_with_create_graph_gives_eagers_gradients_and_refuses_a_secon
     assert torch.equal(grad, expected)
     with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
         grad.sum().backward()
+
+
+def test_r19_a_graph_captured_under_no_grad_replays_forward_only():
+    """Under no_grad the graphs get no backward (inference graphs): a module whose parameters
+    require grad, on a sample that requires grad, replays exactly under no_grad; with grad
+    mode on, where eager's outputs would require grad, the replay refuses naming itself."""
+    from models import Block
+
+    torch.manual_seed(0)
+    eager = Block(8)
+    module = copy.deepcopy(eager)
+    with torch.no_grad():
+        graphed = leangraph.make_graphed_callables(
+            module, (torch.randn(4, 8, requires_grad=True),))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert torch.equal(graphed(x), eager(x))
+    with raises(RuntimeError, "callable 0 (Block) was captured under torch.no_grad(), so it has "
+                "forward graphs only", "capture it with grad enabled"):
+        graphed(x)
+    with torch.inference_mode():
+        assert torch.equal(graphed(x), eager(x))

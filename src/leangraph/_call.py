@@ -44,6 +44,8 @@ class Call:
             device and ``requires_grad``, or the constant): the two run the same kernels, so
             the probe measures only the first, and warm-up runs only the first (the plan's
             warm-up is over these graphs).
+        grad_enabled: Whether grad mode was on at the call: under ``torch.no_grad()`` the
+            outputs need no gradient and the graphs get no backward (forward graphs only).
     """
 
     callables: tuple[Any, ...]
@@ -52,6 +54,7 @@ class Call:
     device: torch.device
     single: bool
     alike: tuple[int, ...]
+    grad_enabled: bool = True
 
     def callable_index(self, graph: int) -> int:
         """Position in ``callables`` of the callable graph ``graph`` runs."""
@@ -116,7 +119,15 @@ def validate_call(
     samples = _normalize_samples(sample_args, sample_kwargs, plan.layout.num_graphs)
     device = _common_device(samples, callables)
     alike = _first_alike(plan, callables, samples)
-    return Call(tuple(callables), samples, plan.warming(set(alike)), device, single, alike)
+    return Call(
+        tuple(callables),
+        samples,
+        plan.warming(set(alike)),
+        device,
+        single,
+        alike,
+        grad_enabled=torch.is_grad_enabled(),
+    )
 
 
 def _make_plan(

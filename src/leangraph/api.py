@@ -250,6 +250,7 @@ def _hand_back(call: Call, built: Built, options: CaptureOptions) -> Any:
             sequence,
             debug_outputs=options.debug_outputs,
             overlap_grad_accumulation=options.overlap_grad_accumulation,
+            captured_under_no_grad=not call.grad_enabled,
         )
         for record in built.records
     ]

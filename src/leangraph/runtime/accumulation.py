@@ -47,7 +47,8 @@ class InGraphAccumulation:
             watched = fused.relay.nodes
         else:
             self.autograd_inputs = (torch.empty(0, device=device, requires_grad=True),)
-            watched = (accumulator_node(self.autograd_inputs[0]),)
+            with torch.enable_grad():  # the call may come under no_grad
+                watched = (accumulator_node(self.autograd_inputs[0]),)
         self._watched = watched if fused.targets else ()
         # Without accumulator hooks, a post-accumulate-grad hook added since capture is refused.
         self._hooks = fused.delivery is not HookDelivery.NONE

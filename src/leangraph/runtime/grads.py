@@ -36,8 +36,10 @@ class GradRouting:
 
     def __init__(self, record: GraphRecord, pending: PendingBackwards) -> None:
         delivers = record.delivers_param_grads()
-        grads = iter(record.static_grads)
-        inputs = tuple(next(grads) if s.requires_grad else None for s in record.signature.specs)
+        grads = iter(record.static_grads)  # empty for a graph without a backward
+        inputs = tuple(
+            next(grads, None) if s.requires_grad else None for s in record.signature.specs
+        )
         params = (
             tuple(next(grads, None) if trains else None for trains in record.param_trains)
             if delivers

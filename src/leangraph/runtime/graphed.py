@@ -66,7 +66,9 @@ class GraphedCallable:
         *,
         debug_outputs: bool,
         overlap_grad_accumulation: bool = False,
+        captured_under_no_grad: bool = False,
     ) -> None:
+        self._guard: OutputGuard | None = None  # first: __del__ may run after a failed init
         self._record: GraphRecord | None = record
         self._label = record.label
         self._graph_id = record.graph_id
@@ -109,7 +111,9 @@ class GraphedCallable:
         )
         self._param_slots = _parameter_slots(record)
         self._debug_outputs = debug_outputs
-        self._guard: OutputGuard | None = None
+        # Captured under no_grad: forward graphs only, which cannot make outputs that need
+        # a gradient (eager's would, replayed with grad mode on).
+        self._forward_only = captured_under_no_grad and not record.has_backward
         self._forward_generation = 0
         self._backward_generation = -1
 
@@ -175,6 +179,8 @@ class GraphedCallable:
             self._fused.before_forward()
         leaves = self._signature.bind(args, kwargs)
         leaves = [_UNWRAP_IF_DEAD(t) for t in leaves]
+        if self._forward_only and torch.is_grad_enabled():
+            self._refuse_grad_replay(record, leaves)
         if self._frozen_params:
             self._check_frozen_params()
         clone_grads = tuple([t.requires_grad and t.grad_fn is None for t in leaves])
@@ -269,6 +275,18 @@ class GraphedCallable:
         if self._state is _State.RESET or record is None:
             raise GraphResetError(f"{self._label}: cannot {what}: this graphed callable was reset")
         return record
+
+    def _refuse_grad_replay(self, record: GraphRecord, leaves: Sequence[torch.Tensor]) -> None:
+        """A forward-only graph (captured under no_grad) replayed where eager's outputs would
+        require grad: refuse, rather than hand back outputs that silently do not."""
+        if any(t.requires_grad for t in leaves) or any(p.requires_grad for p in record.params):
+            raise RuntimeError(
+                f"{self._label} was captured under torch.no_grad(), so it has forward graphs "
+                "only, but is called with grad mode on and inputs or parameters that require "
+                "grad: eager's outputs would require grad, and this replay's cannot. Call it "
+                "under torch.no_grad() (or inference_mode), or capture it with grad enabled "
+                "to train through it"
+            )
 
     def _check_frozen_params(self) -> None:
         """A parameter frozen at capture has no gradient in the backward graph: refuse to
