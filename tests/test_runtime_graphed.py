@@ -276,10 +276,10 @@ def test_l6_graphed_callables_cannot_be_copied_or_pickled():
         pickle.dumps(graphed[0].forward)
 
 
-def test_a_backward_with_create_graph_gives_eagers_gradients_and_refuses_a_second_order():
+def test_r20_a_backward_with_create_graph_gives_eagers_gradients_and_refuses_a_second_order():
     """A graph's backward is no differentiable function: with ``create_graph=True`` its
-    gradients are eager's, and differentiating them again raises, as torch's
-    ``once_differentiable`` makes it (the usual backward skips that wrapper)."""
+    gradients are eager's, and differentiating them again raises, naming the callable (R20;
+    the usual backward, grad mode off, skips that wrapping)."""
     torch.manual_seed(0)
     eager = Block(8)
     module = copy.deepcopy(eager)
@@ -289,7 +289,8 @@ def test_a_backward_with_create_graph_gives_eagers_gradients_and_refuses_a_secon
     (grad,) = torch.autograd.grad(graphed(x).square().sum(), x, create_graph=True)
     (expected,) = torch.autograd.grad(eager(x_eager).square().sum(), x_eager)
     assert torch.equal(grad, expected)
-    with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
+    with raises(RuntimeError, "callable 0 (Block): cannot differentiate its backward (a "
+                "second-order gradient)", "differentiate the eager callable instead"):
         grad.sum().backward()
 
 

@@ -519,9 +519,22 @@ def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | Non
     return (None, None, None, *grad_inputs) + (None,) * (ctx.num_tensors - len(grad_inputs))
 
 
-# A graph's backward is not differentiable: torch's wrapper makes a double backward raise. It
-# costs a grad-mode switch per replay, so the usual backward (grad mode off) goes around it.
-_backward_once = torch.autograd.function.once_differentiable(_replay_backward)
+def _backward_once(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The backward under ``create_graph=True``: the replay's gradients, whose own backward
+    raises, naming the callable (a graph's backward is fixed kernels, not differentiable;
+    torch's ``once_differentiable`` would raise without the name). The usual backward, with
+    grad mode off, goes around this."""
+    with torch.no_grad():
+        outputs = _replay_backward(ctx, *grads)
+    if not any(g is not None and g.requires_grad for g in grads):
+        return outputs
+    owner: GraphedCallable = ctx.owner
+    refusal = torch._C._functions.DelayedError(
+        f"{owner.label}: cannot differentiate its backward (a second-order gradient): the "
+        "backward graph replays fixed kernels; differentiate the eager callable instead",
+        len(outputs),
+    )
+    return refusal(*[None if o is None else o.detach().requires_grad_() for o in outputs])  # type: ignore[arg-type]
 
 
 # ``Function.apply`` is a Python wrapper around autograd's C implementation that, outside
