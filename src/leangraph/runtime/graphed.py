@@ -157,7 +157,9 @@ class GraphedCallable:
             TypeError, ValueError: if the arguments differ from the captured ones in
                 structure, keys, dtype, shape, device or ``requires_grad``.
             RuntimeError: under a ``torch.func`` transform; with
-                ``accumulator_hooks="python"``, inside torch's ``DistributedDataParallel``.
+                ``accumulator_hooks="python"``, inside torch's ``DistributedDataParallel``;
+                captured under ``torch.no_grad()``, with grad mode on where eager's outputs
+                would require grad.
         """
         record = self._record
         if record is not None and record.module is not None:
