@@ -370,10 +370,8 @@ def call_python_hooks(label: str, hooks: PythonHooks) -> None:
 
 # Per parameter, the backward pass (graph task) in which replays last called its hooks, and
 # whose PythonHooks did: two graphs (of two calls, or two microbatches of one layer) must not
-# both call its hooks in one pass.
-_CALLED_IN: WeakIdKeyDictionary = (
-    WeakIdKeyDictionary()
-)  # keyed by identity: a tensor's == is elementwise
+# both call its hooks in one pass. Keyed by identity: a tensor's == is elementwise.
+_CALLED_IN: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _GRAPH_TASK_ID = torch._C._current_graph_task_id
 
 
