@@ -294,7 +294,8 @@ def test_r20_a_backward_with_create_graph_gives_eagers_gradients_and_refuses_a_s
         grad.sum().backward()
 
 
-def test_r19_a_graph_captured_under_no_grad_replays_forward_only():
+@pytest.mark.parametrize("fused", [False, True], ids=["autograd", "fused"])
+def test_r19_a_graph_captured_under_no_grad_replays_forward_only(fused):
     """Under no_grad the graphs get no backward (inference graphs): a module whose parameters
     require grad, on a sample that requires grad, replays exactly under no_grad; with grad
     mode on, where eager's outputs would require grad, the replay refuses naming itself."""
@@ -305,7 +306,7 @@ def test_r19_a_graph_captured_under_no_grad_replays_forward_only():
     module = copy.deepcopy(eager)
     with torch.no_grad():
         graphed = leangraph.make_graphed_callables(
-            module, (torch.randn(4, 8, requires_grad=True),))
+            module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=fused)
     x = torch.randn(4, 8)
     with torch.no_grad():
         assert torch.equal(graphed(x), eager(x))

@@ -189,7 +189,10 @@ def _named_parameters(fn: object) -> tuple[tuple[str, torch.nn.Parameter], ...]:
 
 
 def _trained(source: GraphSource) -> list[tuple[str, torch.nn.Parameter]]:
-    """The parameters a graph trains, with their names, in gradient order."""
+    """The parameters a graph trains, with their names, in gradient order: none for a graph
+    without a backward (captured under no_grad), which gets no gradient buffer either."""
+    if not source.facts.has_backward:
+        return []
     return [
         (name, param)
         for name, param, trains in zip(source.param_names, source.params, source.facts.trains)
