@@ -323,3 +323,24 @@ def test_tied_parameters_of_two_callables_keep_the_relay_with_python_hooks():
         graphed[1](graphed[0](x)).sum().backward()
         assert torch.equal(eager[0].weight.grad, tied[0].weight.grad)
     assert counts == {"eager": 2, "graphed": 2}
+
+
+@pytest.mark.parametrize("hooks", [True, "python"], ids=["relay", "python"])
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_hooks_see_the_grad_mode_of_the_backward_pass_as_in_eager(hooks, create_graph):
+    """Autograd runs accumulators, and their hooks, in the pass's grad mode (on with
+    ``create_graph=True``); the replay's calls do the same."""
+    eager, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+        accumulator_hooks=hooks)
+    seen: dict[str, list[bool]] = {"eager": [], "graphed": []}
+    for name, m in (("eager", eager), ("graphed", module)):
+        m.up.weight.register_post_accumulate_grad_hook(
+            lambda _, name=name: seen[name].append(torch.is_grad_enabled()))
+    x = torch.randn(4, 8, requires_grad=True)
+    eager(x).square().sum().backward(create_graph=create_graph)
+    graphed(x).square().sum().backward(create_graph=create_graph)
+    assert seen["graphed"] == seen["eager"] == [create_graph]
+    for m in (eager, module):  # create_graph=True leaves .grad in a cycle with the parameter
+        m.zero_grad(set_to_none=True)

@@ -516,8 +516,15 @@ def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | Non
     owner: GraphedCallable = ctx.owner
     grad_inputs = owner._replay_backward(grads, ctx.generation, ctx.clone_inputs)
     owner._call_accumulator_hooks()
-    # Nothing for the relay or stand-in, if given: a relay's accumulators then run their
-    # hooks without accumulating, the gradients being in place already.
+    return _node_grads(ctx, grad_inputs)
+
+
+def _node_grads(
+    ctx: Any, grad_inputs: tuple[torch.Tensor | None, ...]
+) -> tuple[torch.Tensor | None, ...]:
+    """The replay node's gradients: none for its three non-tensor arguments, and none for the
+    relay or stand-in, if given: a relay's accumulators then run their hooks without
+    accumulating, the gradients being in place already."""
     return (None, None, None, *grad_inputs) + (None,) * (ctx.num_tensors - len(grad_inputs))
 
 
@@ -526,11 +533,13 @@ def _backward_once(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None,
     raises, naming the callable (a graph's backward is fixed kernels, not differentiable;
     torch's ``once_differentiable`` would raise without the name). The usual backward, with
     grad mode off, goes around this."""
+    owner: GraphedCallable = ctx.owner
     with torch.no_grad():
-        outputs = _replay_backward(ctx, *grads)
+        grad_inputs = owner._replay_backward(grads, ctx.generation, ctx.clone_inputs)
+    owner._call_accumulator_hooks()  # in the pass's grad mode, as autograd runs accumulators
+    outputs = _node_grads(ctx, grad_inputs)
     if not any(g is not None and g.requires_grad for g in grads):
         return outputs
-    owner: GraphedCallable = ctx.owner
     refusal = torch._C._functions.DelayedError(
         f"{owner.label}: cannot differentiate its backward (a second-order gradient): the "
         "backward graph replays fixed kernels; differentiate the eager callable instead",
