@@ -9,11 +9,11 @@ import copy
 
 import pytest
 import torch
+from models import Block, assert_histories_equal, train_both
+from test_runtime_accumulation import HOOK_MODES, ZB, _Megatron
 
 import leangraph
 import leangraph.schedules
-from models import Block, assert_histories_equal, train_both
-from test_runtime_accumulation import HOOK_MODES, ZB, _Megatron
 
 pytestmark = pytest.mark.cuda
 
@@ -118,3 +118,22 @@ def test_without_accumulator_hooks_only_the_inputs_accumulator_runs_on_cuda():
     assert _accumulators_run() == 4 * (6 + 1)  # the control: the relay reaches 6 parameters
     assert _accumulators_run(accumulator_hooks=False) == 4
     assert _accumulators_run(accumulator_hooks="python") == 4
+
+
+@pytest.mark.parametrize("hooks", [True, "python", False], ids=["relay", "python", "none"])
+def test_r18_autograd_grad_through_fused_graphs_is_refused_on_cuda(hooks):
+    """The refusal asks autograd's engine about accumulator nodes; on CUDA it runs them on
+    its device thread, so the same question is asked there."""
+    torch.manual_seed(0)
+    module = Block(64).cuda()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(8, 64, device="cuda", requires_grad=True),),
+        fuse_grad_accumulation=True, accumulator_hooks=hooks)
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    out = graphed(x).square().sum()
+    with pytest.raises(RuntimeError, match="accumulates no gradient into some or all"):
+        torch.autograd.grad(out, x, retain_graph=True)
+    assert all(p.grad is None for p in module.parameters())
+    out.backward()
+    torch.cuda.synchronize()
+    assert all(p.grad is not None for p in module.parameters())

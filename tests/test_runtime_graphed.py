@@ -294,20 +294,22 @@ def test_r20_a_backward_with_create_graph_gives_eagers_gradients_and_refuses_a_s
         grad.sum().backward()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("fused", [False, True], ids=["autograd", "fused"])
-def test_r19_a_graph_captured_under_no_grad_replays_forward_only(fused):
+def test_r19_a_graph_captured_under_no_grad_replays_forward_only(fused, device):
     """Under no_grad the graphs get no backward (inference graphs): a module whose parameters
     require grad, on a sample that requires grad, replays exactly under no_grad; with grad
     mode on, where eager's outputs would require grad, the replay refuses naming itself."""
     from models import Block
 
     torch.manual_seed(0)
-    eager = Block(8)
+    eager = Block(8).to(device)
     module = copy.deepcopy(eager)
     with torch.no_grad():
         graphed = leangraph.make_graphed_callables(
-            module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=fused)
-    x = torch.randn(4, 8)
+            module, (torch.randn(4, 8, device=device, requires_grad=True),),
+            fuse_grad_accumulation=fused)
+    x = torch.randn(4, 8, device=device)
     with torch.no_grad():
         assert torch.equal(graphed(x), eager(x))
     with raises(RuntimeError, "callable 0 (Block) was captured under torch.no_grad(), so it has "
