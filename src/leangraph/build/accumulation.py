@@ -192,9 +192,8 @@ this attribute, publicly unlisted); a C-level getter, for loops over many parame
 
 
 def has_post_accumulate_hooks(param: torch.Tensor) -> bool:
-    """Whether ``param`` has a ``register_post_accumulate_grad_hook`` hook (torch keeps them
-    in this attribute, None or a dict, publicly unlisted)."""
-    return bool(getattr(param, "_post_accumulate_grad_hooks", None))
+    """Whether ``param`` has a ``register_post_accumulate_grad_hook`` hook."""
+    return bool(post_accumulate_hooks(param))
 
 
 def post_accumulate_hook_refusal(label: str, name: str) -> str:
@@ -361,7 +360,7 @@ def call_python_hooks(label: str, hooks: PythonHooks) -> None:
     ):
         if pre_hooks:
             _call_each(label, name, "accumulator pre-hook", pre_hooks.values(), (None,))
-        accumulate_hooks = param._post_accumulate_grad_hooks
+        accumulate_hooks = post_accumulate_hooks(param)
         if accumulate_hooks:
             _call_each(label, name, "post-accumulate-grad hook", accumulate_hooks.values(), param)
         if post_hooks:

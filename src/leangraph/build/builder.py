@@ -69,6 +69,8 @@ def build_graphs(
         Whatever the callables raise, with a note naming the phase, graph and step.
     """
     sources = graph_sources(call, facts, hooks, options)
+    # With in-graph accumulation: per graph, the parameters it trains and how their hooks fire.
+    trained: list[list[tuple[str, torch.nn.Parameter]]] = []
     deliveries: list[HookDelivery] = []
     if options.fuse_grad_accumulation:
         trained = [_trained(source) for source in sources]
@@ -79,7 +81,7 @@ def build_graphs(
     builders = [GraphBuilder(source, backend.new_pair()) for source in sources]
     try:
         capture = _warm_up_and_capture(
-            call, builders, buffer_plan, backend, options, deliveries, progress
+            call, builders, buffer_plan, backend, options, trained, deliveries, progress
         )
         return Built(tuple(b.record() for b in builders), capture)
     except BaseException as exc:
@@ -95,6 +97,7 @@ def _warm_up_and_capture(
     buffer_plan: BufferPlan | None,
     backend: GraphBackend,
     options: CaptureOptions,
+    trained: Sequence[Sequence[tuple[str, torch.nn.Parameter]]],
     deliveries: Sequence[HookDelivery],
     progress: ProgressCallback | None,
 ) -> CaptureRecord:
@@ -119,7 +122,7 @@ def _warm_up_and_capture(
     buffers = None if buffer_plan is None else StaticBuffers.allocate(buffer_plan)
     targets: list[tuple[AccumulationTarget, ...]] = []
     if options.fuse_grad_accumulation:
-        targets = allocate_targets([_trained(b.source) for b in builders])
+        targets = allocate_targets(trained)
         for builder, graph_targets, delivery in zip(builders, targets, deliveries):
             builder.fuse_into(graph_targets, delivery=delivery)
     # A capture that runs its work adds capture-time gradients into the targets: keep what

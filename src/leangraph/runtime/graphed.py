@@ -182,7 +182,7 @@ class GraphedCallable:
         leaves = self._signature.bind(args, kwargs)
         leaves = [_UNWRAP_IF_DEAD(t) for t in leaves]
         if self._forward_only and torch.is_grad_enabled():
-            self._refuse_grad_replay(record, leaves)
+            _refuse_grad_replay(self._label, record, leaves)
         if self._frozen_params:
             self._check_frozen_params()
         clone_grads = tuple([t.requires_grad and t.grad_fn is None for t in leaves])
@@ -277,18 +277,6 @@ class GraphedCallable:
         if self._state is _State.RESET or record is None:
             raise GraphResetError(f"{self._label}: cannot {what}: this graphed callable was reset")
         return record
-
-    def _refuse_grad_replay(self, record: GraphRecord, leaves: Sequence[torch.Tensor]) -> None:
-        """A forward-only graph (captured under no_grad) replayed where eager's outputs would
-        require grad: refuse, rather than hand back outputs that silently do not."""
-        if any(t.requires_grad for t in leaves) or any(p.requires_grad for p in record.params):
-            raise RuntimeError(
-                f"{self._label} was captured under torch.no_grad(), so it has forward graphs "
-                "only, but is called with grad mode on and inputs or parameters that require "
-                "grad: eager's outputs would require grad, and this replay's cannot. Call it "
-                "under torch.no_grad() (or inference_mode), or capture it with grad enabled "
-                "to train through it"
-            )
 
     def _check_frozen_params(self) -> None:
         """A parameter frozen at capture has no gradient in the backward graph: refuse to
@@ -401,6 +389,19 @@ class GraphedCallable:
         fused = self._fused
         if fused is not None and self._weight is None:
             fused.call_hooks()
+
+
+def _refuse_grad_replay(label: str, record: GraphRecord, leaves: Sequence[torch.Tensor]) -> None:
+    """A forward-only graph (captured under no_grad) replayed with grad mode on: refuse where
+    eager's outputs would require grad, rather than hand back outputs that silently do not."""
+    if any(t.requires_grad for t in leaves) or any(p.requires_grad for p in record.params):
+        raise RuntimeError(
+            f"{label} was captured under torch.no_grad(), so it has forward graphs only, but "
+            "is called with grad mode on and inputs or parameters that require grad: eager's "
+            "outputs would require grad, and this replay's cannot. Call it under "
+            "torch.no_grad() (or inference_mode), or capture it with grad enabled to train "
+            "through it"
+        )
 
 
 def _device_of(record: GraphRecord) -> torch.device:
