@@ -50,7 +50,9 @@ replay the eager kernels on the same data in the same order. At larger sizes som
 are not run-to-run reproducible (at hidden 1024, sequence 2048 even the two eager runs differed
 by ~6e-8); ``--deterministic`` (``torch.use_deterministic_algorithms``) made them bitwise equal
 again, and ``--tolerance`` accepts a small difference instead. Then ``leangraph.reset_all``
-before ``dist.destroy_process_group``; any mismatch on any rank exits 1 on every rank.
+before ``dist.destroy_process_group`` (``--teardown alive`` leaves the graphs alive until the
+interpreter exits instead, after the group is gone); any mismatch on any rank exits 1 on every
+rank.
 """
 
 from __future__ import annotations
@@ -326,6 +328,10 @@ def setup(device_kind: str) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+# With --teardown alive: graphed callables the interpreter tears down at exit.
+_ALIVE_UNTIL_EXIT: list[object] = []
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"),
@@ -334,6 +340,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--tolerance", type=float, default=0.0,
                         help="largest |difference| accepted where results are not bitwise equal")
+    parser.add_argument("--teardown", choices=("reset", "alive"), default="reset",
+                        help="reset: leangraph.reset_all before destroy_process_group, as the "
+                             "docs prescribe; alive: leave the graphs alive until the "
+                             "interpreter exits, after the process group is gone (what a "
+                             "script that forgets reset_all does; it must not hang either)")
     parser.add_argument("--deterministic", action="store_true",
                         help="torch.use_deterministic_algorithms(True), for bitwise equality "
                              "where CUDA kernels are not reproducible (larger shapes)")
@@ -383,7 +394,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs["graphed"] = (train(p, links, lambda c, m, l: graphed[layout.graph_index(c, m, l)],
                              mine, data, targets), parameters(mine))
     ok = check(p, runs, args.tolerance)
-    leangraph.reset_all(graphed)  # before the process group goes
+    if args.teardown == "reset":
+        leangraph.reset_all(graphed)  # before the process group goes
+    else:
+        _ALIVE_UNTIL_EXIT.append(graphed)  # torn down at interpreter exit, after the group
     verdict = torch.tensor([int(ok)], device=device)
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN)  # any rank's mismatch fails every rank
     dist.destroy_process_group()

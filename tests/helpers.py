@@ -143,36 +143,54 @@ def rank_reports(commands: Sequence[Sequence[str]], out: Path, *, env: Mapping[s
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def two_gloo_ranks(script: str, out: Path, *, timeout: float) -> list[dict[str, Any]]:
-    """Run ``script`` as ranks 0 and 1 of a gloo group (its ``__main__`` calls
-    :func:`gloo_rank`); both ranks' reports, or a test failure naming the rank that failed."""
+def two_ranks(script: str, out: Path, *, timeout: float,
+              device: str = "cpu") -> list[dict[str, Any]]:
+    """Run ``script`` as ranks 0 and 1 of a process group (its ``__main__`` calls
+    :func:`rank_worker`): gloo on the CPU; on ``device="cuda"`` one GPU per rank, NCCL for
+    CUDA tensors. Both ranks' reports, or a test failure naming the rank that failed."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"),
                                            os.environ.get("PYTHONPATH", "")]))
     commands = [[sys.executable, script, "--rank", str(rank), "--port", str(port), "--out",
-                 str(out)] for rank in (0, 1)]
+                 str(out), "--device", device] for rank in (0, 1)]
     return rank_reports(commands, out, env=env, cwd=ROOT, timeout=timeout)
 
 
-def gloo_rank(run: Callable[[int], dict[str, Any]], description: str) -> None:
-    """The worker side of :func:`two_gloo_ranks`: join the group as ``--rank`` of two, and write
-    ``run(rank)``'s report, or the traceback as its ``"error"``, to ``--out/rank<r>.json``."""
+def two_gloo_ranks(script: str, out: Path, *, timeout: float) -> list[dict[str, Any]]:
+    """:func:`two_ranks` on the CPU, for a ``script`` whose ``__main__`` calls
+    :func:`gloo_rank`."""
+    return two_ranks(script, out, timeout=timeout)
+
+
+def rank_worker(run: Callable[[int, str], dict[str, Any]], description: str) -> None:
+    """The worker side of :func:`two_ranks`: join the group as ``--rank`` of two (on CUDA,
+    with GPU ``--rank`` current), and write ``run(rank, device)``'s report, or the traceback
+    as its ``"error"``, to ``--out/rank<r>.json``."""
     import torch.distributed as dist
 
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+    if args.device == "cuda":
+        torch.cuda.set_device(args.rank)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                             world_size=2)
     path = args.out / f"rank{args.rank}.json"
     try:
-        results = run(args.rank)
+        results = run(args.rank, args.device)
     except BaseException:
         path.write_text(json.dumps({"error": traceback.format_exc()}))
         os._exit(1)  # the peer may wait on this rank forever; its own error ends it
     path.write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def gloo_rank(run: Callable[[int], dict[str, Any]], description: str) -> None:
+    """:func:`rank_worker` for CPU-only cases: ``run(rank)``."""
+    rank_worker(lambda rank, device: run(rank), description)

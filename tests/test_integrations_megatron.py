@@ -6,7 +6,8 @@ A tiny GPT (Megatron's local layer spec, bf16, Megatron's DDP with ``main_grad``
 captures through the adapter; losses, ``main_grad`` and parameters must be bitwise equal over
 three optimizer steps. Megatron's parallel state is process-global, so every training run
 happens in worker processes (this file run as a script): one for PP=1, two over gloo for
-PP=2 (with and without VP=2), one on a GPU for the ``cuda`` test. CPU runs use
+PP=2 (with and without VP=2), one on a GPU for the ``cuda`` test, and two on two GPUs over
+NCCL (PP=2, VP=2) for the ``multigpu`` one. CPU runs use
 ``leangraph.integrations.megatron_cpu.cpu_shim()``. The adapter's own checks run in this
 process on small modules (the CPU reference backend).
 
@@ -77,6 +78,7 @@ CASES = {
                                  "fuse_grad_accumulation": True, "accumulator_hooks": "python"}),
 }
 CUDA_CASES = ("pp1", "pp1-fused", "pp1-overlap-grad-reduce-fused-python")
+TWO_GPU_CASES = ("pp2-vp2", "pp2-vp2-fused", "pp2-vp2-fused-python")  # one GPU a rank, NCCL
 
 
 class DdpProbe:
@@ -143,12 +145,34 @@ class DdpProbe:
         return [(index[key], flag, has_grad) for key, flag, has_grad in self.calls]
 
 
-def _eager_run(example: Any, setup: Any) -> tuple[list[dict], list[Any], list[str]]:
-    """Train eagerly: the history, Megatron's hook calls and bucket reductions."""
+class CudaPeak:
+    """On CUDA, the allocator's peak above what was allocated on entry (MiB); None on the CPU."""
+
+    def __init__(self, device: str) -> None:
+        self._cuda = device == "cuda"
+        self.mib: float | None = None
+
+    def __enter__(self) -> CudaPeak:
+        if self._cuda:
+            torch.cuda.synchronize()
+            self._base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._cuda:
+            torch.cuda.synchronize()
+            self.mib = (torch.cuda.max_memory_allocated() - self._base) / 2**20
+
+
+def _eager_run(example: Any, setup: Any) -> tuple[list[dict], list[Any], list[str], float | None]:
+    """Train eagerly: the history, Megatron's hook calls and bucket reductions, and on CUDA
+    the steps' peak above the built model (MiB)."""
     with DdpProbe() as probe:
         config, chunks = example.build_model(setup, graphed=False)
-        history = example.train_steps(setup, config, chunks)
-    return history, probe.hook_log(chunks), probe.syncs
+        with CudaPeak(setup.device) as peak:
+            history = example.train_steps(setup, config, chunks)
+    return history, probe.hook_log(chunks), probe.syncs, peak.mib
 
 
 def _graphed_run(example: Any, setup: Any) -> tuple[list[dict], dict[str, Any], Any]:
@@ -160,7 +184,8 @@ def _graphed_run(example: Any, setup: Any) -> tuple[list[dict], dict[str, Any], 
         config, chunks = example.build_model(setup, graphed=True)
         with lgm.install(capture_options=setup.capture_options):
             helper = TECudaGraphHelper(chunks, config, example.SEQ, example.BATCH)
-            helper.create_cudagraphs()
+            with CudaPeak(setup.device) as capture_peak:
+                helper.create_cudagraphs()
             layers = [layer for chunk in helper.callables_per_chunk for layer in chunk]
             graphs = [graph for layer in layers for graph in layer.cuda_graphs]
             history = example.train_steps(setup, config, chunks)
@@ -183,6 +208,7 @@ def _graphed_run(example: Any, setup: Any) -> tuple[list[dict], dict[str, Any], 
             for kind, want in (("layer", True), ("other", False))
         },
         "grads_left": sum(p.grad is not None for p in params),
+        "capture_peak_mib": capture_peak.mib,  # warm-up + capture, above the built model
     }
     return history, facts, (probe.hook_log(chunks), probe.syncs, in_layer)
 
@@ -225,7 +251,7 @@ def _hook_facts(eager: list[Any], graphed: list[Any], in_layer: list[bool]) -> d
     }
 
 
-_EAGER: dict[Any, tuple[list[dict], list[Any], list[str]]] = {}
+_EAGER: dict[Any, tuple[list[dict], list[Any], list[str], float | None]] = {}
 
 
 def _reset_error(example: Any, setup: Any) -> str:
@@ -253,10 +279,10 @@ def run_case(name: str, device: str) -> dict[str, Any]:
     unfused = replace(setup, fuse_grad_accumulation=False, accumulator_hooks=True)
     if unfused not in _EAGER:
         _EAGER[unfused] = _eager_run(example, unfused)
-    eager, eager_hooks, eager_syncs = _EAGER[unfused]
+    eager, eager_hooks, eager_syncs, eager_peak = _EAGER[unfused]
     graphed, facts, (hooks, syncs, in_layer) = _graphed_run(example, setup)
     counts, mismatches = _compare(eager, graphed)
-    return {"counts": counts, "mismatches": mismatches, **facts,
+    return {"counts": counts, "mismatches": mismatches, **facts, "eager_step_peak_mib": eager_peak,
             **_hook_facts(eager_hooks, hooks, in_layer), "syncs": [eager_syncs, syncs],
             "setup": asdict(setup)}
 
@@ -268,7 +294,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     if args.device == "cuda":
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(args.rank)  # one GPU a rank
     dist.init_process_group(
         "nccl" if args.device == "cuda" else "gloo",
         init_method=f"tcp://127.0.0.1:{args.port}",
@@ -282,7 +308,8 @@ def _worker(args: argparse.Namespace) -> None:
         shim = cpu_shim() if args.device == "cpu" else _no_shim()
         with shim:
             for name, (world, kwargs) in CASES.items():
-                if world != args.world or (args.device == "cuda" and name not in CUDA_CASES):
+                on_gpu = CUDA_CASES + TWO_GPU_CASES
+                if world != args.world or (args.device == "cuda" and name not in on_gpu):
                     continue
                 example.initialize(example.Setup(**kwargs, device=args.device), args.rank, args.world)
                 results[name] = run_case(name, args.device)
@@ -413,6 +440,29 @@ def test_pp1_on_one_gpu_trains_bitwise_like_eager(name: str, one_gpu: list[dict]
     if isinstance(one_gpu, str):
         pytest.fail(one_gpu)
     check_case(name, one_gpu)
+
+
+@pytest.fixture(scope="module")
+def two_gpus(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _launch(2, "cuda", tmp_path_factory.mktemp("megatron-nccl"))
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("name", TWO_GPU_CASES)
+def test_pp2_vp2_on_two_gpus_trains_bitwise_like_eager(
+    name: str, two_gpus: list[dict[str, Any]], record_property: Any
+) -> None:
+    """Pipeline size 2, virtual pipeline 2, one GPU a rank over NCCL (issue 17). Each rank's
+    warm-up + capture peak and its own eager steps' peak, above the built model, are in the
+    test's properties (``--junitxml``) and in its output."""
+    check_case(name, two_gpus)
+    for rank, report in enumerate(two_gpus):
+        capture, eager = report[name]["capture_peak_mib"], report[name]["eager_step_peak_mib"]
+        assert capture is not None and eager is not None and eager > 0, report[name]
+        record_property(f"rank{rank}_capture_peak_mib", capture)
+        record_property(f"rank{rank}_eager_step_peak_mib", eager)
+        print(f"{name} rank {rank}: warm-up + capture peak {capture:.1f} MiB, eager step "
+              f"peak {eager:.1f} MiB (above the built model)")
 
 
 # --------------------------------------------------------------------------------------------

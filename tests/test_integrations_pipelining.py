@@ -7,6 +7,8 @@ gloo (the CPU reference backend), graphed and eagerly (a deep copy of the same s
 must ``schedule.eval()`` where torch's eager runtime runs it. Importing torch dominates the
 cost, so one pair of processes (this file, run as a script) runs every case, and
 ``examples/pipelining_torch.py``'s training too; the tests read what each rank reported.
+Marked ``multigpu``, a pair on two GPUs over NCCL runs an interleaved and two zero-bubble
+schedules, unfused and fused.
 
 Errors, eval and teardown are checked in this process on a pipeline of one rank (a gloo group
 of one; torch's runtime drives all stages on that rank); the same bitwise check runs there on
@@ -35,7 +37,7 @@ from leangraph.integrations.pipelining import (
     graph_pipeline_stages,
     stage_placement,
 )
-from helpers import gloo_rank, two_gloo_ranks
+from helpers import rank_worker, two_ranks
 from models import Block
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -264,9 +266,15 @@ def check_case(case: Case, results: list[dict[str, Any]]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _all_cases(rank: int) -> dict[str, Any]:
-    """Every case on ``rank`` of two."""
+def _all_cases(rank: int, device: str) -> dict[str, Any]:
+    """Every case on ``rank`` of two: on the CPU, also the refused placement and the example;
+    on CUDA (``rank``'s GPU, NCCL between them), the training cases and their fused variants."""
     results: dict[str, Any] = {}
+    if device == "cuda":
+        for case in TWO_GPU_CASES:
+            if hasattr(pipelining, case.schedule):
+                results[case.id] = run_case(case, pp_size=2, rank=rank, device=f"cuda:{rank}")
+        return results
     for case in CASES:
         if hasattr(pipelining, case.schedule):
             results[case.id] = run_case(case, pp_size=2, rank=rank)
@@ -303,26 +311,48 @@ def _example(rank: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def two_ranks_cpu(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Both ranks' reports (the workers run once for the whole module)."""
-    return two_gloo_ranks(__file__, tmp_path_factory.mktemp("pipelining"), timeout=TIMEOUT_S)
+    return two_ranks(__file__, tmp_path_factory.mktemp("pipelining"), timeout=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", [_present(case) for case in CASES])
-def test_two_ranks_train_bitwise_like_eager(case: Case, two_ranks: list[dict[str, Any]]) -> None:
-    check_case(case, [report[case.id] for report in two_ranks])
+def test_two_ranks_train_bitwise_like_eager(case: Case, two_ranks_cpu: list[dict[str, Any]]) -> None:
+    check_case(case, [report[case.id] for report in two_ranks_cpu])
 
 
-def test_two_ranks_schedule_refuses_stages_placed_elsewhere(two_ranks) -> None:
+def test_two_ranks_schedule_refuses_stages_placed_elsewhere(two_ranks_cpu) -> None:
     if not hasattr(pipelining, "ScheduleZBVZeroBubble"):
         pytest.skip("this torch has no ScheduleZBVZeroBubble")
     assert "ScheduleZBVZeroBubble places stage 2 on rank 1, but rank 0 captured it" in (
-        two_ranks[0]["placement_error"])
-    assert "places stage 3 on rank 0, but rank 1 captured it" in two_ranks[1]["placement_error"]
+        two_ranks_cpu[0]["placement_error"])
+    assert "places stage 3 on rank 0, but rank 1 captured it" in (
+        two_ranks_cpu[1]["placement_error"])
 
 
-def test_two_ranks_run_the_example_bitwise_like_eager(two_ranks) -> None:
-    assert [report["example"] for report in two_ranks] == [True, True]
+def test_two_ranks_run_the_example_bitwise_like_eager(two_ranks_cpu) -> None:
+    assert [report["example"] for report in two_ranks_cpu] == [True, True]
+
+
+# Two GPUs over NCCL (issue 17): torch's own step() with an interleaved and a zero-bubble
+# schedule, unfused and fused in both hook modes.
+TWO_GPU_CASES = [Case(schedule, 2, layers, glue=glue, fused_hooks=hooks)
+                 for schedule, layers, glue in (("ScheduleInterleaved1F1B", 2, True),
+                                                ("ScheduleInterleavedZeroBubble", 1, False),
+                                                ("ScheduleZBVZeroBubble", 1, True))
+                 for hooks in (None, True, "python")]
+
+
+@pytest.fixture(scope="module")
+def two_gpus(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return two_ranks(__file__, tmp_path_factory.mktemp("pipelining-nccl"), timeout=TIMEOUT_S,
+                     device="cuda")
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("case", [_present(case) for case in TWO_GPU_CASES])
+def test_two_gpus_train_bitwise_like_eager(case: Case, two_gpus: list[dict[str, Any]]) -> None:
+    check_case(case, [report[case.id] for report in two_gpus])
 
 
 # --------------------------------------------------------------------------------------------
@@ -502,4 +532,4 @@ def test_stage_modules_errors(build, message: str) -> None:
 
 
 if __name__ == "__main__":
-    gloo_rank(_all_cases, "one rank of the two-rank pipelining tests")
+    rank_worker(_all_cases, "one rank of the two-rank pipelining tests")
