@@ -99,10 +99,23 @@ def test_a_module_binding_only_without_an_order():
     _, built = build_stage((block, double), ((sample(),), (sample(),)))
     binding, none = built.records[0].module, built.records[1].module
     assert isinstance(binding, ModuleBinding) and none is None
-    assert binding.module() is block and binding.training is False
+    assert binding.module() is block
     assert binding.eager_forward() == block.forward
     _, ordered = build_stage((Block(4),), ((sample(),),), order=[1, -1])
     assert ordered.records[0].module is None
+
+
+def test_a_module_state_for_every_module_callable_with_or_without_an_order():
+    block = Block(4).eval()
+    block.up.train()
+    _, built = build_stage((block, double), ((sample(),), (sample(),)))
+    state, none = built.records[0].modules, built.records[1].modules
+    assert none is None and state.root() is block
+    assert [name for name, _ in state.submodules] == ["norm", "up", "down"]
+    assert state.parents == (0, 0, 0) and state.local_names == ("norm", "up", "down")
+    assert state.training == (False, False, True, False)
+    _, ordered = build_stage((Block(4),), ((sample(),),), order=[1, -1])
+    assert ordered.records[0].modules is not None
 
 
 def test_split_backwards_keep_weight_gradients_apart():

@@ -458,11 +458,14 @@ def test_eval_and_no_grad_run_eagerly_even_after_reset(one_rank: None) -> None:
     assert isinstance(info.value.__cause__, leangraph.GraphResetError)
 
 
-def test_layers_in_another_training_mode_run_eagerly(one_rank: None) -> None:
+@pytest.mark.parametrize("which", ["every module", "one module inside a layer"])
+def test_layers_in_another_training_mode_run_eagerly(which: str, one_rank: None) -> None:
     graphed, _, case = _gpipe()
     schedule = graphed.schedule(mse)
     graphed.reset()  # any replay would now raise GraphResetError
-    for module in graphed.stages[0].submod.modules():
+    stage = graphed.stages[0].submod
+    inner = list(stage.layers[0].modules())[-1]  # a Linear inside the first layer
+    for module in stage.modules() if which == "every module" else [inner]:
         module.eval()
     x, y = batch(case, 0, "cpu")
     losses: list[torch.Tensor] = []

@@ -124,3 +124,38 @@ def test_w3_outputs_must_be_tensors_or_constants():
         mgc((lambda x: (x * 2, Opaque()),), ((sample(),),))
     with raises(TypeError, "outputs hold no tensor; a graph must return at least one"):
         mgc((lambda x: (None, 3),), ((sample(),),))
+
+
+class _WritesIntoCache(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        keys = self.keys(x)
+        cache[:, :4].copy_(keys.detach())  # a KV-cache update: eager writes the caller's tensor
+        return keys
+
+
+@pytest.mark.parametrize("as_keyword", [False, True])
+def test_w11_a_callable_writing_into_an_input_is_refused_before_warm_up(as_keyword):
+    module = _WritesIntoCache()
+    x, cache = torch.randn(2, 4, requires_grad=True), torch.zeros(2, 8)
+    warmed: list[str] = []
+    sample = ((x,), {"cache": cache}) if as_keyword else ((x, cache), {})
+    with pytest.raises(ValueError, match=(r"callable 0 \(_WritesIntoCache\) writes into "
+                                          + ("kwarg 'cache'" if as_keyword else "input 1")
+                                          + " in place, but a graphed replay writes into its "
+                                            "static copy")):
+        leangraph.make_graphed_callables(
+            module, sample[0], sample_kwargs=sample[1] or None,
+            pre_warmup_hook=lambda: warmed.append("warm-up"))
+    assert warmed == []
+
+
+def test_a_callable_reading_its_inputs_only_passes_the_write_check():
+    module = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    graphed = leangraph.make_graphed_callables(module, (x,))
+    graphed(torch.randn(2, 4)).sum().backward()
+    leangraph.reset_all(graphed)

@@ -245,3 +245,89 @@ def test_a_chained_layer_reads_the_next_layers_input_gradient_as_its_seed(branch
 
 def _bitwise(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(a, b), f"max diff {(a - b).abs().max()}"
+
+
+# --------------------------------------------------------------------------------------------
+# A non-leaf input that several graphs of one backward pass take: its node waits for all of
+# their gradients, so none may be a buffer another replay of the pass overwrites first.
+# --------------------------------------------------------------------------------------------
+
+
+class _WithMemory(torch.nn.Module):
+    """A layer with a second input every layer takes (a cross-attention memory, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x) + memory)
+
+
+def _source_grads(run, source: torch.Tensor, callables) -> torch.Tensor:
+    source.grad = None
+    run(callables)
+    assert source.grad is not None
+    return source.grad.clone()
+
+
+@pytest.mark.parametrize("share_buffers", [True, False])
+def test_two_drop_in_callables_taking_one_non_leaf_input_get_eager_gradients(share_buffers):
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    eager = (copy.deepcopy(first), copy.deepcopy(second))
+    graphed = leangraph.make_graphed_callables(
+        (first, second), ((torch.randn(3, 4, requires_grad=True),),) * 2,
+        share_buffers=share_buffers)
+    source = torch.randn(3, 4, requires_grad=True)
+
+    def run(fns):
+        hidden = source * 1.5  # not a leaf: its node gets both graphs' gradients
+        (fns[0](hidden).sum() + 2 * fns[1](hidden).sum()).backward()
+
+    assert torch.equal(_source_grads(run, source, graphed), _source_grads(run, source, eager))
+
+
+def test_every_layer_taking_one_non_leaf_memory_in_1f1b_gets_eager_gradients():
+    from leangraph.schedules import one_f_one_b
+
+    torch.manual_seed(0)
+    layers = (_WithMemory(), _WithMemory())
+    eager = copy.deepcopy(layers)
+    samples = tuple((torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True))
+                    for _ in range(2 * 2))
+    graphed = leangraph.make_graphed_callables(layers, samples, order=one_f_one_b(1, 0, 2),
+                                               num_layers_per_chunk=2)
+    source = torch.randn(4, 4, requires_grad=True)
+
+    def run(layer_of):
+        for microbatch in range(2):
+            memory = source * (microbatch + 1)
+            hidden = torch.randn(4, 4, generator=torch.Generator().manual_seed(microbatch))
+            for layer in range(2):
+                hidden = layer_of(microbatch, layer)(hidden, memory)
+            hidden.sum().backward()
+
+    graphed_grad = _source_grads(run, source, lambda m, l: graphed[m * 2 + l])
+    assert torch.equal(graphed_grad, _source_grads(run, source, lambda m, l: eager[l]))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(
+        (p for m in layers for p in m.parameters()), (p for m in eager for p in m.parameters())))
+
+
+def test_gpipe_microbatches_taking_one_non_leaf_input_get_eager_gradients():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4)
+    eager = copy.deepcopy(layer)
+    forward, backward = leangraph.StepKind.FORWARD, leangraph.StepKind.BACKWARD
+    order = [leangraph.Step(forward, 1, m) for m in range(3)] + [
+        leangraph.Step(backward, 1, m) for m in reversed(range(3))]
+    graphed = leangraph.make_graphed_callables(
+        (layer,), tuple((torch.randn(4, 4, requires_grad=True),) for _ in range(3)), order=order)
+    source = torch.randn(4, 4, requires_grad=True)
+
+    def run(layer_of):
+        hidden = source * 1.0
+        sum((m + 1) * layer_of(m)(hidden).sum() for m in range(3)).backward()
+
+    assert torch.equal(_source_grads(run, source, lambda m: graphed[m]),
+                       _source_grads(run, source, lambda m: eager))

@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 from ._call import Call, Sample
 from .buffers import BufferKey
 from .errors import phase_note
-from .leaves import LeafTemplate, is_constant
+from .leaves import LeafTemplate, is_constant, leaf_names
 
 __all__ = ["GraphFacts", "LayerMemory", "probe"]
 
@@ -117,6 +117,7 @@ def probe(
 
     Raises:
         TypeError: naming the graph whose output has a leaf that is not a tensor.
+        ValueError: naming the graph whose callable writes into an input in place.
     """
     facts: list[GraphFacts] = []
     devices = [call.device] if call.device.type == "cuda" else []
@@ -235,7 +236,9 @@ def _measure(
     inputs = [t for t in call_leaves if isinstance(t, torch.Tensor)]
     params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
     buffers = list(fn.buffers()) if isinstance(fn, torch.nn.Module) else []
+    versions = [t._version for t in inputs]
     with _run_forward(fn, call_leaves, tree, around_forward) as (returned, saved_tensors):
+        _refuse_input_writes(label, sample, inputs, versions)
         output_leaves, output_tree = pytree.tree_flatten(returned)
         template = output_template(label, output_leaves)
         outputs = [t for t in output_leaves if isinstance(t, torch.Tensor)]
@@ -243,6 +246,31 @@ def _measure(
         memory = _layer_memory(inputs, params, buffers, outputs, saved_tensors)
     named = fn.named_parameters() if isinstance(fn, torch.nn.Module) else ()
     return GraphFacts(memory, output_tree, template, tuple(p.requires_grad for _, p in named))
+
+
+def _refuse_input_writes(
+    label: str,
+    sample: Sample,
+    inputs: Sequence[torch.Tensor],
+    versions: Sequence[int],
+) -> None:
+    """Refuse a callable that writes into one of its inputs in place (a KV-cache update, an
+    in-place activation on its argument): a replay writes into its static copy of the input,
+    so the tensor the caller passed would silently keep its old values."""
+    written = [i for i, (t, version) in enumerate(zip(inputs, versions)) if t._version != version]
+    if not written:
+        return
+    leaves = pytree.tree_leaves(sample)
+    tensor_names = [
+        name for name, leaf in zip(leaf_names(sample), leaves) if isinstance(leaf, torch.Tensor)
+    ]
+    names = ", ".join(tensor_names[i] for i in written)
+    raise ValueError(
+        f"{label} writes into {names} in place, but a graphed replay writes into its static "
+        "copy of each input, not into the tensor the caller passes, which would keep its old "
+        "values; expected a callable that leaves its inputs alone (clone an input before "
+        "writing into it, or return the new values)"
+    )
 
 
 def _refuse_reentrant_checkpoint(label: str, outputs: Sequence[torch.Tensor]) -> None:

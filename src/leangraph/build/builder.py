@@ -38,7 +38,7 @@ from .accumulation import (
 )
 from .capture import run_capture
 from .graph import GraphBuilder, GraphSource
-from .record import GraphRecord, ModuleBinding, ParameterSharing
+from .record import GraphRecord, ModuleBinding, ModuleState, ParameterSharing
 from .recorder import MemoryRecorder
 from .warmup import run_warmup
 
@@ -151,6 +151,9 @@ def graph_sources(
     sharing = parameter_sharing(call, facts, [tuple(p for _, p in n) for n in named_by_callable])
     seen: set[int] = set()
     last_signature: dict[int, CallSignature] = {}  # per callable: its graphs share a structure
+    states = [
+        ModuleState.of(fn) if isinstance(fn, torch.nn.Module) else None for fn in call.callables
+    ]
     sources = []
     for graph in range(call.plan.layout.num_graphs):
         fn = call.callable_of(graph)
@@ -178,6 +181,8 @@ def graph_sources(
                 hooks=hooks[index],
                 sharing=sharing[graph],
                 module=_binding(fn) if not call.plan.ordered else None,
+                modules=states[index],
+                backward_shares_pass=call.plan.backward_shares_pass(graph),
                 allow_unused_input=options.allow_unused_input,
                 retain_graph=options.retain_graph_in_backward,
                 split_backward=call.plan.split_backward,
@@ -204,7 +209,7 @@ def _trained(source: GraphSource) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def _binding(fn: object) -> ModuleBinding | None:
-    """How a module graphed without an order falls back to eager outside its mode.
+    """How a module graphed without an order falls back to eager outside its modes.
 
     A module's own ``forward`` method is held weakly (it holds the module, which will hold
     the graphed callable). A ``torch.compile``d module's ``forward`` is a function set on the
@@ -218,7 +223,7 @@ def _binding(fn: object) -> ModuleBinding | None:
         eager = weakref.WeakMethod(forward)
     else:
         eager = functools.partial(_itself, forward)
-    return ModuleBinding(module=weakref.ref(fn), eager_forward=eager, training=fn.training)
+    return ModuleBinding(module=weakref.ref(fn), eager_forward=eager)
 
 
 def _itself(value: Callable[..., Any]) -> Callable[..., Any]:

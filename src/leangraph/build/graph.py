@@ -29,7 +29,7 @@ from .accumulation import (
     hook_relay,
     python_hooks,
 )
-from .record import GraphRecord, ModuleBinding, ParameterSharing
+from .record import GraphRecord, ModuleBinding, ModuleState, ParameterSharing
 
 __all__ = ["GraphBuilder", "GraphSource"]
 
@@ -54,6 +54,8 @@ class GraphSource:
     hooks: CaptureHooks
     sharing: ParameterSharing
     module: ModuleBinding | None
+    modules: ModuleState | None
+    backward_shares_pass: bool
     allow_unused_input: bool
     retain_graph: bool
     split_backward: bool
@@ -372,6 +374,8 @@ class GraphBuilder:
             retain_graph=source.retain_graph,
             sharing=source.sharing,
             module=source.module,
+            modules=source.modules,
+            input_grads_last=not (self._released and self.source.backward_shares_pass),
             fused=self._fused_gradients(),
         )
 

@@ -16,16 +16,51 @@ from ..order import GraphId
 from ..runtime.signature import CallSignature
 from .accumulation import FusedGradients
 
-__all__ = ["GraphRecord", "ModuleBinding", "ParameterSharing"]
+__all__ = ["GraphRecord", "ModuleBinding", "ModuleState", "ParameterSharing"]
 
 
 @dataclass(frozen=True, slots=True)
 class ModuleBinding:
-    """How a module's graphed ``forward`` falls back to eager outside its training mode."""
+    """How a module's graphed ``forward`` falls back to eager outside its training modes."""
 
     module: weakref.ref[torch.nn.Module]
     eager_forward: Callable[[], Callable[..., Any] | None]  # None once the module is gone
-    training: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleState:
+    """A graphed module's tree as capture saw it: what its graphs replay only as it was.
+
+    Attributes:
+        root: The module (held weakly: a graphed module holds its graphed callable).
+        submodules: Every submodule, by qualified name, in ``named_modules()`` order.
+        parents: Per submodule, its parent's position in ``(root, *submodules)``.
+        local_names: Per submodule, its name in its parent's ``_modules``.
+        training: The ``training`` flags of ``(root, *submodules)``.
+    """
+
+    root: weakref.ref[torch.nn.Module]
+    submodules: tuple[tuple[str, torch.nn.Module], ...]
+    parents: tuple[int, ...]
+    local_names: tuple[str, ...]
+    training: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> ModuleState:
+        named = list(module.named_modules(remove_duplicate=False))[1:]
+        position = {"": 0, **{name: i + 1 for i, (name, _) in enumerate(named)}}
+        parents, local_names = [], []
+        for name, _ in named:
+            path, _, local = name.rpartition(".")
+            parents.append(position[path])
+            local_names.append(local)
+        return cls(
+            root=weakref.ref(module),
+            submodules=tuple(named),
+            parents=tuple(parents),
+            local_names=tuple(local_names),
+            training=(module.training, *(m.training for _, m in named)),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +105,12 @@ class GraphRecord:
         retain_graph: Whether a backward may replay more than once per forward.
         sharing: Which other graphs train one of its parameters.
         module: The module binding for graphed module forwards, else None.
+        modules: For a module callable, its tree as capture saw it, else None.
+        input_grads_last: Whether the input gradients a backward replay hands autograd stay
+            valid until the next forward replay: owned (without buffer sharing), or
+            released but with no other backward after it in capture order that could
+            overwrite them in the same backward pass (input 0's, lent to the previous layer
+            of a chain as its seed, always does).
         fused: With in-graph gradient accumulation, its targets and hook relay, else None.
     """
 
@@ -96,6 +137,8 @@ class GraphRecord:
     retain_graph: bool
     sharing: ParameterSharing
     module: ModuleBinding | None
+    modules: ModuleState | None
+    input_grads_last: bool
     fused: FusedGradients | None
 
     @property

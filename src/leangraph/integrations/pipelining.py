@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -547,7 +547,7 @@ class _StageModule(nn.Module):
         self.layers = nn.ModuleList(spec.layers)
         self.post = spec.post
         self._graphs = tuple(tuple(per_microbatch) for per_microbatch in graphs)
-        self._captured_training = tuple(layer.training for layer in spec.layers)
+        self._captured_training = _training_modes(spec.layers)
         self._microbatch: int | None = None
         # Only the last stage's outputs outlive their backward (torch merges them at the end
         # of step()), and a later replay would overwrite those that alias graph memory.
@@ -558,8 +558,9 @@ class _StageModule(nn.Module):
         return self._graphs[microbatch]
 
     def matches_capture(self) -> bool:
-        """Whether every layer is in the training mode it was captured in."""
-        return tuple(layer.training for layer in self.layers) == self._captured_training
+        """Whether every layer, and every module inside it, is in the training mode it was
+        captured in."""
+        return _training_modes(self.layers) == self._captured_training
 
     @contextlib.contextmanager
     def running(self, microbatch: int) -> Iterator[None]:
@@ -721,3 +722,8 @@ def _build_stages(
             )
         )
     return tuple(stages)
+
+
+def _training_modes(layers: Iterable[nn.Module]) -> tuple[bool, ...]:
+    """The ``training`` flags of ``layers`` and of every module inside them."""
+    return tuple(module.training for layer in layers for module in layer.modules())

@@ -12,6 +12,7 @@ Megatron-LM's protocol are told their gradient is already in ``main_grad``, and 
 from __future__ import annotations
 
 import operator
+import sys
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -110,11 +111,14 @@ class InGraphAccumulation:
                 if getattr(param, "main_grad", None) is not target.buffer:
                     raise RuntimeError(self._replaced(target, "main_grad"))
                 continue
-            grad = param.grad
-            if grad is target.buffer:
+            if param.grad is target.buffer:
                 continue
-            if grad is not None:
-                raise RuntimeError(self._replaced(target, ".grad"))
+            if param.grad is not None:
+                if not _adoptable(param, target.buffer):
+                    raise RuntimeError(self._replaced(target, ".grad"))
+                target.buffer.copy_(param.grad)  # values kept: accumulation goes on from them
+                param.grad = target.buffer
+                continue
             cleared.append(target)
         if cleared:
             buffers = [t.buffer for t in cleared]
@@ -179,15 +183,46 @@ class InGraphAccumulation:
             call_python_hooks(self._label, self._python_hooks)
 
     def _replaced(self, target: AccumulationTarget, what: str) -> str:
+        if what == ".grad":
+            held = (
+                "another tensor than at capture, which something else holds too (your "
+                "reference, a view into a bucket, a shared storage)"
+            )
+        else:
+            held = "another tensor than at capture"
         return (
-            f"{self._label} parameter {target.name!r}: {what} is another tensor than at "
-            f"capture; with fuse_grad_accumulation=True the backward graph adds into the "
-            f"{what} it saw then, so this replay would train wrongly. Clear gradients with "
-            "zero_grad() (set_to_none=True or False) instead of assigning a new tensor, or "
-            "capture again"
+            f"{self._label} parameter {target.name!r}: {what} is {held}; with "
+            f"fuse_grad_accumulation=True the backward graph adds into the {what} it saw then, "
+            "so this replay would train wrongly. Clear gradients with zero_grad() "
+            "(set_to_none=True or False) instead of assigning a tensor you keep, or capture "
+            "again"
         )
 
 
+def _adoptable(param: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether ``param``'s ``.grad``, another tensor than ``buffer``, is one nothing but the
+    parameter refers to (as autograd makes one when a backward outside the graphs, an eager
+    forward in eval mode say, reaches a parameter whose ``.grad`` is None), of the buffer's
+    layout: the buffer may then take its values and its place, which no one can tell apart.
+    One held elsewhere (a user's reference, a view into a bucket, a shared storage) may not."""
+    # Python references: the argument and the getter's own (nothing else holds it).
+    if sys.getrefcount(param.grad) > 2 or _STORAGE_USE_COUNT is None:
+        return False
+    grad = param.grad
+    assert grad is not None
+    return (
+        grad._base is None
+        and grad.layout is torch.strided
+        and grad.shape == buffer.shape
+        and grad.dtype == buffer.dtype
+        and grad.device == buffer.device
+        and grad.stride() == buffer.stride()
+        # The tensor's own reference and the Python storage object's (made here).
+        and _STORAGE_USE_COUNT(grad.untyped_storage()._cdata) <= 2
+    )
+
+
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 _WILL_ENGINE_EXECUTE = torch._C._will_engine_execute_node
 
 

@@ -31,7 +31,12 @@ class GradRouting:
     parameter still has to run in this backward pass (several microbatches, or tied weights,
     differentiated together): autograd then waits for that graph's gradient too, whose replay
     may overwrite this buffer first, so it gets a copy. A gradient flowing to an earlier
-    autograd node is the buffer, consumed by that node before any other replay.
+    autograd node is the buffer where nothing can overwrite it before that node runs: input
+    0's of a chain (the previous layer's seed, held until that layer's backward replay), and
+    every input's where no other backward replay can come in the same pass
+    (``record.input_grads_last``). Elsewhere it is copied: the node may wait for more
+    gradients (an input several graphs take, a cross-attention memory, GPipe's summed
+    losses), and another graph's replay reuses released buffers.
     """
 
     def __init__(self, record: GraphRecord, pending: PendingBackwards) -> None:
@@ -48,6 +53,14 @@ class GradRouting:
         # Per tensor passed to the replay that gets a gradient: its static gradient, or None.
         self._grads = inputs + params
         self._inputs_with_grad = tuple(i for i, g in enumerate(inputs) if g is not None)
+        lent = record.chained_from[0] is not None and not record.retain_graph if inputs else False
+        # Inputs whose gradient buffer another replay may overwrite before autograd's node
+        # consumes it: always copied, leaf or not.
+        self._inputs_copied = tuple(
+            i
+            for i in self._inputs_with_grad
+            if not record.input_grads_last and not (i == 0 and lent)
+        )
         self._params_with_grad = tuple(
             (len(inputs) + j, param)
             for j, (param, grad) in enumerate(zip(record.params, params))
@@ -62,7 +75,8 @@ class GradRouting:
         """One gradient per tensor passed to the replay (inputs, then parameters);
         ``clone_inputs[i]`` says whether input ``i`` is a leaf autograd stores into."""
         grads = self._grads
-        copy_at = [i for i in self._inputs_with_grad if clone_inputs[i]]
+        copied = self._inputs_copied
+        copy_at = [i for i in self._inputs_with_grad if clone_inputs[i] or i in copied]
         if self._shared_param_ids and self._pending.reached_now(self._peers):
             shared = self._shared_param_ids
             copy_at += [i for i, p in self._params_with_grad if p.grad is None or id(p) in shared]

@@ -28,6 +28,7 @@ from ..result import GraphedSet
 from .accumulation import InGraphAccumulation
 from .grads import GradRouting
 from .guard import OutputGuard
+from .modules import ModuleWatch
 from .overlap import side_stream_accumulators
 from .pending import BackwardToken, PendingBackwards
 from .sequence import ReplaySequence
@@ -110,6 +111,11 @@ class GraphedCallable:
             else ()
         )
         self._param_slots = _parameter_slots(record)
+        self._modules = (
+            None
+            if record.modules is None
+            else ModuleWatch(record.label, record.modules, root_hooks_run=record.module is not None)
+        )
         self._debug_outputs = debug_outputs
         # Captured under no_grad: forward graphs only, which cannot make outputs that need
         # a gradient (eager's would, replayed with grad mode on).
@@ -156,19 +162,27 @@ class GraphedCallable:
             GraphResetError: if the callable was reset.
             TypeError, ValueError: if the arguments differ from the captured ones in
                 structure, keys, dtype, shape, device or ``requires_grad``.
-            RuntimeError: under a ``torch.func`` transform; with
+            RuntimeError: under a ``torch.func`` transform; for a module changed since
+                capture (a submodule replaced, a module hook added inside it; captured with
+                an order, a training mode switched); with
                 ``accumulator_hooks="python"``, inside torch's ``DistributedDataParallel``;
                 captured under ``torch.no_grad()``, with grad mode on where eager's outputs
                 would require grad.
         """
         record = self._record
-        if record is not None and record.module is not None:
-            binding = record.module
-            module = binding.module()
-            if module is not None and module.training != binding.training:
-                eager = binding.eager_forward()
+        if record is not None and self._modules is not None:
+            if not self._modules.modes_as_captured():
+                eager = None if record.module is None else record.module.eager_forward()
                 if eager is not None:
                     return eager(*args, **kwargs)
+                if record.module is None:
+                    raise RuntimeError(
+                        f"{self._label}: {self._modules.changed_mode()}; its graphs replay "
+                        "the kernels of the captured modes (dropout, batch norm, anything "
+                        "reading self.training). Call the eager module in this mode, or "
+                        "capture again"
+                    )
+            self._modules.check_replayable()
             _check_parameters(self._label, self._param_slots)
         record = self._require_ready("call")
         if _TRANSFORMS_ACTIVE():
@@ -436,7 +450,7 @@ _Slot = tuple[weakref.ref[torch.nn.Module], str, str, torch.nn.Parameter]
 def _parameter_slots(record: GraphRecord) -> tuple[_Slot, ...]:
     """Where a graphed module's captured parameters are registered: (owning module, name,
     parameter), so a replay can see that they are still the module's."""
-    module = record.module.module() if record.module is not None else None
+    module = record.modules.root() if record.modules is not None else None
     if module is None:
         return ()
     slots = []

@@ -1,0 +1,156 @@
+"""A graphed module at replay: its tree, training modes and hooks as capture saw them.
+
+A graph replays the kernels its capture recorded, so a module's graphs stand for it only as it
+was then: the same submodules in the same places, each in the training mode it had (dropout,
+batch norm and anything reading ``self.training`` chose their kernels by it), and no module
+hook inside it (capture refuses them: a replay cannot run them). :class:`ModuleWatch` checks
+all three at every replay in C-level loops (a transformer layer has about ten submodules).
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+
+import torch
+from torch.nn.modules import module as _module_globals
+
+from ..build.record import ModuleState
+
+__all__ = ["ModuleWatch"]
+
+# The hooks a module call runs, per module and (``_global`` prefixed) for every module.
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+class ModuleWatch:
+    """Whether a graphed module is still as its graphs were captured.
+
+    Args:
+        label: How errors name the callable.
+        state: The module's tree as capture saw it.
+        root_hooks_run: Whether hooks on the module itself run around a replay (a module
+            graphed without an order: its ``__call__`` runs them, then the graphed forward).
+    """
+
+    def __init__(self, label: str, state: ModuleState, *, root_hooks_run: bool) -> None:
+        self._label = label
+        self._root = state.root
+        self._names = ("", *(name for name, _ in state.submodules))
+        self._submodules = tuple(module for _, module in state.submodules)
+        self._parents = state.parents
+        self._local_names = state.local_names
+        self._training = state.training
+        self._hooked_from = 1 if root_hooks_run else 0
+
+    def modes_as_captured(self) -> bool:
+        """Whether the module and every submodule are in their capture-time training modes
+        (True once the module is gone)."""
+        root = self._root()
+        if root is None:
+            return True
+        modules = (root, *self._submodules)
+        return all(map(operator.is_, map(_TRAINING, modules), self._training))
+
+    def check_replayable(self) -> None:
+        """Refuse a replay of a module changed since capture in what its graphs cannot follow.
+
+        Raises:
+            RuntimeError: naming the callable and the submodule, for a submodule replaced or
+                removed since capture, and for a module hook registered since capture on a
+                submodule (on the module itself too where a replay would not run it), or
+                globally.
+        """
+        root = self._root()
+        if root is None:
+            return
+        modules = (root, *self._submodules)
+        parents = map(modules.__getitem__, self._parents)
+        registered = map(dict.get, map(_MODULES, parents), self._local_names)
+        if not all(map(operator.is_, registered, self._submodules)):
+            self._raise_replaced(modules)
+        hooked = modules[self._hooked_from :]
+        if any(map(any, map(_HOOK_DICTS, hooked))) or any(_global_hooks()):
+            self._check_hooks(hooked)
+
+    def changed_mode(self) -> str:
+        """The first module whose training mode differs from capture's, described."""
+        root = self._root()
+        modules = () if root is None else (root, *self._submodules)
+        for name, module, was in zip(self._names, modules, self._training):
+            if module.training is not was:
+                where = f"submodule {name!r}" if name else "the module"
+                return (
+                    f"{where} is in {_mode(module.training)} mode but was captured in "
+                    f"{_mode(was)} mode"
+                )
+        return "the modes are as captured"
+
+    def _raise_replaced(self, modules: tuple[torch.nn.Module, ...]) -> None:
+        for name, parent, local, child in zip(
+            self._names[1:],
+            map(modules.__getitem__, self._parents),
+            self._local_names,
+            self._submodules,
+        ):
+            current = parent._modules.get(local)
+            if current is not child:
+                got = "nothing" if current is None else f"another {type(current).__name__}"
+                raise RuntimeError(
+                    f"{self._label} submodule {name!r} must be the module it was captured "
+                    f"with, got {got}: the graphs replay the captured one's kernels on its "
+                    "parameters. Change the module before capture, or capture again"
+                )
+
+    def _check_hooks(self, hooked: tuple[torch.nn.Module, ...]) -> None:
+        """Raise for the first hook a replay would leave out, unless every one is inert now."""
+        globals_ = [
+            f"_global{kind}"
+            for kind, hooks in zip(_HOOKS, _global_hooks())
+            if not all(map(_inert, hooks.values()))
+        ]
+        if globals_:
+            raise RuntimeError(
+                f"{self._label}: global module hooks were registered since capture "
+                f"({', '.join(globals_)}); a replay cannot run them on the modules inside its "
+                "graphs. Remove them, or run the eager module"
+            )
+        offset = len(self._names) - len(hooked)
+        for name, module in zip(self._names[offset:], hooked):
+            kinds = [
+                kind for kind in _HOOKS if not all(map(_inert, getattr(module, kind).values()))
+            ]
+            if kinds:
+                where = f"submodule {name!r}" if name else "the module"
+                raise RuntimeError(
+                    f"{self._label}: {where} got {', '.join(kinds)} since capture; a replay "
+                    "runs the captured kernels and cannot run them. Remove them, or run the "
+                    "eager module"
+                )
+
+
+def _inert(hook: object) -> bool:
+    """Whether ``hook`` does nothing now, known by where it comes from: transformers installs
+    its output-capturing hooks for good at the first ``output_attentions`` or
+    ``output_hidden_states`` call, and they act only while its collector records."""
+    if getattr(hook, "__module__", None) != _TRANSFORMERS_CAPTURING:
+        return False
+    collector = getattr(sys.modules.get(_TRANSFORMERS_CAPTURING), "_active_collector", None)
+    get = getattr(collector, "get", None)
+    return get is not None and not get()
+
+
+_TRANSFORMERS_CAPTURING = "transformers.utils.output_capturing"
+
+
+def _mode(training: bool) -> str:
+    return "training" if training else "eval"
+
+
+def _global_hooks() -> tuple[dict[int, object], ...]:
+    return tuple(getattr(_module_globals, f"_global{kind}", {}) for kind in _HOOKS)
+
+
+_MODULES = operator.attrgetter("_modules")
+_TRAINING = operator.attrgetter("training")
+_HOOK_DICTS = operator.attrgetter(*_HOOKS)

@@ -1,0 +1,167 @@
+"""A graphed module changed after capture (runtime.modules.ModuleWatch).
+
+Graphs replay the kernels capture recorded, so a module's graphs stand for it only as it was:
+its submodules in their places, each in its capture-time training mode, and no module hook
+inside it. Without an order a graphed module's ``forward`` falls back to eager where a mode
+differs (a submodule's too) and refuses a hook or a replaced submodule; with an order, where
+the callables are no module's forward, each of them is refused, naming the callable and the
+submodule.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import leangraph
+from leangraph.schedules import one_f_one_b
+
+
+class Net(nn.Module):
+    """Batch norm and dropout, whose kernels depend on the training mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.norm = nn.BatchNorm1d(6)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.norm(self.lin(x)))
+
+
+def _graphed_and_eager() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    eager = Net()
+    graphed = copy.deepcopy(eager)
+    leangraph.make_graphed_callables(graphed, (torch.randn(8, 6, requires_grad=True),))
+    eager.load_state_dict(graphed.state_dict())  # warm-up moved the batch-norm statistics
+    return graphed, eager
+
+
+def _step(module: nn.Module, x: torch.Tensor, seed: int) -> tuple[torch.Tensor, list]:
+    torch.manual_seed(seed)
+    module.zero_grad(set_to_none=True)
+    out = module(x)
+    out.square().sum().backward()
+    return out.detach(), [p.grad for p in module.parameters()]
+
+
+@pytest.mark.parametrize("submodule", ["norm", "drop"])
+def test_a_submodule_in_eval_mode_falls_back_to_eager(submodule: str) -> None:
+    graphed, eager = _graphed_and_eager()
+    x = torch.randn(8, 6, requires_grad=True)
+    for module in (graphed, eager):
+        getattr(module, submodule).eval()
+    out, grads = _step(graphed, x, seed=1)
+    want, want_grads = _step(eager, x, seed=1)
+    assert torch.equal(out, want)
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    assert torch.equal(graphed.norm.running_mean, eager.norm.running_mean)
+    # Back in the capture's modes, the graphs replay again, as eager trains.
+    for module in (graphed, eager):
+        getattr(module, submodule).train()
+    out, grads = _step(graphed, x, seed=2)
+    want, want_grads = _step(eager, x, seed=2)
+    assert torch.equal(out, want)
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+
+
+def _hook(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+    return output * 2
+
+
+@pytest.mark.parametrize(
+    ("register", "kind"),
+    [
+        (lambda m: m.lin.register_forward_hook(_hook), "_forward_hooks"),
+        (lambda m: m.lin.register_forward_pre_hook(lambda mod, args: None), "_forward_pre_hooks"),
+        (lambda m: m.norm.register_full_backward_hook(lambda mod, gi, go: None), "_backward_hooks"),
+    ],
+    ids=["forward", "forward-pre", "backward"],
+)
+def test_r21_a_submodule_hook_registered_after_capture_is_refused(register, kind: str) -> None:
+    graphed, _ = _graphed_and_eager()
+    handle = register(graphed)
+    with pytest.raises(RuntimeError, match=rf"submodule '(lin|norm)' got {kind} since capture"):
+        graphed(torch.randn(8, 6))
+    handle.remove()
+    graphed(torch.randn(8, 6)).sum().backward()  # replays again once it is gone
+
+
+def test_a_hook_on_the_graphed_module_itself_runs_around_the_replay() -> None:
+    graphed, eager = _graphed_and_eager()
+    for module in (graphed, eager):
+        module.register_forward_hook(_hook)
+    x = torch.randn(8, 6)
+    out, _ = _step(graphed, x, seed=3)
+    want, _ = _step(eager, x, seed=3)
+    assert torch.equal(out, want)
+
+
+def test_r21_a_global_module_hook_registered_after_capture_is_refused() -> None:
+    graphed, _ = _graphed_and_eager()
+    handle = nn.modules.module.register_module_forward_hook(lambda mod, args, out: None)
+    try:
+        with pytest.raises(RuntimeError, match="global module hooks were registered since "
+                                               r"capture \(_global_forward_hooks\)"):
+            graphed(torch.randn(8, 6))
+    finally:
+        handle.remove()
+
+
+def test_r21_a_submodule_replaced_after_capture_is_refused() -> None:
+    graphed, _ = _graphed_and_eager()
+    graphed.lin = nn.Linear(6, 6)
+    with pytest.raises(RuntimeError, match="submodule 'lin' must be the module it was captured "
+                                           "with, got another Linear"):
+        graphed(torch.randn(8, 6))
+
+
+def _ordered() -> tuple[tuple[Net, ...], tuple]:
+    torch.manual_seed(0)
+    layers = (Net(), Net())
+    samples = tuple((torch.randn(8, 6, requires_grad=True),) for _ in range(2 * 2))
+    graphed = leangraph.make_graphed_callables(
+        layers, samples, order=one_f_one_b(1, 0, 2), num_layers_per_chunk=2)
+    return layers, graphed
+
+
+def test_r21_with_an_order_a_mode_switched_after_capture_is_refused() -> None:
+    layers, graphed = _ordered()
+    layers[1].drop.eval()
+    x = torch.randn(8, 6, requires_grad=True)
+    hidden = graphed[0](x)  # layer 0 is as captured
+    with pytest.raises(RuntimeError, match=r"graph \(chunk 1, microbatch 0, layer 1\): "
+                                           "submodule 'drop' is in eval mode but was captured "
+                                           "in training mode"):
+        graphed[1](hidden)
+    layers[1].drop.train()
+    layers[0].eval()
+    with pytest.raises(RuntimeError, match="the module is in eval mode but was captured in "
+                                           "training mode; its graphs replay the kernels of "
+                                           "the captured modes"):
+        graphed[0](x)
+    leangraph.reset_all(graphed)
+
+
+def test_r21_with_an_order_a_hook_on_the_layer_itself_is_refused() -> None:
+    """The callables replace the layers: nothing would run a hook on the layer module."""
+    layers, graphed = _ordered()
+    layers[0].register_forward_hook(_hook)
+    with pytest.raises(RuntimeError, match=r"layer 0\): the module got _forward_hooks since "
+                                           "capture"):
+        graphed[0](torch.randn(8, 6, requires_grad=True))
+    leangraph.reset_all(graphed)
+
+
+def test_r13_with_an_order_a_parameter_replaced_after_capture_is_refused() -> None:
+    layers, graphed = _ordered()
+    layers[0].lin.weight = nn.Parameter(torch.randn(6, 6))
+    with pytest.raises(RuntimeError, match="parameter 'lin.weight' must be the tensor it was "
+                                           "captured with"):
+        graphed[0](torch.randn(8, 6, requires_grad=True))
+    leangraph.reset_all(graphed)
