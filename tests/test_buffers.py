@@ -95,3 +95,27 @@ def test_outputs_are_valid_until_backward_without_debug_mode():
     assert not torch.equal(first, reference[1](reference[0](x0)))
 
 
+
+
+def test_a_dense_non_contiguous_sample_keeps_its_layout_in_the_static_input():
+    """A transposed sample: kernels chosen for its layout may round differently from a
+    contiguous copy's, so the static input keeps it and the replay equals eager bitwise."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 5)
+    eager = copy.deepcopy(layer)
+    graphed = leangraph.make_graphed_callables(layer, (torch.randn(8, 6).t().requires_grad_(),))
+    (static,) = graphed.forward.static_tensors()[:1]
+    assert static.stride() == (1, 6)
+    x = torch.randn(8, 6).t().requires_grad_()
+    x_eager = x.detach().clone().t().t().requires_grad_()  # the same layout, its own leaf
+    assert x_eager.stride() == x.stride()
+    out, want = graphed(x), eager(x_eager)
+    assert torch.equal(out, want)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    assert torch.equal(layer.weight.grad, eager.weight.grad) and torch.equal(x.grad, x_eager.grad)
+
+
+def test_an_expanded_sample_gets_a_contiguous_static_input():
+    key = BufferKey.of(torch.randn(1, 4).expand(3, 4), keep_layout=True)
+    assert key.stride is None and BufferKey.of(torch.randn(4, 3).t(), keep_layout=True).stride == (1, 3)

@@ -351,3 +351,42 @@ def test_inductor_compiled_layers_graph_on_cuda_drop_in_and_ordered():
     )
     graphed_single(torch.randn(2, 4, device="cuda", requires_grad=True)).sum().backward()
     leangraph.reset_all(graphed_single)
+
+
+class _Broadcast(torch.nn.Module):
+    """Returns an expanded (stride-0) view: a broadcast mean, as a mask or bias may be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).mean(0, keepdim=True).expand(6, 8)
+
+
+def _broadcast_output_trains_like_eager(device: str, **options) -> None:
+    torch.manual_seed(0)
+    module = _Broadcast().to(device)
+    eager = copy.deepcopy(module)
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(6, 8, device=device, requires_grad=True),), **options)
+    for step in range(3):
+        x = torch.randn(6, 8, device=device)
+        out, want = graphed(x), eager(x)
+        assert out.stride() == want.stride() == (0, 1) and torch.equal(out, want), step
+        (out * torch.arange(6.0, device=device)[:, None]).sum().backward()
+        (want * torch.arange(6.0, device=device)[:, None]).sum().backward()
+    for a, b in zip(module.parameters(), eager.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    leangraph.reset_all(graphed)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_an_expanded_output_replays_like_eager(fuse: bool) -> None:
+    _broadcast_output_trains_like_eager("cpu", fuse_grad_accumulation=fuse)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fuse", [False, True])
+def test_an_expanded_output_replays_like_eager_on_cuda(fuse: bool) -> None:
+    _broadcast_output_trains_like_eager("cuda", fuse_grad_accumulation=fuse)

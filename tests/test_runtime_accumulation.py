@@ -472,3 +472,27 @@ def test_two_calls_training_one_parameter_share_its_buffer():
             assert torch.equal(a.grad, b.grad)
         for module in (*eager, first, second):
             module.zero_grad(set_to_none=step == 0)
+
+
+@pytest.mark.parametrize("hooks", [True, "python", False], ids=["relay", "python", "none"])
+def test_r14_a_tensor_hook_added_to_a_parameter_after_capture_is_refused(hooks):
+    """Fused, the graph adds the gradient itself: a ``register_hook`` hook could neither see
+    nor change it before it lands, as eager's does (the relay would call it with None)."""
+    _, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+        accumulator_hooks=hooks)
+    handle = module.up.weight.register_hook(lambda grad: grad * 2)
+    before = module.up.weight.grad
+    out = graphed(torch.randn(4, 8))
+    try:
+        out.sum().backward()
+    except RuntimeError as exc:
+        message = str(exc)  # the traceback, which holds the replay's node, goes with `exc`
+    else:
+        pytest.fail("no refusal")
+    del out
+    assert "parameter 'up.weight' got a tensor hook (register_hook) since capture" in message
+    assert module.up.weight.grad is before  # refused before the graph ran
+    handle.remove()
+    graphed(torch.randn(4, 8)).sum().backward()

@@ -165,3 +165,27 @@ def test_r13_with_an_order_a_parameter_replaced_after_capture_is_refused() -> No
                                            "captured with"):
         graphed[0](torch.randn(8, 6, requires_grad=True))
     leangraph.reset_all(graphed)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [lambda m: m.half(), lambda m: m.to(torch.float64),
+     lambda m: setattr(m.lin.weight, "data", torch.randn(6, 6))],
+    ids=["half", "to-float64", "data-assigned"],
+)
+def test_r13_a_parameter_whose_data_was_swapped_after_capture_is_refused(change) -> None:
+    graphed, _ = _graphed_and_eager()
+    change(graphed)
+    with pytest.raises(RuntimeError, match="parameter 'lin.weight' must keep the data it was "
+                                           "captured with, got other memory"):
+        graphed(torch.randn(8, 6))
+
+
+def test_data_changed_in_place_is_what_the_graphs_read() -> None:
+    """``load_state_dict`` and optimizers write parameters in place: the same memory."""
+    graphed, eager = _graphed_and_eager()
+    state = {k: v + 1 if v.is_floating_point() else v for k, v in eager.state_dict().items()}
+    for module in (graphed, eager):
+        module.load_state_dict(state)
+    x = torch.randn(8, 6)
+    assert torch.equal(_step(graphed, x, seed=4)[0], _step(eager, x, seed=4)[0])

@@ -44,10 +44,20 @@ class BufferKey:
     dtype: torch.dtype
     device: torch.device
     requires_grad: bool
+    # The strides of a dense, non-contiguous layout to keep (a transposed sample: kernels
+    # chosen for it may differ from a contiguous copy's); None: contiguous.
+    stride: tuple[int, ...] | None = None
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> BufferKey:
-        return cls(tuple(tensor.shape), tensor.dtype, tensor.device, tensor.requires_grad)
+    def of(cls, tensor: torch.Tensor, *, keep_layout: bool = False) -> BufferKey:
+        """The key of ``tensor``; with ``keep_layout``, of its dense layout too (an
+        overlapping one, an expanded sample's, cannot hold copies: contiguous)."""
+        stride = None
+        if keep_layout and not tensor.is_contiguous():
+            dense = torch.empty_like(tensor, device="meta").stride()  # preserve_format's rule
+            stride = tuple(dense) if tuple(dense) == tuple(tensor.stride()) else None
+        shape = tuple(tensor.shape)
+        return cls(shape, tensor.dtype, tensor.device, tensor.requires_grad, stride)
 
     @property
     def nbytes(self) -> int:
@@ -204,9 +214,11 @@ def allocate(keys: Sequence[BufferKey], *, requires_grad: bool = True) -> list[t
     """One empty tensor per key, outside any graph pool (``requires_grad`` as the key says,
     unless ``requires_grad`` is False: gradient seeds never require grad)."""
     return [
-        torch.empty(k.shape, dtype=k.dtype, device=k.device).requires_grad_(
-            k.requires_grad and requires_grad
-        )
+        (
+            torch.empty(k.shape, dtype=k.dtype, device=k.device)
+            if k.stride is None
+            else torch.empty_strided(k.shape, k.stride, dtype=k.dtype, device=k.device)
+        ).requires_grad_(k.requires_grad and requires_grad)
         for k in keys
     ]
 

@@ -335,6 +335,6 @@ def _layer_memory(
         in_flight_bytes=_bytes(storages, activations | kept_keys) if kept_keys else 0,
         grad_input_bytes=sum(_nbytes(t) for t in inputs if t.requires_grad),
         param_grad_bytes=sum(_nbytes(p) for p in params if p.requires_grad),
-        inputs=tuple(BufferKey.of(t) for t in inputs),
+        inputs=tuple(BufferKey.of(t, keep_layout=True) for t in inputs),
         outputs=tuple(BufferKey.of(t) for t in outputs),
     )

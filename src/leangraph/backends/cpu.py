@@ -48,7 +48,21 @@ def _copy_into(static: Sequence[torch.Tensor | None], fresh: Sequence[torch.Tens
     with torch.no_grad():
         for buffer, value in zip(static, fresh):
             if buffer is not None and value is not None:
+                if 0 in buffer.stride():
+                    buffer, value = _one_per_broadcast(buffer, value)
                 buffer.copy_(value)
+
+
+def _one_per_broadcast(
+    buffer: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``buffer`` and ``value`` narrowed to one element along every dimension ``buffer``
+    broadcasts (stride 0, an expanded output's): the memory a CUDA graph's kernels write, which
+    a copy into the whole overlapping view cannot."""
+    for dim, (size, stride) in enumerate(zip(buffer.shape, buffer.stride())):
+        if stride == 0 and size > 1:
+            buffer, value = buffer.narrow(dim, 0, 1), value.narrow(dim, 0, 1)
+    return buffer, value
 
 
 class CpuGraphPair:

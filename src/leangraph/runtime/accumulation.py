@@ -90,15 +90,23 @@ class InGraphAccumulation:
         """Make every target the parameter's gradient again; raise for a replaced one.
 
         Raises:
-            RuntimeError: for a parameter frozen since capture, or whose ``.grad`` or
-                ``main_grad`` is another tensor than the one the graph adds into; without
-                accumulator hooks, for one that got a post-accumulate-grad hook since.
+            RuntimeError: for a parameter frozen since capture, with a tensor hook added
+                since, or whose ``.grad`` or ``main_grad`` is another tensor than the one the
+                graph adds into (and that something else holds); without accumulator hooks,
+                for one that got a post-accumulate-grad hook since.
         """
         if self._as_captured():
             return
         cleared: list[AccumulationTarget] = []
         for target in self._targets:
             param = target.param
+            if _TENSOR_HOOKS(param):
+                raise RuntimeError(
+                    f"{self._label} parameter {target.name!r} got a tensor hook (register_hook) "
+                    "since capture; with fuse_grad_accumulation=True the backward graph adds its "
+                    "gradient itself, so no hook could see or change it first, as eager's "
+                    "would. Remove the hook, or capture without fuse_grad_accumulation"
+                )
             if not self._hooks and has_post_accumulate_hooks(param):
                 raise RuntimeError(post_accumulate_hook_refusal(self._label, target.name))
             if not param.requires_grad:
@@ -159,6 +167,7 @@ class InGraphAccumulation:
                 and all(map(operator.is_, map(_GRAD, self._grad_params), self._grad_buffers))
                 and all(map(operator.is_, map(_MAIN_GRAD, self._main_params), self._main_buffers))
                 and (self._hooks or not any(map(post_accumulate_hooks, self._params)))
+                and not any(map(_TENSOR_HOOKS, self._params))
             )
         except AttributeError:  # a main_grad deleted: the full check names it
             return False
@@ -232,5 +241,7 @@ def _active_torch_ddp() -> object:
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+# Tensor.register_hook's hooks (torch keeps them here, publicly unlisted): None or a dict.
+_TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
 _GRAD = operator.attrgetter("grad")
 _MAIN_GRAD = operator.attrgetter("main_grad")

@@ -111,6 +111,9 @@ class GraphedCallable:
             else ()
         )
         self._param_slots = _parameter_slots(record)
+        # Where the parameters' data was at capture: the graphs read and write that memory.
+        self._params = record.params
+        self._param_data = tuple(map(_DATA_PTR, record.params))
         self._modules = (
             None
             if record.modules is None
@@ -185,6 +188,8 @@ class GraphedCallable:
             self._modules.check_replayable()
             _check_parameters(self._label, self._param_slots)
         record = self._require_ready("call")
+        if not all(map(operator.eq, map(_DATA_PTR, self._params), self._param_data)):
+            _refuse_moved_data(self._label, record, self._param_data)
         if _TRANSFORMS_ACTIVE():
             raise RuntimeError(
                 f"{self._label} cannot run under a torch.func transform (vmap, grad, jvp, "
@@ -279,6 +284,7 @@ class GraphedCallable:
         self._side_accumulators = ()
         self._autograd_params = ()
         self._frozen_params = ()
+        self._params, self._param_data = (), ()
         if self._guard is not None:
             self._guard.invalidate("its callable was reset")
 
@@ -418,6 +424,21 @@ def _refuse_grad_replay(label: str, record: GraphRecord, leaves: Sequence[torch.
         )
 
 
+def _refuse_moved_data(label: str, record: GraphRecord, captured: Sequence[int]) -> None:
+    """A parameter whose data was swapped since capture (``param.data = ...``, a module's
+    ``.half()`` or ``.to()``, a sharding library re-pointing it): the graphs read and train the
+    memory capture saw, so the parameter's new data would be neither used nor trained."""
+    for name, param, pointer in zip(record.param_names, record.params, captured):
+        if param.data_ptr() != pointer:
+            raise RuntimeError(
+                f"{label} parameter {name!r} must keep the data it was captured with, got "
+                f"other memory ({param.dtype}, {param.device}): the graphs read and train the "
+                "captured memory, so the new data would be neither used nor trained. Change "
+                "dtypes, devices or data (module.half(), .to(), param.data = ...) before "
+                "capture, or capture again"
+            )
+
+
 def _device_of(record: GraphRecord) -> torch.device:
     return record.static_outputs[0].device
 
@@ -443,6 +464,7 @@ def _params_for_autograd(
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_DATA_PTR = torch.Tensor.data_ptr
 
 _Slot = tuple[weakref.ref[torch.nn.Module], str, str, torch.nn.Parameter]
 

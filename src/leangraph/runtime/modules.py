@@ -42,6 +42,14 @@ class ModuleWatch:
         self._local_names = state.local_names
         self._training = state.training
         self._hooked_from = 1 if root_hooks_run else 0
+        root = state.root()
+        modules = () if root is None else (root, *self._submodules)
+        # The dicts themselves, held for the fast checks: torch fills and empties a module's
+        # `_modules` and hook dicts in place (they are bound once, at construction).
+        self._parent_dicts = tuple(modules[i]._modules for i in self._parents)
+        self._hook_dicts = tuple(
+            getattr(module, kind) for module in modules[self._hooked_from :] for kind in _HOOKS
+        )
 
     def modes_as_captured(self) -> bool:
         """Whether the module and every submodule are in their capture-time training modes
@@ -61,17 +69,22 @@ class ModuleWatch:
                 submodule (on the module itself too where a replay would not run it), or
                 globally.
         """
+        registered = map(dict.get, self._parent_dicts, self._local_names)
+        if all(map(operator.is_, registered, self._submodules)) and not (
+            any(self._hook_dicts) or any(_GLOBAL_HOOK_DICTS)
+        ):
+            return  # the usual replay
         root = self._root()
         if root is None:
             return
         modules = (root, *self._submodules)
-        parents = map(modules.__getitem__, self._parents)
-        registered = map(dict.get, map(_MODULES, parents), self._local_names)
-        if not all(map(operator.is_, registered, self._submodules)):
+        if not all(
+            map(
+                operator.is_, map(dict.get, self._parent_dicts, self._local_names), self._submodules
+            )
+        ):
             self._raise_replaced(modules)
-        hooked = modules[self._hooked_from :]
-        if any(map(any, map(_HOOK_DICTS, hooked))) or any(_global_hooks()):
-            self._check_hooks(hooked)
+        self._check_hooks(modules[self._hooked_from :])
 
     def changed_mode(self) -> str:
         """The first module whose training mode differs from capture's, described."""
@@ -151,6 +164,8 @@ def _global_hooks() -> tuple[dict[int, object], ...]:
     return tuple(getattr(_module_globals, f"_global{kind}", {}) for kind in _HOOKS)
 
 
-_MODULES = operator.attrgetter("_modules")
+# Filled and emptied in place by torch's register_module_*_hook and their handles.
+_GLOBAL_HOOK_DICTS = _global_hooks()
+
+
 _TRAINING = operator.attrgetter("training")
-_HOOK_DICTS = operator.attrgetter(*_HOOKS)
