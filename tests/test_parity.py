@@ -390,3 +390,25 @@ def test_an_expanded_output_replays_like_eager(fuse: bool) -> None:
 @pytest.mark.parametrize("fuse", [False, True])
 def test_an_expanded_output_replays_like_eager_on_cuda(fuse: bool) -> None:
     _broadcast_output_trains_like_eager("cuda", fuse_grad_accumulation=fuse)
+
+
+def _batch_norm_updates_after_capture(device: str) -> int:
+    norm = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).to(device)
+    graphed = leangraph.make_graphed_callables(
+        norm, (torch.randn(8, 4, device=device, requires_grad=True),), num_warmup_iters=2)
+    tracked = int(norm[1].num_batches_tracked)
+    graphed(torch.randn(8, 4, device=device)).sum().backward()
+    assert int(norm[1].num_batches_tracked) == tracked + 1  # every replay updates them
+    leangraph.reset_all(graphed)
+    return tracked
+
+
+def test_capture_leaves_module_buffers_as_a_cuda_capture_does():
+    """The warm-up passes update BatchNorm's statistics, as eager steps would; the capture,
+    which a CUDA graph records without running, does not, on the CPU backend either."""
+    assert _batch_norm_updates_after_capture("cpu") == 2
+
+
+@pytest.mark.cuda
+def test_capture_leaves_module_buffers_alone_on_cuda():
+    assert _batch_norm_updates_after_capture("cuda") == 2

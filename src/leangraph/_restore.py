@@ -7,12 +7,13 @@ capture differentiate with ``torch.autograd.grad``, which never touches ``.grad`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["SavedState", "note_out_of_memory"]
+__all__ = ["SavedState", "module_buffers", "note_out_of_memory", "values_kept"]
 
 
 class SavedState:
@@ -88,3 +89,22 @@ def note_out_of_memory(exc: BaseException, device: torch.device) -> None:
             "torch.cuda.empty_cache() returns their memory once this error is dropped"
         ),
     )
+
+
+@contextlib.contextmanager
+def values_kept(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Put the values of ``tensors`` back after the block, in place: what a forward nobody
+    asked for (the probe's), or a capture that runs its work (the CPU backend's; a CUDA
+    capture records kernels without running them), wrote into them must not stay."""
+    kept = {id(t): (t, t.detach().clone()) for t in tensors}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in kept.values():
+                tensor.copy_(value)
+
+
+def module_buffers(callables: Iterable[Any]) -> list[torch.Tensor]:
+    """The buffers of the modules among ``callables`` (BatchNorm's running statistics)."""
+    return [b for fn in callables if isinstance(fn, torch.nn.Module) for b in fn.buffers()]

@@ -25,6 +25,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ._call import Call, Sample
+from ._restore import module_buffers, values_kept
 from .buffers import BufferKey
 from .errors import phase_note
 from .leaves import LeafTemplate, is_constant, leaf_names
@@ -123,7 +124,7 @@ def probe(
     devices = [call.device] if call.device.type == "cuda" else []
     with (
         torch.random.fork_rng(devices=devices, device_type="cuda"),
-        _buffers_kept(call.callables),
+        values_kept(module_buffers(call.callables)),
         where if where is not None else contextlib.nullcontext(),
     ):
         for graph, first in enumerate(call.alike):
@@ -135,23 +136,6 @@ def probe(
                 fn, sample = call.callable_of(graph), call.samples[graph]
                 facts.append(_measure(fn, sample, label, around_forward))
     return tuple(facts)
-
-
-@contextlib.contextmanager
-def _buffers_kept(callables: tuple[Any, ...]) -> Iterator[None]:
-    """Put module buffers back as they were: the probe's forward is not one the user asked
-    for, so its updates (BatchNorm's running statistics) must not stay."""
-    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for fn in callables:
-        if isinstance(fn, torch.nn.Module):
-            for buffer in fn.buffers():
-                kept.setdefault(id(buffer), (buffer, buffer.detach().clone()))
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in kept.values():
-                buffer.copy_(value)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -29,13 +29,12 @@ for loops that have none.
 from __future__ import annotations
 
 import collections
-import contextlib
 import enum
 import functools
 import itertools
 import operator
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +62,6 @@ __all__ = [
     "post_accumulate_hook_refusal",
     "post_accumulate_hooks",
     "python_hooks",
-    "unchanged_by",
 ]
 
 
@@ -464,19 +462,6 @@ def hook_deliveries(
         else HookDelivery.PYTHON
         for params in params_of
     ]
-
-
-@contextlib.contextmanager
-def unchanged_by(targets: Sequence[Sequence[AccumulationTarget]]) -> Iterator[None]:
-    """Put the targets' values back after the block (a capture that runs its work)."""
-    buffers = {id(t.buffer): t.buffer for graph in targets for t in graph}
-    kept = [(b, b.clone()) for b in buffers.values()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in kept:
-                buffer.copy_(value)
 
 
 def add_into(targets: Sequence[AccumulationTarget], grads: Sequence[torch.Tensor]) -> None:

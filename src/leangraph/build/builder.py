@@ -20,7 +20,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .._call import Call, CaptureOptions
-from .._restore import note_out_of_memory
+from .._restore import module_buffers, note_out_of_memory, values_kept
 from ..backends.base import GraphBackend
 from ..buffers import BufferPlan, StaticBuffers
 from ..hooks import CaptureHooks
@@ -34,7 +34,6 @@ from .accumulation import (
     allocate_targets,
     check_fusable,
     hook_deliveries,
-    unchanged_by,
 )
 from .capture import run_capture
 from .graph import GraphBuilder, GraphSource
@@ -125,9 +124,14 @@ def _warm_up_and_capture(
         targets = allocate_targets(trained)
         for builder, graph_targets, delivery in zip(builders, targets, deliveries):
             builder.fuse_into(graph_targets, delivery=delivery)
-    # A capture that runs its work adds capture-time gradients into the targets: keep what
-    # they held (an adopted .grad, a main_grad) and put it back, as a CUDA capture leaves it.
-    kept = unchanged_by(targets) if backend.capture_runs_work else contextlib.nullcontext()
+    # A capture that runs its work adds capture-time gradients into the targets and updates
+    # module buffers (BatchNorm's statistics): keep what they held (an adopted .grad, a
+    # main_grad) and put it back, as a CUDA capture, which runs nothing, leaves it.
+    kept = (
+        values_kept([t.buffer for graph in targets for t in graph] + module_buffers(call.callables))
+        if backend.capture_runs_work
+        else contextlib.nullcontext()
+    )
     with kept:
         run_capture(
             plan,

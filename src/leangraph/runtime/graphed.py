@@ -203,12 +203,12 @@ class GraphedCallable:
         if self._forward_only and torch.is_grad_enabled():
             _refuse_grad_replay(self._label, record, leaves)
         if self._frozen_params:
-            self._check_frozen_params()
+            _check_frozen_params(self._label, self._frozen_params)
         clone_grads = tuple([t.requires_grad and t.grad_fn is None for t in leaves])
         if self._ungraded_inputs and any(
             t.requires_grad and not s.requires_grad for t, s in zip(leaves, self._specs)
         ):
-            self._warn_ungraded(leaves)
+            _warn_ungraded(self._label, leaves, self._specs, self._warned)
         token = BackwardToken()
         extra = self._autograd_params
         if self._stand_in and any(t.requires_grad for t in leaves):
@@ -298,30 +298,6 @@ class GraphedCallable:
             raise GraphResetError(f"{self._label}: cannot {what}: this graphed callable was reset")
         return record
 
-    def _check_frozen_params(self) -> None:
-        """A parameter frozen at capture has no gradient in the backward graph: refuse to
-        replay once it requires grad, rather than leave its ``.grad`` silently unset."""
-        for name, param in self._frozen_params:
-            if param.requires_grad:
-                raise ValueError(
-                    f"{self._label} parameter {name!r} must have requires_grad=False as at "
-                    "capture (the backward graph computes no gradient for it), got "
-                    "requires_grad=True; capture again to train it"
-                )
-
-    def _warn_ungraded(self, leaves: Sequence[torch.Tensor]) -> None:
-        """An input that requires grad only at replay gets no gradient from the backward
-        graph (torch's drop-in accepts it the same way): say so once per input."""
-        for leaf, spec in zip(leaves, self._specs):
-            if leaf.requires_grad and not spec.requires_grad and spec.name not in self._warned:
-                self._warned.add(spec.name)
-                warnings.warn(
-                    f"{self._label} {spec.name} requires grad at replay but did not at capture: "
-                    "the backward graph computes no gradient for it, so it gets none; capture "
-                    "with a sample that requires grad to train through it",
-                    stacklevel=3,
-                )
-
     def _check_no_pending_backward(self, record: GraphRecord) -> None:
         """Refuse a forward replay that would overwrite activations a backward still needs."""
         if self._weight is not None:
@@ -409,6 +385,35 @@ class GraphedCallable:
         fused = self._fused
         if fused is not None and self._weight is None:
             fused.call_hooks()
+
+
+def _check_frozen_params(label: str, frozen: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+    """A parameter frozen at capture has no gradient in the backward graph: refuse to
+    replay once it requires grad, rather than leave its ``.grad`` silently unset."""
+    for name, param in frozen:
+        if param.requires_grad:
+            raise ValueError(
+                f"{label} parameter {name!r} must have requires_grad=False as at "
+                "capture (the backward graph computes no gradient for it), got "
+                "requires_grad=True; capture again to train it"
+            )
+
+
+def _warn_ungraded(
+    label: str, leaves: Sequence[torch.Tensor], specs: Sequence[Any], warned: set[str]
+) -> None:
+    """An input that requires grad only at replay gets no gradient from the backward
+    graph (torch's drop-in accepts it the same way): say so once per input (``warned``:
+    the inputs' names said so far)."""
+    for leaf, spec in zip(leaves, specs):
+        if leaf.requires_grad and not spec.requires_grad and spec.name not in warned:
+            warned.add(spec.name)
+            warnings.warn(
+                f"{label} {spec.name} requires grad at replay but did not at capture: "
+                "the backward graph computes no gradient for it, so it gets none; capture "
+                "with a sample that requires grad to train through it",
+                stacklevel=3,
+            )
 
 
 def _refuse_grad_replay(label: str, record: GraphRecord, leaves: Sequence[torch.Tensor]) -> None:
