@@ -55,3 +55,32 @@ def test_r12_a_pass_abandoned_midway_may_start_over():
         graphed[0](sample())
     second.sum().backward()
     graphed[0](sample()).sum().backward  # a new pass: forward, then its output dropped
+
+
+def test_r12_an_abandoned_zero_bubble_pass_drains_its_due_weight_steps_and_starts_over():
+    """``[1, -1, 1, -1, -1.5, -1.5]`` abandoned after microbatch 0's backward: its weight step
+    is due, and holds the activations a new forward would overwrite. With nothing else in
+    flight it may run now, out of order; then the pass starts over, and the later weight
+    step's position is passed over."""
+    graphed = mgc(blocks(1), tuple((sample(),) for _ in range(2)), order=[1, -1, 1, -1, -1.5, -1.5])
+    graphed[0](sample()).sum().backward()  # then abandoned: microbatch 1 never comes
+    with raises(RuntimeError, "forward replayed while the weight step of replay 1 has not run"):
+        graphed[0](sample())
+    graphed[0].backward_dw()  # drained
+    for _ in range(2):  # a whole new pass, twice: the drained step no longer waits anywhere
+        graphed[0](sample()).sum().backward()
+        graphed[1](sample()).sum().backward()
+        graphed[0].backward_dw()
+        graphed[1].backward_dw()
+
+
+def test_r12_a_weight_step_may_not_run_early_while_another_forward_awaits_its_backward():
+    graphed = mgc(blocks(1), tuple((sample(),) for _ in range(2)), order=[1, -1, 1, -1, -1.5, -1.5])
+    graphed[0](sample()).sum().backward()
+    pending = graphed[1](sample())  # in flight: microbatch 0's weight step must wait its turn
+    with raises(RuntimeError, "graph (chunk 1, microbatch 0, layer 0): weight step replayed out "
+                "of capture order", "must be the backward of graph (chunk 1, microbatch 1"):
+        graphed[0].backward_dw()
+    pending.sum().backward()
+    graphed[0].backward_dw()
+    graphed[1].backward_dw()

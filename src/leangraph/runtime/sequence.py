@@ -77,6 +77,9 @@ class ReplaySequence:
                 return
             self._pass_over_what_cannot_come()
             expected = self._steps[self._next]
+            if expected != (graph, kind) and self._may_drain(graph, kind):
+                self._finish_step(graph, kind)
+                return
             if expected != (graph, kind) and self._may_start_over(graph, kind):
                 self._next = 0
                 expected = self._steps[0]
@@ -119,6 +122,20 @@ class ReplaySequence:
         elif graph not in self._no_backward:
             self._weight_due.add(graph)
 
+    def _may_drain(self, graph: int, kind: StepKind) -> bool:
+        """Whether ``kind`` is a weight step that may run out of order: one that is due, of a
+        pass abandoned with nothing else in flight (no forward's backward can still come),
+        where nothing it could overwrite is alive; so an abandoned pass can be drained and a
+        new one started."""
+        return (
+            kind is StepKind.WEIGHT
+            and graph in self._weight_due
+            and not any(
+                self._awaits(g) and g not in self._no_backward and g not in self._weight_due
+                for g in self._in_flight
+            )
+        )
+
     def _may_start_over(self, graph: int, kind: StepKind) -> bool:
         return (graph, kind) == self._steps[0] and not any(
             g in self._weight_due or (self._awaits(g) and g not in self._no_backward)
@@ -134,6 +151,8 @@ class ReplaySequence:
                 return
             elif kind is StepKind.BACKWARD and not self._awaits(graph):
                 self._no_backward.add(graph)  # its outputs were dropped: so is its weight step
+            elif kind is StepKind.WEIGHT and graph not in self._weight_due:
+                pass  # ran already, drained out of order (or its backward cannot come)
             elif graph not in self._no_backward:
                 return
             self._finish_step(graph, kind)
