@@ -331,3 +331,43 @@ def test_gpipe_microbatches_taking_one_non_leaf_input_get_eager_gradients():
 
     assert torch.equal(_source_grads(run, source, lambda m: graphed[m]),
                        _source_grads(run, source, lambda m: eager))
+
+
+class _TwoHeads(torch.nn.Module):
+    """``(y, head(y), side(z))``: a loss may use only some of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 4)
+        self.side = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor):
+        y = self.body(x)
+        return y, self.head(y), self.side(z)
+
+
+@pytest.mark.parametrize("used", [(0,), (1,), (0, 2), (0, 1, 2)], ids=str)
+def test_outputs_without_a_gradient_leave_what_only_they_reach_without_one(used):
+    """Eager's backward gives no gradient (None, not zeros) to parameters and inputs that
+    only outputs outside the loss reach: an optimizer skips them (AdamW's decay included)."""
+    torch.manual_seed(0)
+    module = _TwoHeads()
+    eager = copy.deepcopy(module)
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (module, eager)]
+    for step in range(3):
+        x, z = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+        xe, ze = (t.detach().clone().requires_grad_() for t in (x, z))
+        for fn, inputs, optimizer in ((graphed, (x, z), optimizers[0]),
+                                      (eager, (xe, ze), optimizers[1])):
+            optimizer.zero_grad(set_to_none=True)
+            outputs = fn(*inputs)
+            sum(outputs[i].square().sum() for i in used).backward()
+            optimizer.step()
+        for (name, a), b in zip(module.named_parameters(), eager.parameters()):
+            assert (a.grad is None) == (b.grad is None), (step, name)
+            assert torch.equal(a, b), (step, name)
+        assert (z.grad is None) == (ze.grad is None) and (x.grad is None) == (xe.grad is None)
+    leangraph.reset_all(graphed)

@@ -78,12 +78,17 @@ class GraphFacts:
         output_template: Its leaves: a slot per tensor, the constants as returned.
         trains: Per parameter of the callable (``named_parameters`` order), whether it
             requires grad, so the graphs differentiate it.
+        reach: Per tensor output, the inputs and parameters its gradient reaches, as
+            positions among the tensor inputs then the parameters (an input ``i`` is ``i``,
+            parameter ``j`` is ``len(inputs) + j``): what gets no gradient, as in eager,
+            when a backward gives that output none.
     """
 
     memory: LayerMemory
     output_tree: pytree.TreeSpec
     output_template: LeafTemplate
     trains: tuple[bool, ...]
+    reach: tuple[frozenset[int], ...] = ()
 
     @property
     def inputs(self) -> tuple[BufferKey, ...]:
@@ -228,8 +233,38 @@ def _measure(
         outputs = [t for t in output_leaves if isinstance(t, torch.Tensor)]
         _refuse_reentrant_checkpoint(label, outputs)
         memory = _layer_memory(inputs, params, buffers, outputs, saved_tensors)
+        reach = _reach(outputs, [*inputs, *params])
     named = fn.named_parameters() if isinstance(fn, torch.nn.Module) else ()
-    return GraphFacts(memory, output_tree, template, tuple(p.requires_grad for _, p in named))
+    trains = tuple(p.requires_grad for _, p in named)
+    return GraphFacts(memory, output_tree, template, trains, reach)
+
+
+def _reach(
+    outputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
+) -> tuple[frozenset[int], ...]:
+    """Per output, the positions of ``targets`` (leaves) its autograd graph reaches."""
+    position = {id(t): i for i, t in enumerate(targets)}
+    result = []
+    for output in outputs:
+        reached: set[int] = set()
+        if output.grad_fn is None:
+            if id(output) in position and output.requires_grad:  # an input returned as is
+                reached.add(position[id(output)])
+            result.append(frozenset(reached))
+            continue
+        seen: set[int] = set()
+        stack = [output.grad_fn]
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+            if variable is not None and id(variable) in position:
+                reached.add(position[id(variable)])
+            stack.extend(next_node for next_node, _ in node.next_functions if next_node)
+        result.append(frozenset(reached))
+    return tuple(result)
 
 
 def _refuse_input_writes(

@@ -93,6 +93,8 @@ class GraphRecord:
         output_tree: The structure the outputs are returned in.
         output_template: The output leaves: a slot per static output, constants in place.
         output_requires_grad: Per output, whether it needs a gradient.
+        output_reach: Per output, the inputs and parameters its gradient reaches (positions
+            among the input leaves, then the parameters).
         static_grad_outputs: Per output, the seed buffer its incoming gradient is copied into.
         seed_from: The label of the graph whose input gradient buffer output 0's seed is
             (the next layer of a chain, whose backward replay writes it: no copy), else None.
@@ -125,6 +127,7 @@ class GraphRecord:
     output_tree: pytree.TreeSpec
     output_template: LeafTemplate
     output_requires_grad: tuple[bool, ...]
+    output_reach: tuple[frozenset[int], ...]
     static_grad_outputs: tuple[torch.Tensor | None, ...]
     seed_from: str | None
     static_grads: tuple[torch.Tensor | None, ...]

@@ -66,6 +66,9 @@ class GradRouting:
             for j, (param, grad) in enumerate(zip(record.params, params))
             if grad is not None
         )
+        # Per output, the positions above its gradient reaches (where a backward gives some
+        # output no gradient, what only the others reach gets none, as in eager).
+        self._reach = record.output_reach
         self._peers = record.sharing.peers
         # Shared parameters matter only where this replay hands their gradients to autograd.
         self._shared_param_ids = record.sharing.shared_param_ids if delivers else frozenset()
@@ -88,6 +91,16 @@ class GradRouting:
         for index, copy in zip(copy_at, copies([grads[i] for i in copy_at])):
             handed[index] = copy
         return tuple(handed)
+
+    def without_unreached(
+        self, handed: tuple[torch.Tensor | None, ...], used: Sequence[bool]
+    ) -> tuple[torch.Tensor | None, ...]:
+        """``handed`` with None for every input and parameter that no output with a gradient
+        (``used[o]``) reaches: eager's backward gives them none, not zeros."""
+        reached: frozenset[int] = frozenset().union(
+            *(reach for reach, got in zip(self._reach, used) if got)
+        )
+        return tuple(g if i in reached else None for i, g in enumerate(handed))
 
 
 def copies(tensors: list[Any]) -> list[torch.Tensor]:

@@ -10,6 +10,7 @@ this callable alone.
 from __future__ import annotations
 
 import enum
+import itertools
 import operator
 import threading
 import warnings
@@ -85,6 +86,10 @@ class GraphedCallable:
         self._single_output = record.output_tree.is_leaf()
         # Facts of the capture the hot path would otherwise derive at every replay.
         self._has_backward = record.has_backward
+        # With several differentiable outputs a backward may give some none: autograd then
+        # hands None for them (not materialized zeros), so the replay can leave what only
+        # they reach without a gradient, as eager does.
+        self._outputs_may_lack_grads = sum(record.output_requires_grad) > 1
         self._ungraded_inputs = not all(s.requires_grad for s in self._specs)
         self._frozen_outputs = tuple(
             i for i, rg in enumerate(record.output_requires_grad) if not rg
@@ -362,7 +367,11 @@ class GraphedCallable:
                 fused.check_backward_pass()
             self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
             for static, grad in zip(record.static_grad_outputs, grads):
-                if static is not None and not same_buffer(static, grad):
+                if static is None:
+                    continue
+                if grad is None:  # this output got no gradient: the graph reads zeros
+                    static.zero_()
+                elif not same_buffer(static, grad):
                     static.copy_(grad)
             if fused is not None:
                 fused.before_replay()
@@ -377,7 +386,10 @@ class GraphedCallable:
             elif self._guard is not None:
                 self._guard.invalidate(f"the backward of {self._label} ran")
             assert self._grads is not None
-            return self._grads.scatter(clone_inputs)
+            handed = self._grads.scatter(clone_inputs)
+            if self._outputs_may_lack_grads and any(map(operator.is_, grads, _NONES)):
+                handed = self._grads.without_unreached(handed, [g is not None for g in grads])
+            return handed
 
     def _call_accumulator_hooks(self) -> None:
         """After a backward replay, outside the lock: the Python hooks it calls itself
@@ -470,6 +482,7 @@ def _params_for_autograd(
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _DATA_PTR = torch.Tensor.data_ptr
+_NONES = itertools.repeat(None)
 
 _Slot = tuple[weakref.ref[torch.nn.Module], str, str, torch.nn.Parameter]
 
@@ -545,6 +558,8 @@ class _Replay(torch.autograd.Function):
         token.node = weakref.ref(ctx)
         if owner._frozen_outputs:
             ctx.mark_non_differentiable(*(outputs[i] for i in owner._frozen_outputs))
+        if owner._outputs_may_lack_grads:
+            ctx.set_materialize_grads(False)
         return outputs
 
     @staticmethod
