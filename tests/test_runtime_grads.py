@@ -347,18 +347,19 @@ class _TwoHeads(torch.nn.Module):
         return y, self.head(y), self.side(z)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("used", [(0,), (1,), (0, 2), (0, 1, 2)], ids=str)
-def test_outputs_without_a_gradient_leave_what_only_they_reach_without_one(used):
+def test_outputs_without_a_gradient_leave_what_only_they_reach_without_one(used, device):
     """Eager's backward gives no gradient (None, not zeros) to parameters and inputs that
     only outputs outside the loss reach: an optimizer skips them (AdamW's decay included)."""
     torch.manual_seed(0)
-    module = _TwoHeads()
+    module = _TwoHeads().to(device)
     eager = copy.deepcopy(module)
     graphed = leangraph.make_graphed_callables(
-        module, (torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)))
+        module, tuple(torch.randn(3, 4, device=device, requires_grad=True) for _ in range(2)))
     optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (module, eager)]
     for step in range(3):
-        x, z = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+        x, z = (torch.randn(3, 4, device=device, requires_grad=True) for _ in range(2))
         xe, ze = (t.detach().clone().requires_grad_() for t in (x, z))
         for fn, inputs, optimizer in ((graphed, (x, z), optimizers[0]),
                                       (eager, (xe, ze), optimizers[1])):
