@@ -54,20 +54,16 @@ def _step(module: nn.Module, x: torch.Tensor, seed: int) -> tuple[torch.Tensor, 
 def test_a_submodule_in_eval_mode_falls_back_to_eager(submodule: str) -> None:
     graphed, eager = _graphed_and_eager()
     x = torch.randn(8, 6, requires_grad=True)
-    for module in (graphed, eager):
-        getattr(module, submodule).eval()
-    out, grads = _step(graphed, x, seed=1)
-    want, want_grads = _step(eager, x, seed=1)
-    assert torch.equal(out, want)
-    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
-    assert torch.equal(graphed.norm.running_mean, eager.norm.running_mean)
-    # Back in the capture's modes, the graphs replay again, as eager trains.
-    for module in (graphed, eager):
-        getattr(module, submodule).train()
-    out, grads = _step(graphed, x, seed=2)
-    want, want_grads = _step(eager, x, seed=2)
-    assert torch.equal(out, want)
-    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    # In eval mode the module runs eagerly; back in the capture's modes the graphs replay
+    # again, as eager trains.
+    for seed, mode in ((1, "eval"), (2, "train")):
+        for module in (graphed, eager):
+            getattr(getattr(module, submodule), mode)()
+        out, grads = _step(graphed, x, seed=seed)
+        want, want_grads = _step(eager, x, seed=seed)
+        assert torch.equal(out, want)
+        assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+        assert torch.equal(graphed.norm.running_mean, eager.norm.running_mean)
 
 
 def _hook(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:

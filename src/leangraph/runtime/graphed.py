@@ -366,13 +366,7 @@ class GraphedCallable:
             if fused is not None:
                 fused.check_backward_pass()
             self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
-            for static, grad in zip(record.static_grad_outputs, grads):
-                if static is None:
-                    continue
-                if grad is None:  # this output got no gradient: the graph reads zeros
-                    static.zero_()
-                elif not same_buffer(static, grad):
-                    static.copy_(grad)
+            _fill_seeds(record.static_grad_outputs, grads)
             if fused is not None:
                 fused.before_replay()
             if record.static_grads:
@@ -397,6 +391,19 @@ class GraphedCallable:
         fused = self._fused
         if fused is not None and self._weight is None:
             fused.call_hooks()
+
+
+def _fill_seeds(seeds: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
+    """Copy the outputs' incoming gradients into the seeds the backward graph reads (none
+    where a gradient is its seed already, the next layer's buffer; zeros for an output that
+    got no gradient)."""
+    for static, grad in zip(seeds, grads):
+        if static is None:
+            continue
+        if grad is None:
+            static.zero_()
+        elif not same_buffer(static, grad):
+            static.copy_(grad)
 
 
 def _check_frozen_params(label: str, frozen: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
