@@ -185,3 +185,25 @@ def test_data_changed_in_place_is_what_the_graphs_read() -> None:
         module.load_state_dict(state)
     x = torch.randn(8, 6)
     assert torch.equal(_step(graphed, x, seed=4)[0], _step(eager, x, seed=4)[0])
+
+
+@pytest.mark.parametrize(("at_capture", "at_replay"), [(False, True), (True, False)],
+                         ids=["captured-off", "captured-on"])
+def test_r22_a_replay_under_another_autocast_than_capture_is_refused(at_capture, at_replay):
+    """The graphs run the kernels and precision capture chose: under another autocast eager
+    would compute differently, so the replay refuses instead."""
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 6)
+
+    def autocast(on: bool):
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=on, cache_enabled=False)
+
+    with autocast(at_capture):
+        graphed = leangraph.make_graphed_callables(layer, (torch.randn(8, 6, requires_grad=True),))
+    with autocast(at_replay), pytest.raises(RuntimeError, match=(
+            r"callable 0 \(Linear\) was captured with autocast "
+            + ("on \\(torch.bfloat16\\)" if at_capture else "off") + " for cpu but is replayed "
+            "with it " + ("on \\(torch.bfloat16\\)" if at_replay else "off"))):
+        graphed(torch.randn(8, 6))
+    with autocast(at_capture):  # under capture's autocast it replays
+        graphed(torch.randn(8, 6)).float().sum().backward()

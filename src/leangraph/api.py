@@ -28,7 +28,7 @@ from .order import StepKind
 from .probe import probe
 from .progress import ProgressCallback
 from .result import GraphedSet
-from .runtime.graphed import GraphedCallable
+from .runtime.graphed import GraphedCallable, autocast_state
 from .runtime.pending import PendingBackwards
 from .runtime.sequence import ReplaySequence
 
@@ -251,6 +251,7 @@ def _hand_back(call: Call, built: Built, options: CaptureOptions) -> Any:
             debug_outputs=options.debug_outputs,
             overlap_grad_accumulation=options.overlap_grad_accumulation,
             captured_under_no_grad=not call.grad_enabled,
+            autocast_at_capture=autocast_state(call.device.type),
         )
         for record in built.records
     ]

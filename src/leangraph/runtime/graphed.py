@@ -35,7 +35,7 @@ from .pending import BackwardToken, PendingBackwards
 from .sequence import ReplaySequence
 from .weight import WeightStep
 
-__all__ = ["GraphedCallable"]
+__all__ = ["GraphedCallable", "autocast_state"]
 
 
 class _State(enum.Enum):
@@ -69,6 +69,7 @@ class GraphedCallable:
         debug_outputs: bool,
         overlap_grad_accumulation: bool = False,
         captured_under_no_grad: bool = False,
+        autocast_at_capture: tuple[bool, torch.dtype | None] | None = None,
     ) -> None:
         self._guard: OutputGuard | None = None  # first: __del__ may run after a failed init
         self._record: GraphRecord | None = record
@@ -117,8 +118,7 @@ class GraphedCallable:
         )
         self._param_slots = _parameter_slots(record)
         # Where the parameters' data was at capture: the graphs read and write that memory.
-        self._params = record.params
-        self._param_data = tuple(map(_DATA_PTR, record.params))
+        self._params, self._param_data = record.params, tuple(map(_DATA_PTR, record.params))
         self._modules = (
             None
             if record.modules is None
@@ -130,6 +130,8 @@ class GraphedCallable:
         self._forward_only = captured_under_no_grad and not record.has_backward
         self._forward_generation = 0
         self._backward_generation = -1
+        # The autocast the graphs' kernels were chosen under (of the device's type).
+        self._autocast, self._device_type = autocast_at_capture, _device_of(record).type
 
     # ----------------------------------------------------------------------------- public
 
@@ -193,6 +195,8 @@ class GraphedCallable:
             self._modules.check_replayable()
             _check_parameters(self._label, self._param_slots)
         record = self._require_ready("call")
+        if self._autocast is not None and autocast_state(self._device_type) != self._autocast:
+            _refuse_other_autocast(self._label, self._autocast, self._device_type)
         if not all(map(operator.eq, map(_DATA_PTR, self._params), self._param_data)):
             _refuse_moved_data(self._label, record, self._param_data)
         if _TRANSFORMS_ACTIVE():
@@ -203,8 +207,7 @@ class GraphedCallable:
             )
         if self._fused is not None:
             self._fused.before_forward()
-        leaves = self._signature.bind(args, kwargs)
-        leaves = [_UNWRAP_IF_DEAD(t) for t in leaves]
+        leaves = [_UNWRAP_IF_DEAD(t) for t in self._signature.bind(args, kwargs)]
         if self._forward_only and torch.is_grad_enabled():
             _refuse_grad_replay(self._label, record, leaves)
         if self._frozen_params:
@@ -388,9 +391,34 @@ class GraphedCallable:
     def _call_accumulator_hooks(self) -> None:
         """After a backward replay, outside the lock: the Python hooks it calls itself
         (``accumulator_hooks="python"``; at the weight step for a split backward)."""
-        fused = self._fused
-        if fused is not None and self._weight is None:
-            fused.call_hooks()
+        if self._fused is not None and self._weight is None:
+            self._fused.call_hooks()
+
+
+def autocast_state(device_type: str) -> tuple[bool, torch.dtype | None] | None:
+    """Whether autocast is on for ``device_type``, and its dtype when it is (None where torch
+    cannot say, a meta device's)."""
+    if device_type not in ("cpu", "cuda"):
+        return None
+    enabled = torch.is_autocast_enabled(device_type)
+    return enabled, torch.get_autocast_dtype(device_type) if enabled else None
+
+
+def _refuse_other_autocast(
+    label: str, captured: tuple[bool, torch.dtype | None], device_type: str
+) -> None:
+    """A replay under another autocast than capture's: the graphs run the kernels (and
+    precision) capture chose, where eager's would follow the autocast around them."""
+
+    def said(state: tuple[bool, torch.dtype | None] | None) -> str:
+        return f"on ({state[1]})" if state and state[0] else "off"
+
+    raise RuntimeError(
+        f"{label} was captured with autocast {said(captured)} for {device_type} but is "
+        f"replayed with it {said(autocast_state(device_type))}: its graphs run the kernels "
+        "and precision chosen at capture, where eager's would follow the autocast around "
+        "them. Replay under the autocast of capture, or capture again"
+    )
 
 
 def _fill_seeds(seeds: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
