@@ -122,7 +122,7 @@ def test_v10_sample_args_count_with_an_order():
         ([1, 2, -2, -1], [1, 2], ["num_layers_per_chunk [1, 2] sums to 3 layers but 2 callables"]),
         ([1, 2, -2, -1], [2], ["order[1] = 2: unknown chunk 2, the model has 1 chunks"]),
         ([1, -1], [1, 1], ["order runs 0 forwards of chunk 2 but 1 of chunk 1"]),
-        ([1, 2, -2, -1], [0, 2], ["num_layers_per_chunk for chunk 1 must be >= 1, got 0"]),
+        ([1, 2, -2, -1], [0, 2], ["num_layers_per_chunk for chunk 1 must be an int >= 1, got 0"]),
         ([], None, ["order is empty"]),
         ("1,2,-2,-1", None, ["order must be a list of chunk ids, got str"]),
     ],
@@ -357,3 +357,41 @@ def test_capture_options_take_zero_warmup_iterations():
         share_buffers=True, debug_outputs=False, check_memory=True,
     )
     assert options.num_warmup_iters == 0 and options.pre_warmup_hook is None
+
+
+@pytest.mark.parametrize(("options", "error", "message"), [
+    ({"share_buffers": "False"}, TypeError, "share_buffers must be a bool, got str 'False'"),
+    ({"share_buffers": None}, TypeError, "share_buffers must be a bool, got NoneType None"),
+    ({"check_memory": "no"}, TypeError, "check_memory must be a bool, got str 'no'"),
+    ({"allow_unused_input": 0}, TypeError, "allow_unused_input must be a bool, got int 0"),
+    ({"retain_graph_in_backward": 2}, TypeError, "retain_graph_in_backward must be a bool"),
+    ({"debug_outputs": "x"}, TypeError, "debug_outputs must be a bool, got str 'x'"),
+    ({"pre_warmup_hook": 3}, TypeError, "pre_warmup_hook must be callable or None, got int 3"),
+    ({"post_warmup_hook": "f"}, TypeError, "post_warmup_hook must be callable or None"),
+    ({"progress": 3}, TypeError, "progress must be callable or None, got int 3"),
+    ({"generator_states": torch.Generator()}, TypeError,
+     "generator_states must be a list or tuple of CUDA generators, got Generator"),
+    ({"generator_states": None}, TypeError, "generator_states must be a list or tuple"),
+    ({"capture_time_hooks": {"forward": [print]}}, TypeError,
+     "capture_time_hooks must be a list or tuple of one dict (or None) per callable, got dict"),
+    ({"capture_time_hooks": [3]}, TypeError, "capture_time_hooks[0] must be a dict of hook kinds"),
+    ({"capture_time_hooks": [{"forward": print}]}, TypeError,
+     "capture_time_hooks[0]['forward'] must be a list or tuple of callables"),
+    ({"num_layers_per_chunk": 2.0, "order": [1, -1]}, TypeError,
+     "num_layers_per_chunk must be an int or a list or tuple of ints, got float 2.0"),
+    ({"num_layers_per_chunk": [1.0], "order": [1, -1]}, ValueError,
+     "num_layers_per_chunk for chunk 1 must be an int >= 1, got 1.0"),
+], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
+def test_v26_option_types_are_checked_before_any_forward(options, error, message):
+    forwards: list[int] = []
+
+    class Counting(torch.nn.Linear):
+        def forward(self, x):
+            forwards.append(1)
+            return super().forward(x)
+
+    with pytest.raises(error) as info:
+        leangraph.make_graphed_callables(
+            (Counting(4, 4),), ((torch.randn(2, 4, requires_grad=True),),), **options)
+    assert message in str(info.value)
+    assert forwards == []

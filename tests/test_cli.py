@@ -403,3 +403,18 @@ def test_the_quickstart_shows_the_errors_the_cli_prints(capsys):
     for argv, expected in examples:
         _, _, err = run_cli(argv, capsys)
         assert err.strip() == expected, argv
+
+
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_run(capsys):
+    from leangraph.cli.commands import main
+
+    assert main(["bench", "--no-progress", "--steps", "1", "--json", "/proc/leangraph.json"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--json /proc/leangraph.json: cannot be written" in err
+
+
+def test_plan_builds_its_blocks_on_meta_tensors():
+    from leangraph.cli.workloads import BlockShape, make_blocks
+
+    (block,) = make_blocks(1, BlockShape(hidden=8192, heads=64, sequence=16), "meta")
+    assert {p.device.type for p in block.parameters()} == {"meta"}

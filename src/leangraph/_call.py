@@ -253,6 +253,28 @@ def _device_owners(
 # ---------------------------------------------------------------------------- capture only
 
 
+# The options that are flags: anything but a bool (the string 'False', None) is refused.
+_BOOL_OPTIONS = (
+    "allow_unused_input",
+    "retain_graph_in_backward",
+    "share_buffers",
+    "debug_outputs",
+    "check_memory",
+    "fuse_grad_accumulation",
+    "overlap_grad_accumulation",
+)
+
+
+def check_callable_or_none(name: str, value: object) -> None:
+    """Refuse an option that must be a callable or None, naming it.
+
+    Raises:
+        TypeError: for anything else.
+    """
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be callable or None, got {type(value).__name__} {value!r}")
+
+
 @dataclass(frozen=True)
 class CaptureOptions:
     """The options of ``make_graphed_callables`` that warm-up, capture and replay read."""
@@ -273,11 +295,12 @@ class CaptureOptions:
         count = self.num_warmup_iters
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"num_warmup_iters must be an int >= 0, got {count!r}")
-        if not isinstance(self.fuse_grad_accumulation, bool):
-            raise TypeError(
-                "fuse_grad_accumulation must be a bool, got "
-                f"{type(self.fuse_grad_accumulation).__name__} {self.fuse_grad_accumulation!r}"
-            )
+        for name in _BOOL_OPTIONS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+        for name in ("pre_warmup_hook", "post_warmup_hook"):
+            check_callable_or_none(name, getattr(self, name))
         hooks = self.accumulator_hooks
         if not isinstance(hooks, (bool, str)):
             raise TypeError(
@@ -286,12 +309,6 @@ class CaptureOptions:
             )
         if isinstance(hooks, str) and hooks != HookDelivery.PYTHON.value:
             raise ValueError(f"accumulator_hooks must be True, False or 'python', got {hooks!r}")
-        if not isinstance(self.overlap_grad_accumulation, bool):
-            raise TypeError(
-                "overlap_grad_accumulation must be a bool, got "
-                f"{type(self.overlap_grad_accumulation).__name__} "
-                f"{self.overlap_grad_accumulation!r}"
-            )
         if self.overlap_grad_accumulation and self.fuse_grad_accumulation:
             raise ValueError(
                 "overlap_grad_accumulation=True moves autograd's additions of parameter "

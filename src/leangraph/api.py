@@ -17,7 +17,14 @@ from typing import Any, Literal, TypedDict, TypeVar, overload
 import torch
 from typing_extensions import Unpack
 
-from ._call import Call, CaptureOptions, check_capturable, check_options, validate_call
+from ._call import (
+    Call,
+    CaptureOptions,
+    check_callable_or_none,
+    check_capturable,
+    check_options,
+    validate_call,
+)
 from ._restore import SavedState
 from .backends import GraphBackend, make_backend
 from .build.builder import Built, build_graphs
@@ -186,6 +193,14 @@ def make_graphed_callables(
         accumulator_hooks=accumulator_hooks,
         overlap_grad_accumulation=overlap_grad_accumulation,
     )
+    check_callable_or_none("progress", progress)
+    if isinstance(generator_states, torch.Generator) or not isinstance(
+        generator_states, (list, tuple)
+    ):
+        raise TypeError(
+            "generator_states must be a list or tuple of CUDA generators, got "
+            f"{type(generator_states).__name__}"
+        )
     call = validate_call(callables, sample_args, sample_kwargs, order, num_layers_per_chunk)
     check_options(call, options)
     check_capturable(call, _already_graphed)

@@ -54,6 +54,11 @@ def normalize_hooks(
     """
     if entries is None:
         return [CaptureHooks(fn) for fn in callables]
+    if not isinstance(entries, (list, tuple)):
+        raise TypeError(
+            "capture_time_hooks must be a list or tuple of one dict (or None) per callable, "
+            f"got {type(entries).__name__}"
+        )
     if len(entries) != len(callables):
         raise ValueError(
             f"capture_time_hooks has {len(entries)} entries for {len(callables)} "
@@ -61,6 +66,11 @@ def normalize_hooks(
         )
     result = []
     for index, (fn, entry) in enumerate(zip(callables, entries)):
+        if entry is not None and not isinstance(entry, Mapping):
+            raise TypeError(
+                f"capture_time_hooks[{index}] must be a dict of hook kinds to lists of "
+                f"callables, or None, got {type(entry).__name__}"
+            )
         entry = entry or {}
         unknown = sorted(set(entry) - set(HOOK_KINDS))
         if unknown:
@@ -69,6 +79,11 @@ def normalize_hooks(
                 f"expected some of {list(HOOK_KINDS)}"
             )
         for kind, hooks in entry.items():
+            if not isinstance(hooks, (list, tuple)):
+                raise TypeError(
+                    f"capture_time_hooks[{index}][{kind!r}] must be a list or tuple of "
+                    f"callables, got {type(hooks).__name__}"
+                )
             for hook in hooks:
                 if not callable(hook):
                     raise TypeError(

@@ -161,8 +161,13 @@ def _resolve_layers(
         num_layers_per_chunk, bool
     ):
         layers = (int(num_layers_per_chunk),) * num_chunks
+    elif not isinstance(num_layers_per_chunk, (list, tuple)):
+        raise TypeError(
+            "num_layers_per_chunk must be an int or a list or tuple of ints, got "
+            f"{type(num_layers_per_chunk).__name__} {num_layers_per_chunk!r}"
+        )
     else:
-        layers = tuple(num_layers_per_chunk)  # type: ignore[arg-type]
+        layers = tuple(num_layers_per_chunk)
         if len(layers) != num_chunks:
             raise ValueError(
                 f"num_layers_per_chunk has {len(layers)} entries but the order uses "
@@ -170,7 +175,9 @@ def _resolve_layers(
             )
     for chunk, count in enumerate(layers, start=1):
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
-            raise ValueError(f"num_layers_per_chunk for chunk {chunk} must be >= 1, got {count!r}")
+            raise ValueError(
+                f"num_layers_per_chunk for chunk {chunk} must be an int >= 1, got {count!r}"
+            )
     if sum(layers) != num_callables:
         raise ValueError(
             f"num_layers_per_chunk {list(layers)} sums to {sum(layers)} layers but "

@@ -265,8 +265,18 @@ def _output_file(path: str | None, flag: str) -> None:
     target = Path(path)
     if target.is_dir():
         raise UsageError(f"{flag} {path}: is a folder; give a file name")
-    if not target.resolve().parent.is_dir():
-        raise UsageError(f"{flag} {path}: folder {target.parent} does not exist; create it first")
+    folder = target.resolve().parent
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "does not exist; create it first"
+        raise UsageError(f"{flag} {path}: folder {target.parent} {what}")
+    existed = target.exists()
+    try:  # opened as the run will open it, so that a run is not lost at its end
+        with open(target, "a"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot be written ({exc.strerror})") from None
+    if not existed:
+        target.unlink(missing_ok=True)
 
 
 def _needs_matplotlib(flag: str) -> None:

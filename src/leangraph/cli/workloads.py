@@ -223,6 +223,9 @@ def make_blocks(
     if isinstance(shape, LlamaShape):
         with torch.device(device):
             return [LlamaBlock(shape) for _ in range(count)]
+    if torch.device(device).type == "meta":  # sizes only: nothing is allocated anywhere
+        with torch.device("meta"):
+            return [TransformerBlock(shape).to(dtype=shape.dtype) for _ in range(count)]
     return [TransformerBlock(shape).to(device=device, dtype=shape.dtype) for _ in range(count)]
 
 
