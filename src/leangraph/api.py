@@ -194,20 +194,28 @@ def make_graphed_callables(
         overlap_grad_accumulation=overlap_grad_accumulation,
     )
     check_callable_or_none("progress", progress)
-    if isinstance(generator_states, torch.Generator) or not isinstance(
-        generator_states, (list, tuple)
-    ):
-        raise TypeError(
-            "generator_states must be a list or tuple of CUDA generators, got "
-            f"{type(generator_states).__name__}"
-        )
+    states = _generator_states(generator_states)
     call = validate_call(callables, sample_args, sample_kwargs, order, num_layers_per_chunk)
     check_options(call, options)
     check_capturable(call, _already_graphed)
     hooks = normalize_hooks(capture_time_hooks, call.callables)
-    graph_backend = make_backend(backend, call.device, pool, tuple(generator_states))
+    graph_backend = make_backend(backend, call.device, pool, states)
     built = _build(call, options, graph_backend, hooks, progress)
     return _hand_back(call, built, options)
+
+
+def _generator_states(value: object) -> tuple[Any, ...]:
+    """``generator_states`` as a tuple (its entries are checked with the backend).
+
+    Raises:
+        TypeError: for anything but a list or tuple.
+    """
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(
+            "generator_states must be a list or tuple of CUDA generators, got "
+            f"{type(value).__name__}"
+        )
+    return tuple(value)
 
 
 def _build(
