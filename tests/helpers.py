@@ -189,6 +189,12 @@ def rank_worker(run: Callable[[int, str], dict[str, Any]], description: str) -> 
         os._exit(1)  # the peer may wait on this rank forever; its own error ends it
     path.write_text(json.dumps(results))
     dist.destroy_process_group()
+    # The report is written and the group gone: skip the interpreter's teardown, where a
+    # gloo thread still winding down once aborted a worker ("terminate called without an
+    # active exception", exit -6) after a clean run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def gloo_rank(run: Callable[[int], dict[str, Any]], description: str) -> None:
