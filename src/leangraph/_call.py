@@ -341,7 +341,14 @@ def check_options(call: Call, options: CaptureOptions) -> None:
         )
 
 
-_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# The hooks a module call runs, per module and (``_global`` prefixed) for every module.
+MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def global_module_hooks() -> tuple[dict[int, Any], ...]:
+    """torch's dicts of global module hooks, one per kind of :data:`MODULE_HOOKS` (filled
+    and emptied in place by ``register_module_*_hook`` and their handles)."""
+    return tuple(getattr(torch.nn.modules.module, f"_global{kind}", {}) for kind in MODULE_HOOKS)
 
 
 def check_capturable(call: Call, already_graphed: Callable[[Any], bool]) -> None:
@@ -383,9 +390,7 @@ def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[An
             f"callables[{index}] ({type(fn).__name__}) was already graphed; reset it and "
             "capture a fresh module"
         )
-    global_hooks = [
-        kind for kind in _MODULE_HOOKS if getattr(torch.nn.modules.module, f"_global{kind}", None)
-    ]
+    global_hooks = [kind for kind, hooks in zip(MODULE_HOOKS, global_module_hooks()) if hooks]
     if global_hooks:
         raise ValueError(
             f"callables[{index}] ({type(fn).__name__}): global module hooks are registered "
@@ -402,7 +407,7 @@ def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[An
                 "forward and backward; graphs cannot replay them, and FSDP2 does not compose "
                 "with graphed layers (docs/composition.md)"
             )
-        hooks = [kind for kind in _MODULE_HOOKS if getattr(module, kind, None)]
+        hooks = [kind for kind in MODULE_HOOKS if getattr(module, kind, None)]
         if hooks:
             raise ValueError(
                 f"callables[{index}] ({type(fn).__name__}): {where} has {', '.join(hooks)}, "

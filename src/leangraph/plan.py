@@ -10,6 +10,7 @@ still differentiates the forward's saved activations.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
@@ -106,16 +107,15 @@ class Plan:
                 last[step.graph] = index
         return tuple((first[g], last[g]) for g in range(self.layout.num_graphs))
 
-    def backward_shares_pass(self, graph: int) -> bool:
-        """Whether the capture step right after ``graph``'s backward is another graph's
-        backward: a replay that can come in the same backward pass, while autograd still
-        holds, unconsumed, a gradient this graph's backward replay handed it."""
-        steps = self.capture
-        for index, step in enumerate(steps):
-            if step.graph == graph and step.kind is StepKind.BACKWARD:
-                following = steps[index + 1] if index + 1 < len(steps) else None
-                return following is not None and following.kind is StepKind.BACKWARD
-        return False
+    def backwards_sharing_a_pass(self) -> frozenset[int]:
+        """The graphs whose backward's next capture step is another graph's backward: a
+        replay that can come in the same backward pass, while autograd still holds,
+        unconsumed, a gradient this graph's backward replay handed it."""
+        return frozenset(
+            step.graph
+            for step, following in itertools.pairwise(self.capture)
+            if step.kind is StepKind.BACKWARD and following.kind is StepKind.BACKWARD
+        )
 
     def max_live(self, steps: Sequence[GraphStep]) -> int:
         """Most graphs with live forward outputs at once during ``steps``."""

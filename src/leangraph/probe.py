@@ -81,7 +81,8 @@ class GraphFacts:
         reach: Per tensor output, the inputs and parameters its gradient reaches, as
             positions among the tensor inputs then the parameters (an input ``i`` is ``i``,
             parameter ``j`` is ``len(inputs) + j``): what gets no gradient, as in eager,
-            when a backward gives that output none.
+            when a backward gives that output none. Empty where fewer than two outputs need
+            a gradient.
     """
 
     memory: LayerMemory
@@ -233,7 +234,9 @@ def _measure(
         outputs = [t for t in output_leaves if isinstance(t, torch.Tensor)]
         _refuse_reentrant_checkpoint(label, outputs)
         memory = _layer_memory(inputs, params, buffers, outputs, saved_tensors)
-        reach = _reach(outputs, [*inputs, *params])
+        # Only several outputs that need a gradient can leave some without one.
+        several = sum(o.requires_grad for o in outputs) > 1
+        reach = _reach(outputs, [*inputs, *params]) if several else ()
     named = fn.named_parameters() if isinstance(fn, torch.nn.Module) else ()
     trains = tuple(p.requires_grad for _, p in named)
     return GraphFacts(memory, output_tree, template, trains, reach)

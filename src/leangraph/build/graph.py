@@ -80,6 +80,7 @@ class GraphBuilder:
         # Input 0's gradient buffer, kept owned after this graph's backward capture so that
         # the previous layer's backward reads it as its seed (no copy at replay).
         self._lent_grad: torch.Tensor | None = None
+        self._lent = False  # whether it ever was: the previous layer's seed until it ran
         self._seed_from: str | None = None  # the graph whose lent buffer output 0's seed is
         self._eager_order: list[int] = []  # trained parameters, as eager's backward reaches them
 
@@ -271,6 +272,7 @@ class GraphBuilder:
         if release:
             if chained and chained[0] and not retain and self._lends_input_grad():
                 self._lent_grad = self._static_grads[0]
+                self._lent = True
             self._release_buffers(backend, chained)
 
     def _lends_input_grad(self) -> bool:
@@ -347,6 +349,15 @@ class GraphBuilder:
 
     # ------------------------------------------------------------------------ hand-off
 
+    def _input_grads_held(self) -> tuple[bool, ...]:
+        """Per input, whether the gradient its backward replay hands autograd stays valid until
+        autograd's node consumes it: owned (without buffer sharing), lent to the previous layer
+        of a chain as its seed (input 0), or released with no other backward after it in
+        capture order that could overwrite it in the same backward pass."""
+        last = not (self._released and self.source.backward_shares_pass)
+        specs = self.source.signature.specs
+        return tuple(last or (i == 0 and self._lent) for i in range(len(specs)))
+
     def record(self) -> GraphRecord:
         """Freeze what capture made (call once, after the capture pass)."""
         source = self.source
@@ -376,7 +387,7 @@ class GraphBuilder:
             sharing=source.sharing,
             module=source.module,
             modules=source.modules,
-            input_grads_last=not (self._released and self.source.backward_shares_pass),
+            input_grads_held=self._input_grads_held(),
             fused=self._fused_gradients(),
         )
 

@@ -108,11 +108,11 @@ class GraphRecord:
         sharing: Which other graphs train one of its parameters.
         module: The module binding for graphed module forwards, else None.
         modules: For a module callable, its tree as capture saw it, else None.
-        input_grads_last: Whether the input gradients a backward replay hands autograd stay
-            valid until the next forward replay: owned (without buffer sharing), or
-            released but with no other backward after it in capture order that could
-            overwrite them in the same backward pass (input 0's, lent to the previous layer
-            of a chain as its seed, always does).
+        input_grads_held: Per input leaf, whether the gradient a backward replay hands
+            autograd stays valid until autograd's node consumes it: owned (without buffer
+            sharing), lent to the previous layer of a chain as its seed (input 0), or
+            released with no other backward after it in capture order that could overwrite
+            it in the same backward pass.
         fused: With in-graph gradient accumulation, its targets and hook relay, else None.
     """
 
@@ -141,7 +141,7 @@ class GraphRecord:
     sharing: ParameterSharing
     module: ModuleBinding | None
     modules: ModuleState | None
-    input_grads_last: bool
+    input_grads_held: tuple[bool, ...]
     fused: FusedGradients | None
 
     @property

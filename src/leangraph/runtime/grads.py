@@ -34,7 +34,7 @@ class GradRouting:
     autograd node is the buffer where nothing can overwrite it before that node runs: input
     0's of a chain (the previous layer's seed, held until that layer's backward replay), and
     every input's where no other backward replay can come in the same pass
-    (``record.input_grads_last``). Elsewhere it is copied: the node may wait for more
+    (``record.input_grads_held``). Elsewhere it is copied: the node may wait for more
     gradients (an input several graphs take, a cross-attention memory, GPipe's summed
     losses), and another graph's replay reuses released buffers.
     """
@@ -53,13 +53,10 @@ class GradRouting:
         # Per tensor passed to the replay that gets a gradient: its static gradient, or None.
         self._grads = inputs + params
         self._inputs_with_grad = tuple(i for i, g in enumerate(inputs) if g is not None)
-        lent = record.chained_from[0] is not None and not record.retain_graph if inputs else False
         # Inputs whose gradient buffer another replay may overwrite before autograd's node
         # consumes it: always copied, leaf or not.
         self._inputs_copied = tuple(
-            i
-            for i in self._inputs_with_grad
-            if not record.input_grads_last and not (i == 0 and lent)
+            i for i in self._inputs_with_grad if not record.input_grads_held[i]
         )
         self._params_with_grad = tuple(
             (len(inputs) + j, param)

@@ -182,10 +182,11 @@ class GraphedCallable:
         record = self._record
         if record is not None and self._modules is not None:
             if not self._modules.modes_as_captured():
-                eager = None if record.module is None else record.module.eager_forward()
-                if eager is not None:
-                    return eager(*args, **kwargs)
-                if record.module is None:
+                if record.module is not None:  # drop-in: the module's eager forward runs
+                    eager = record.module.eager_forward()
+                    if eager is not None:
+                        return eager(*args, **kwargs)
+                else:
                     raise RuntimeError(
                         f"{self._label}: {self._modules.changed_mode()}; its graphs replay "
                         "the kernels of the captured modes (dropout, batch norm, anything "

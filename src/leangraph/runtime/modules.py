@@ -13,14 +13,11 @@ import operator
 import sys
 
 import torch
-from torch.nn.modules import module as _module_globals
 
+from .._call import MODULE_HOOKS, global_module_hooks
 from ..build.record import ModuleState
 
 __all__ = ["ModuleWatch"]
-
-# The hooks a module call runs, per module and (``_global`` prefixed) for every module.
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 class ModuleWatch:
@@ -48,7 +45,9 @@ class ModuleWatch:
         # `_modules` and hook dicts in place (they are bound once, at construction).
         self._parent_dicts = tuple(modules[i]._modules for i in self._parents)
         self._hook_dicts = tuple(
-            getattr(module, kind) for module in modules[self._hooked_from :] for kind in _HOOKS
+            getattr(module, kind)
+            for module in modules[self._hooked_from :]
+            for kind in MODULE_HOOKS
         )
 
     def modes_as_captured(self) -> bool:
@@ -70,21 +69,15 @@ class ModuleWatch:
                 globally.
         """
         registered = map(dict.get, self._parent_dicts, self._local_names)
-        if all(map(operator.is_, registered, self._submodules)) and not (
-            any(self._hook_dicts) or any(_GLOBAL_HOOK_DICTS)
-        ):
+        replaced = not all(map(operator.is_, registered, self._submodules))
+        if not replaced and not (any(self._hook_dicts) or any(_GLOBAL_HOOK_DICTS)):
             return  # the usual replay
         root = self._root()
         if root is None:
             return
-        modules = (root, *self._submodules)
-        if not all(
-            map(
-                operator.is_, map(dict.get, self._parent_dicts, self._local_names), self._submodules
-            )
-        ):
-            self._raise_replaced(modules)
-        self._check_hooks(modules[self._hooked_from :])
+        if replaced:
+            self._raise_replaced()
+        self._check_hooks((root, *self._submodules)[self._hooked_from :])
 
     def changed_mode(self) -> str:
         """The first module whose training mode differs from capture's, described."""
@@ -99,14 +92,11 @@ class ModuleWatch:
                 )
         return "the modes are as captured"
 
-    def _raise_replaced(self, modules: tuple[torch.nn.Module, ...]) -> None:
+    def _raise_replaced(self) -> None:
         for name, parent, local, child in zip(
-            self._names[1:],
-            map(modules.__getitem__, self._parents),
-            self._local_names,
-            self._submodules,
+            self._names[1:], self._parent_dicts, self._local_names, self._submodules
         ):
-            current = parent._modules.get(local)
+            current = parent.get(local)
             if current is not child:
                 got = "nothing" if current is None else f"another {type(current).__name__}"
                 raise RuntimeError(
@@ -119,7 +109,7 @@ class ModuleWatch:
         """Raise for the first hook a replay would leave out, unless every one is inert now."""
         globals_ = [
             f"_global{kind}"
-            for kind, hooks in zip(_HOOKS, _global_hooks())
+            for kind, hooks in zip(MODULE_HOOKS, _GLOBAL_HOOK_DICTS)
             if not all(map(_inert, hooks.values()))
         ]
         if globals_:
@@ -131,7 +121,9 @@ class ModuleWatch:
         offset = len(self._names) - len(hooked)
         for name, module in zip(self._names[offset:], hooked):
             kinds = [
-                kind for kind in _HOOKS if not all(map(_inert, getattr(module, kind).values()))
+                kind
+                for kind in MODULE_HOOKS
+                if not all(map(_inert, getattr(module, kind).values()))
             ]
             if kinds:
                 where = f"submodule {name!r}" if name else "the module"
@@ -160,12 +152,8 @@ def _mode(training: bool) -> str:
     return "training" if training else "eval"
 
 
-def _global_hooks() -> tuple[dict[int, object], ...]:
-    return tuple(getattr(_module_globals, f"_global{kind}", {}) for kind in _HOOKS)
-
-
 # Filled and emptied in place by torch's register_module_*_hook and their handles.
-_GLOBAL_HOOK_DICTS = _global_hooks()
+_GLOBAL_HOOK_DICTS = global_module_hooks()
 
 
 _TRAINING = operator.attrgetter("training")
