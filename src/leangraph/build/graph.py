@@ -349,15 +349,6 @@ class GraphBuilder:
 
     # ------------------------------------------------------------------------ hand-off
 
-    def _input_grads_held(self) -> tuple[bool, ...]:
-        """Per input, whether the gradient its backward replay hands autograd stays valid until
-        autograd's node consumes it: owned (without buffer sharing), lent to the previous layer
-        of a chain as its seed (input 0), or released with no other backward after it in
-        capture order that could overwrite it in the same backward pass."""
-        last = not (self._released and self.source.backward_shares_pass)
-        specs = self.source.signature.specs
-        return tuple(last or (i == 0 and self._lent) for i in range(len(specs)))
-
     def record(self) -> GraphRecord:
         """Freeze what capture made (call once, after the capture pass)."""
         source = self.source
@@ -387,7 +378,11 @@ class GraphBuilder:
             sharing=source.sharing,
             module=source.module,
             modules=source.modules,
-            input_grads_held=self._input_grads_held(),
+            input_grads_held=_input_grads_held(
+                len(source.signature.specs),
+                overwritable=self._released and source.backward_shares_pass,
+                lent=self._lent,
+            ),
             fused=self._fused_gradients(),
         )
 
@@ -442,6 +437,14 @@ def _run_callable(source: GraphSource, leaves: Sequence[torch.Tensor]) -> tuple[
             "outputs that do not depend on the data"
         )
     return tuple(outputs)
+
+
+def _input_grads_held(count: int, *, overwritable: bool, lent: bool) -> tuple[bool, ...]:
+    """Per input, whether the gradient a backward replay hands autograd stays valid until
+    autograd's node consumes it: unless it is ``overwritable`` (released, with another
+    backward after it in capture order that can come in the same backward pass), or input 0's
+    when ``lent`` to the previous layer of a chain as its seed."""
+    return tuple(not overwritable or (i == 0 and lent) for i in range(count))
 
 
 def _check_unused(source: GraphSource, grads: Sequence[torch.Tensor | None]) -> None:

@@ -116,14 +116,9 @@ class GraphedCallable:
             if overlap_grad_accumulation and record.delivers_param_grads()
             else ()
         )
-        self._param_slots = _parameter_slots(record)
         # Where the parameters' data was at capture: the graphs read and write that memory.
         self._params, self._param_data = record.params, tuple(map(_DATA_PTR, record.params))
-        self._modules = (
-            None
-            if record.modules is None
-            else ModuleWatch(record.label, record.modules, root_hooks_run=record.module is not None)
-        )
+        self._modules = _module_watch(record)
         self._debug_outputs = debug_outputs
         # Captured under no_grad: forward graphs only, which cannot make outputs that need
         # a gradient (eager's would, replayed with grad mode on).
@@ -194,7 +189,6 @@ class GraphedCallable:
                         "capture again"
                     )
             self._modules.check_replayable()
-            _check_parameters(self._label, self._param_slots)
         record = self._require_ready("call")
         if self._autocast is not None and autocast_state(self._device_type) != self._autocast:
             _refuse_other_autocast(self._label, self._autocast, self._device_type)
@@ -396,6 +390,17 @@ class GraphedCallable:
             self._fused.call_hooks()
 
 
+def _module_watch(record: GraphRecord) -> ModuleWatch | None:
+    """What a replay checks of a graphed module (None for a function); hooks on the module
+    itself run around a drop-in module's replay, as eager runs them around ``forward``."""
+    if record.modules is None:
+        return None
+    params = tuple(zip(record.param_names, record.params))
+    return ModuleWatch(
+        record.label, record.modules, params, root_hooks_run=record.module is not None
+    )
+
+
 def autocast_state(device_type: str) -> tuple[bool, torch.dtype | None] | None:
     """Whether autocast is on for ``device_type``, and its dtype when it is (None where torch
     cannot say, a meta device's)."""
@@ -519,39 +524,6 @@ def _params_for_autograd(
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _DATA_PTR = torch.Tensor.data_ptr
 _NONES = itertools.repeat(None)
-
-_Slot = tuple[weakref.ref[torch.nn.Module], str, str, torch.nn.Parameter]
-
-
-def _parameter_slots(record: GraphRecord) -> tuple[_Slot, ...]:
-    """Where a graphed module's captured parameters are registered: (owning module, name,
-    parameter), so a replay can see that they are still the module's."""
-    module = record.modules.root() if record.modules is not None else None
-    if module is None:
-        return ()
-    slots = []
-    for name, param in zip(record.param_names, record.params):
-        path, _, local = name.rpartition(".")
-        owner = module.get_submodule(path) if path else module
-        slots.append((weakref.ref(owner), local, name, param))
-    return tuple(slots)
-
-
-def _check_parameters(label: str, slots: Sequence[_Slot]) -> None:
-    """Refuse a replay of a module whose parameters were replaced after capture (FSDP2's
-    ``fully_shard`` swaps in sharded and all-gathered ones): the graph reads and trains the
-    captured tensors only, so the module's new parameters would silently get no gradient."""
-    for owner_ref, local, name, param in slots:
-        owner = owner_ref()
-        current = None if owner is None else owner._parameters.get(local)
-        if owner is not None and current is not param:
-            raise RuntimeError(
-                f"{label} parameter {name!r} must be the tensor it was captured with, got "
-                f"another {type(current).__name__}: the graph reads and trains the captured "
-                "one, so the new one would get no gradient. Replace parameters before "
-                "capture; FSDP2's fully_shard swaps them at every forward and does not "
-                "compose with a graphed module (docs/composition.md)"
-            )
 
 
 def _inputs_to_copy(

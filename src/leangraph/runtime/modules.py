@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 import sys
+from collections.abc import Sequence
 
 import torch
 
@@ -26,11 +27,19 @@ class ModuleWatch:
     Args:
         label: How errors name the callable.
         state: The module's tree as capture saw it.
+        params: The module's captured parameters, by qualified name.
         root_hooks_run: Whether hooks on the module itself run around a replay (a module
             graphed without an order: its ``__call__`` runs them, then the graphed forward).
     """
 
-    def __init__(self, label: str, state: ModuleState, *, root_hooks_run: bool) -> None:
+    def __init__(
+        self,
+        label: str,
+        state: ModuleState,
+        params: Sequence[tuple[str, torch.nn.Parameter]],
+        *,
+        root_hooks_run: bool,
+    ) -> None:
         self._label = label
         self._root = state.root
         self._names = ("", *(name for name, _ in state.submodules))
@@ -44,6 +53,12 @@ class ModuleWatch:
         # The dicts themselves, held for the fast checks: torch fills and empties a module's
         # `_modules` and hook dicts in place (they are bound once, at construction).
         self._parent_dicts = tuple(modules[i]._modules for i in self._parents)
+        position = {name: i for i, name in enumerate(self._names)}
+        owners = [name.rpartition(".") for name, _ in params] if modules else []
+        self._param_names = tuple(name for name, _ in params) if modules else ()
+        self._params = tuple(param for _, param in params) if modules else ()
+        self._param_dicts = tuple(modules[position[path]]._parameters for path, _, _ in owners)
+        self._param_locals = tuple(local for _, _, local in owners)
         self._hook_dicts = tuple(
             getattr(module, kind)
             for module in modules[self._hooked_from :]
@@ -71,6 +86,7 @@ class ModuleWatch:
         registered = map(dict.get, self._parent_dicts, self._local_names)
         replaced = not all(map(operator.is_, registered, self._submodules))
         if not replaced and not (any(self._hook_dicts) or any(_GLOBAL_HOOK_DICTS)):
+            self._check_parameters()
             return  # the usual replay
         root = self._root()
         if root is None:
@@ -78,6 +94,28 @@ class ModuleWatch:
         if replaced:
             self._raise_replaced()
         self._check_hooks((root, *self._submodules)[self._hooked_from :])
+        self._check_parameters()
+
+    def _check_parameters(self) -> None:
+        """Refuse a replay of a module whose parameters were replaced after capture (FSDP2's
+        ``fully_shard`` swaps in sharded and all-gathered ones): the graph reads and trains
+        the captured tensors only, so the module's new parameters would silently get no
+        gradient."""
+        registered = map(dict.get, self._param_dicts, self._param_locals)
+        if all(map(operator.is_, registered, self._params)):
+            return
+        for name, owned, local, param in zip(
+            self._param_names, self._param_dicts, self._param_locals, self._params
+        ):
+            current = owned.get(local)
+            if current is not param:
+                raise RuntimeError(
+                    f"{self._label} parameter {name!r} must be the tensor it was captured with, "
+                    f"got another {type(current).__name__}: the graph reads and trains the "
+                    "captured one, so the new one would get no gradient. Replace parameters "
+                    "before capture; FSDP2's fully_shard swaps them at every forward and does "
+                    "not compose with a graphed module (docs/composition.md)"
+                )
 
     def changed_mode(self) -> str:
         """The first module whose training mode differs from capture's, described."""
