@@ -38,6 +38,32 @@ def test_facts_say_what_each_graph_returns_needs_and_trains():
     assert plain.output_tree.is_leaf()
 
 
+class _Trunk(torch.nn.Module):
+    """A trunk and several heads on it: each head's output reaches the trunk and itself."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.trunk = torch.nn.Linear(4, 4)
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(heads))
+
+    def forward(self, x, z):
+        y = self.trunk(x)
+        return (y, *(head(y) for head in self.heads), z * 2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_reach_names_every_input_and_parameter_each_output_gradient_reaches(device):
+    """Per output, the positions (inputs, then parameters) its gradient reaches. On CUDA an
+    early walk ended short: autograd nodes' Python objects were freed as it went and their
+    ids taken by the next ones, so a head's output seemed not to reach the trunk."""
+    module = _Trunk(heads=5).to(device)
+    inputs = tuple(torch.randn(3, 4, device=device, requires_grad=True) for _ in range(2))
+    (facts,) = _facts(module, inputs)
+    trunk = {0, 2, 3}  # x, trunk.weight, trunk.bias
+    heads = [trunk | {4 + 2 * h, 5 + 2 * h} for h in range(5)]
+    assert facts.reach == (frozenset(trunk), *map(frozenset, heads), frozenset({1}))
+
+
 def test_one_forward_per_callable_and_signature():
     calls = []
 

@@ -253,21 +253,27 @@ def _reach(
         if output.grad_fn is None:
             if id(output) in position and output.requires_grad:  # an input returned as is
                 reached.add(position[id(output)])
-            result.append(frozenset(reached))
-            continue
-        seen: set[int] = set()
-        stack = [output.grad_fn]
-        while stack:
-            node = stack.pop()
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
+        for node in _autograd_nodes([output]):
             variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
             if variable is not None and id(variable) in position:
                 reached.add(position[id(variable)])
-            stack.extend(next_node for next_node, _ in node.next_functions if next_node)
         result.append(frozenset(reached))
     return tuple(result)
+
+
+def _autograd_nodes(outputs: Iterable[torch.Tensor]) -> Iterator[Any]:
+    """Every node of the outputs' autograd graphs, once each. The walk holds every node it
+    met: a node's Python object lives only while referenced, and a freed one's ``id`` is
+    soon another node's, which would end the walk early (seen on CUDA, not on CPU)."""
+    met: dict[int, Any] = {}
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in met:
+            continue
+        met[id(node)] = node
+        yield node
+        stack.extend(n for n, _ in node.next_functions if n is not None)
 
 
 def _refuse_input_writes(
@@ -299,13 +305,7 @@ def _refuse_reentrant_checkpoint(label: str, outputs: Sequence[torch.Tensor]) ->
     """Refuse ``torch.utils.checkpoint(..., use_reentrant=True)`` inside the callable: its
     backward raises under ``torch.autograd.grad``, which warm-up and capture differentiate
     with, so say so before any warm-up rather than let torch's message surface from there."""
-    seen: set[int] = set()
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
+    for node in _autograd_nodes(outputs):
         if node.name().startswith("CheckpointFunctionBackward"):
             raise ValueError(
                 f"{label} runs torch.utils.checkpoint with use_reentrant=True, whose backward "
@@ -313,7 +313,6 @@ def _refuse_reentrant_checkpoint(label: str, outputs: Sequence[torch.Tensor]) ->
                 "expected use_reentrant=False inside a graphed callable, or the checkpoint "
                 "around it (docs/composition.md)"
             )
-        stack.extend(n for n, _ in node.next_functions if n is not None)
 
 
 def output_template(label: str, leaves: Sequence[Any]) -> LeafTemplate:
