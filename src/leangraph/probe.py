@@ -250,9 +250,9 @@ def _reach(
     result = []
     for output in outputs:
         reached: set[int] = set()
-        if output.grad_fn is None:
-            if id(output) in position and output.requires_grad:  # an input returned as is
-                reached.add(position[id(output)])
+        returned_input = output.grad_fn is None and output.requires_grad
+        if returned_input and id(output) in position:  # an input returned as is
+            reached.add(position[id(output)])
         for node in _autograd_nodes([output]):
             variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
             if variable is not None and id(variable) in position:
