@@ -295,7 +295,7 @@ def test_r7_device_mismatch_on_cuda():
 
 
 @pytest.mark.parametrize("fuse", [False, True])
-def test_a_capture_broken_by_a_held_default_stream_accumulator_explains_and_recovers(fuse):
+def test_w10_a_capture_broken_by_a_held_default_stream_accumulator_explains_and_recovers(fuse):
     """An accumulator node made on the default stream and still held (DDP keeps them) makes
     torch sync that stream with the capture, which CUDA refuses: the error says what to do,
     and the failed capture leaves the CUDA generators usable (random ops and later captures

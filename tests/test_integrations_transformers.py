@@ -299,9 +299,14 @@ def test_reset_gives_the_layers_their_eager_forward_back() -> None:
     again = graph_causal_lm(model, {"input_ids": longer})
     assert_bitwise(train(model, drop_in_step, [[longer]]), train(eager, drop_in_step, [[longer]]),
                    model, eager)
+    # Not while graphed: the recording forward would replay the graphs at their shapes.
+    with pytest.raises(ValueError, match=r"decoder layers \[0, 1, 2, 3\] are graphed already"):
+        graph_causal_lm(model, {"input_ids": tokens})
     leangraph.reset_all(again.graphed)
     with pytest.raises(leangraph.GraphResetError):
         model(input_ids=longer)
+    with pytest.raises(ValueError, match=r"call that result's reset\(\) first"):
+        graph_causal_lm(model, {"input_ids": tokens})
     again.reset()
     model(input_ids=longer)
 

@@ -411,6 +411,19 @@ def _check_model_config(model: nn.Module) -> None:
     # What HF's is_activation_checkpointing reads, without its version-dependent name.
     if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
         raise ValueError(_checkpointing_message(type(model).__name__))
+    # The recording forward would replay those layers' graphs, at the capture's shapes.
+    graphed = [
+        index
+        for index, layer in enumerate(decoder_layers(model))
+        if isinstance(vars(layer).get("forward"), GraphedCallable)
+    ]
+    if graphed:
+        raise ValueError(
+            f"{type(model).__name__}: decoder layers {graphed} are graphed already (an "
+            "earlier graph_causal_lm or graph_decoder_layers in place); expected eager "
+            "layers: call that result's reset() first, which gives them their eager forward "
+            "back"
+        )
 
 
 def _check_inputs(where: str, sample_inputs: Mapping[str, Any]) -> None:
