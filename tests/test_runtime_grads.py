@@ -169,11 +169,12 @@ def test_copies_are_fresh_and_bit_exact():
             assert torch.equal(copy_.view(torch.int32), original.view(torch.int32))
 
 
-def test_a_gradient_autograd_consumes_at_once_is_a_static_buffer():
+def test_a_gradient_autograd_adds_at_once_is_a_static_buffer_and_one_flowing_on_a_copy():
     """Without buffer sharing each graph keeps its gradient buffers (``static_tensors()``), so
-    where a gradient handed to autograd points says whether it is the buffer or a copy. It is
-    the buffer tensor itself, not a view of it: autograd never adds into a tensor it does not
-    hold alone, and a view would cost a call per gradient per replay."""
+    where a gradient handed to autograd points says whether it is the buffer or a copy. A
+    parameter's, once its ``.grad`` exists, is the buffer tensor itself (autograd adds it in
+    at once and never adds into a tensor it does not hold alone). An input's that flows on
+    into eager code is a copy: that code may keep it (next test)."""
     torch.manual_seed(0)
     first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     graphed = leangraph.make_graphed_callables(
@@ -185,15 +186,63 @@ def test_a_gradient_autograd_consumes_at_once_is_a_static_buffer():
     accumulated: list[int] = []
     accumulate.register_prehook(lambda grads: accumulated.append(grads[0].data_ptr()))
     for step in range(2):  # .grad None (autograd stores it: a copy), then set (added: the buffer)
-        flowing: list[int] = []
+        flowing: list[torch.Tensor] = []
         x = torch.randn(2, 4, requires_grad=True)
         hidden = graphed[0](x)
         hidden.register_hook(flowing.append)
         graphed[1](hidden).sum().backward()
-        assert flowing and flowing[0].data_ptr() in buffers[1]  # graph 0's node consumes it
-        assert any(flowing[0] is t for t in graphed[1].forward.static_tensors())
+        assert flowing and flowing[0].data_ptr() not in buffers[1]
         assert x.grad.data_ptr() not in buffers[0]  # a leaf's .grad: a copy
         assert (accumulated[step] in buffers[0]) == (step == 1), step
+
+
+def _kept_input_grads(layer_of, keep):
+    """Two microbatches through a graphed (or eager) layer whose input is a non-leaf, each
+    input gradient kept by ``keep(hidden, loss)``, then an unrelated third backward."""
+    torch.manual_seed(1)
+    source = torch.randn(2, 4, requires_grad=True)
+    prefix = torch.nn.Parameter(torch.randn(8))  # reaches the layer through a view
+    kept = []
+    for microbatch in range(3):
+        hidden = source * (microbatch + 1) + prefix.view(2, 4)
+        loss = layer_of()(hidden).square().sum()
+        if microbatch < 2:
+            kept.append(keep(hidden, loss))
+        else:
+            loss.backward()
+    return kept, prefix.grad
+
+
+@pytest.mark.parametrize("share_buffers", [True, False])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_input_gradients_kept_outside_the_graphs_are_eagers(share_buffers, device):
+    """A non-leaf input's gradient may be kept by the code it flows to: returned by
+    ``torch.autograd.grad``, stored by a tensor hook, or taken (a view of it) by
+    ``AccumulateGrad`` as the ``.grad`` of a parameter that reaches the layer through
+    ``view``. Each must keep eager's values after later replays overwrite the buffers."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4).to(device)
+    eager = copy.deepcopy(layer)
+    with torch.device(device):
+        graphed = leangraph.make_graphed_callables(
+            layer, (torch.randn(2, 4, requires_grad=True),), share_buffers=share_buffers)
+
+    def by_hook(hidden, loss):
+        stored = []
+        hidden.register_hook(stored.append)
+        loss.backward()
+        return stored[0]
+
+    def by_grad(hidden, loss):
+        return torch.autograd.grad(loss, hidden)[0]
+
+    for keep in (by_hook, by_grad):
+        with torch.device(device):
+            got, got_prefix = _kept_input_grads(lambda: graphed, keep)
+            want, want_prefix = _kept_input_grads(lambda: eager, keep)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), keep.__name__
+        assert torch.equal(got_prefix, want_prefix), keep.__name__
+    leangraph.reset_all(graphed)
 
 
 @pytest.mark.parametrize("branch", ["none", "also-in-the-loss", "a-hook-replaces-it"])

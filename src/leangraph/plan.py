@@ -10,7 +10,6 @@ still differentiates the forward's saved activations.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
@@ -106,16 +105,6 @@ class Plan:
             elif has_backward[step.graph] and step.graph in live:
                 last[step.graph] = index
         return tuple((first[g], last[g]) for g in range(self.layout.num_graphs))
-
-    def backwards_sharing_a_pass(self) -> frozenset[int]:
-        """The graphs whose backward's next capture step is another graph's backward: a
-        replay that can come in the same backward pass, while autograd still holds,
-        unconsumed, a gradient this graph's backward replay handed it."""
-        return frozenset(
-            step.graph
-            for step, following in itertools.pairwise(self.capture)
-            if step.kind is StepKind.BACKWARD and following.kind is StepKind.BACKWARD
-        )
 
     def max_live(self, steps: Sequence[GraphStep]) -> int:
         """Most graphs with live forward outputs at once during ``steps``."""

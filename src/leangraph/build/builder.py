@@ -155,7 +155,6 @@ def graph_sources(
     sharing = parameter_sharing(call, facts, [tuple(p for _, p in n) for n in named_by_callable])
     seen: set[int] = set()
     last_signature: dict[int, CallSignature] = {}  # per callable: its graphs share a structure
-    sharing_a_pass = call.plan.backwards_sharing_a_pass()
     states = [
         ModuleState.of(fn) if isinstance(fn, torch.nn.Module) else None for fn in call.callables
     ]
@@ -187,7 +186,6 @@ def graph_sources(
                 sharing=sharing[graph],
                 module=_binding(fn) if not call.plan.ordered else None,
                 modules=states[index],
-                backward_shares_pass=graph in sharing_a_pass,
                 allow_unused_input=options.allow_unused_input,
                 retain_graph=options.retain_graph_in_backward,
                 split_backward=call.plan.split_backward,

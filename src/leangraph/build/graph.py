@@ -55,7 +55,6 @@ class GraphSource:
     sharing: ParameterSharing
     module: ModuleBinding | None
     modules: ModuleState | None
-    backward_shares_pass: bool
     allow_unused_input: bool
     retain_graph: bool
     split_backward: bool
@@ -378,11 +377,7 @@ class GraphBuilder:
             sharing=source.sharing,
             module=source.module,
             modules=source.modules,
-            input_grads_held=_input_grads_held(
-                len(source.signature.specs),
-                overwritable=self._released and source.backward_shares_pass,
-                lent=self._lent,
-            ),
+            input_grad_lent=self._lent,
             fused=self._fused_gradients(),
         )
 
@@ -437,14 +432,6 @@ def _run_callable(source: GraphSource, leaves: Sequence[torch.Tensor]) -> tuple[
             "outputs that do not depend on the data"
         )
     return tuple(outputs)
-
-
-def _input_grads_held(count: int, *, overwritable: bool, lent: bool) -> tuple[bool, ...]:
-    """Per input, whether the gradient a backward replay hands autograd stays valid until
-    autograd's node consumes it: unless it is ``overwritable`` (released, with another
-    backward after it in capture order that can come in the same backward pass), or input 0's
-    when ``lent`` to the previous layer of a chain as its seed."""
-    return tuple(not overwritable or (i == 0 and lent) for i in range(count))
 
 
 def _check_unused(source: GraphSource, grads: Sequence[torch.Tensor | None]) -> None:

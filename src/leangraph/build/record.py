@@ -108,11 +108,9 @@ class GraphRecord:
         sharing: Which other graphs train one of its parameters.
         module: The module binding for graphed module forwards, else None.
         modules: For a module callable, its tree as capture saw it, else None.
-        input_grads_held: Per input leaf, whether the gradient a backward replay hands
-            autograd stays valid until autograd's node consumes it: owned (without buffer
-            sharing), lent to the previous layer of a chain as its seed (input 0), or
-            released with no other backward after it in capture order that could overwrite
-            it in the same backward pass.
+        input_grad_lent: Whether input 0's gradient buffer is the previous layer's seed (a
+            chain): a backward replay hands it to autograd as is, since the node it flows to
+            is that layer's replay, which reads it in place.
         fused: With in-graph gradient accumulation, its targets and hook relay, else None.
     """
 
@@ -141,7 +139,7 @@ class GraphRecord:
     sharing: ParameterSharing
     module: ModuleBinding | None
     modules: ModuleState | None
-    input_grads_held: tuple[bool, ...]
+    input_grad_lent: bool
     fused: FusedGradients | None
 
     @property

@@ -2,10 +2,11 @@
 
 A backward graph writes its gradients into static buffers that later replays overwrite.
 Autograd may *store* some of them (a leaf input's ``.grad``, or a parameter's ``.grad`` while
-it is None) or hold them while it waits for other branches; those get copies, the rest the
-static buffers themselves. Not detached views of them: a view costs a call per gradient per
-replay, and the buffer itself is safer, since autograd adds into a gradient it was handed only
-where it holds the sole reference to the tensor and its memory, and leangraph holds one.
+it is None), hold them while it waits for other branches, or hand them to code outside the
+graphs; those get copies. The rest are the static buffers themselves, not detached views of
+them: a view costs a call per gradient per replay, and the buffer itself is safer, since
+autograd adds into a gradient it was handed only where it holds the sole reference to the
+tensor and its memory, and leangraph holds one.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ class GradRouting:
     buffer: autograd adds it into that ``.grad`` right away, unless another graph training the same
     parameter still has to run in this backward pass (several microbatches, or tied weights,
     differentiated together): autograd then waits for that graph's gradient too, whose replay
-    may overwrite this buffer first, so it gets a copy. A gradient flowing to an earlier
-    autograd node is the buffer where nothing can overwrite it before that node runs: input
-    0's of a chain (the previous layer's seed, held until that layer's backward replay), and
-    every input's where no other backward replay can come in the same pass
-    (``record.input_grads_held``). Elsewhere it is copied: the node may wait for more
-    gradients (an input several graphs take, a cross-attention memory, GPipe's summed
-    losses), and another graph's replay reuses released buffers.
+    may overwrite this buffer first, so it gets a copy. An input's gradient is copied too,
+    leaf or not, except input 0's of a chain (``record.input_grad_lent``: the previous
+    layer's seed, which that layer's backward replay reads in place). Any other node it
+    flows to may keep it past the next replay: ``AccumulateGrad`` takes a view of it as a
+    leaf's ``.grad`` (a parameter reaching the graph through ``view`` or ``x + p``),
+    ``torch.autograd.grad`` returns it, a tensor hook stores it, a node waits for more
+    gradients (an input several graphs take, GPipe's summed losses).
     """
 
     def __init__(self, record: GraphRecord, pending: PendingBackwards) -> None:
@@ -52,11 +53,10 @@ class GradRouting:
         )
         # Per tensor passed to the replay that gets a gradient: its static gradient, or None.
         self._grads = inputs + params
-        self._inputs_with_grad = tuple(i for i, g in enumerate(inputs) if g is not None)
-        # Inputs whose gradient buffer another replay may overwrite before autograd's node
-        # consumes it: always copied, leaf or not.
+        # Every input's gradient but a chain's (see the class docstring): copied.
+        lent = record.input_grad_lent
         self._inputs_copied = tuple(
-            i for i in self._inputs_with_grad if not record.input_grads_held[i]
+            i for i, g in enumerate(inputs) if g is not None and not (i == 0 and lent)
         )
         self._params_with_grad = tuple(
             (len(inputs) + j, param)
@@ -71,12 +71,10 @@ class GradRouting:
         self._shared_param_ids = record.sharing.shared_param_ids if delivers else frozenset()
         self._pending = pending
 
-    def scatter(self, clone_inputs: Sequence[bool]) -> tuple[torch.Tensor | None, ...]:
-        """One gradient per tensor passed to the replay (inputs, then parameters);
-        ``clone_inputs[i]`` says whether input ``i`` is a leaf autograd stores into."""
+    def scatter(self) -> tuple[torch.Tensor | None, ...]:
+        """One gradient per tensor passed to the replay (inputs, then parameters)."""
         grads = self._grads
-        copied = self._inputs_copied
-        copy_at = [i for i in self._inputs_with_grad if clone_inputs[i] or i in copied]
+        copy_at = list(self._inputs_copied)
         if self._shared_param_ids and self._pending.reached_now(self._peers):
             shared = self._shared_param_ids
             copy_at += [i for i, p in self._params_with_grad if p.grad is None or id(p) in shared]

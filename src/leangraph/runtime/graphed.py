@@ -207,7 +207,6 @@ class GraphedCallable:
             _refuse_grad_replay(self._label, record, leaves)
         if self._frozen_params:
             _check_frozen_params(self._label, self._frozen_params)
-        clone_grads = tuple([t.requires_grad and t.grad_fn is None for t in leaves])
         if self._ungraded_inputs and any(
             t.requires_grad and not s.requires_grad for t, s in zip(leaves, self._specs)
         ):
@@ -216,7 +215,7 @@ class GraphedCallable:
         extra = self._autograd_params
         if self._stand_in and any(t.requires_grad for t in leaves):
             extra = ()
-        outputs = _C_APPLY(self, clone_grads, token, *leaves, *extra)
+        outputs = _C_APPLY(self, len(leaves), token, *leaves, *extra)
         del token  # from here on only the replay's autograd node (if any) keeps it alive
         if self._has_backward and not any(map(_REQUIRES_GRAD, outputs)):
             self._sequence.without_backward(self._index)  # grad mode off: no backward comes
@@ -342,7 +341,7 @@ class GraphedCallable:
             return outputs
 
     def _replay_backward(
-        self, grads: Sequence[torch.Tensor], generation: int, clone_inputs: Sequence[bool]
+        self, grads: Sequence[torch.Tensor], generation: int
     ) -> tuple[torch.Tensor | None, ...]:
         with self._lock:
             record = self._require_ready("run a backward")
@@ -378,7 +377,7 @@ class GraphedCallable:
             elif self._guard is not None:
                 self._guard.invalidate(f"the backward of {self._label} ran")
             assert self._grads is not None
-            handed = self._grads.scatter(clone_inputs)
+            handed = self._grads.scatter()
             if self._outputs_may_lack_grads and any(map(operator.is_, grads, _NONES)):
                 handed = self._grads.without_unreached(handed, [g is not None for g in grads])
             return handed
@@ -553,14 +552,13 @@ class _Replay(torch.autograd.Function):
     def forward(
         ctx: Any,
         owner: GraphedCallable,
-        clone_inputs: tuple[bool, ...],
+        num_inputs: int,
         token: BackwardToken,
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        outputs = owner._replay_forward(tensors[: len(clone_inputs)], token)
+        outputs = owner._replay_forward(tensors[:num_inputs], token)
         ctx.owner = owner
         ctx.generation = owner._forward_generation
-        ctx.clone_inputs = clone_inputs
         ctx.num_tensors = len(tensors)
         ctx.token = token
         token.node = weakref.ref(ctx)
@@ -579,7 +577,7 @@ class _Replay(torch.autograd.Function):
 
 def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     owner: GraphedCallable = ctx.owner
-    grad_inputs = owner._replay_backward(grads, ctx.generation, ctx.clone_inputs)
+    grad_inputs = owner._replay_backward(grads, ctx.generation)
     owner._call_accumulator_hooks()
     return _node_grads(ctx, grad_inputs)
 
@@ -600,7 +598,7 @@ def _backward_once(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None,
     grad mode off, goes around this."""
     owner: GraphedCallable = ctx.owner
     with torch.no_grad():
-        grad_inputs = owner._replay_backward(grads, ctx.generation, ctx.clone_inputs)
+        grad_inputs = owner._replay_backward(grads, ctx.generation)
     owner._call_accumulator_hooks()  # in the pass's grad mode, as autograd runs accumulators
     outputs = _node_grads(ctx, grad_inputs)
     if not any(g is not None and g.requires_grad for g in grads):
