@@ -174,11 +174,25 @@ class InGraphAccumulation:
 
     def after_replay(self) -> None:
         """Tell Megatron's hooks the gradient is in ``main_grad`` (and give its
-        ``overlap_grad_reduce`` check a ``.grad``: a broadcast zero, which the hook drops)."""
+        ``overlap_grad_reduce`` check a ``.grad``: a broadcast zero, which the hook drops),
+        until the backward pass ends (:meth:`megatron_hooks_ran`)."""
+        if not self._megatron:
+            return
         for param, zero in self._megatron:
             param.grad_added_to_main_grad = True
             if param.grad is None:
                 param.grad = zero.expand(param.shape)
+        if _in_backward_pass():
+            # The relay's accumulators, whose hooks read the flag, run later in this pass.
+            _QUEUE_AT_PASS_END(self.megatron_hooks_ran)
+
+    def megatron_hooks_ran(self) -> None:
+        """Clear Megatron's flag again once its hooks saw this replay's gradients: an eager
+        backward later (a reset, an eval-mode step, a layer Megatron runs eagerly) adds into
+        ``main_grad`` through those hooks, which skip a parameter whose flag is still set.
+        Megatron's DDP does not clear it itself while CUDA graphs are on."""
+        for param, _ in self._megatron:
+            param.grad_added_to_main_grad = False
 
     def call_hooks(self) -> None:
         """With ``accumulator_hooks="python"``, call the hooks registered from Python on the
@@ -233,6 +247,12 @@ def _adoptable(param: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 _STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 _WILL_ENGINE_EXECUTE = torch._C._will_engine_execute_node
+_QUEUE_AT_PASS_END = torch.autograd.Variable._execution_engine.queue_callback
+
+
+def _in_backward_pass() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _active_torch_ddp() -> object:

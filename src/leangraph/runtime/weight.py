@@ -71,6 +71,7 @@ class WeightStep:
                 fused.call_hooks()
             if fused.relay is not None:
                 fire_relay(fused.relay)
+            fused.megatron_hooks_ran()  # outside a backward pass: the hooks ran above
             return
         pairs = [(p, g) for p, g in zip(self._params, self._grads) if g is not None]
         if not pairs:
