@@ -4,6 +4,8 @@ the phase."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -78,12 +80,49 @@ def test_w5_grad_only_through_closure_tensors():
     weight = torch.randn(4, requires_grad=True)
     with raises(
         ValueError,
-        "callable 0 (test_w5_grad_only_through_closure_tensors.<locals>."
-        "<lambda>): outputs require grad only through tensors that are neither inputs "
-        "nor module parameters",
-        "graph an nn.Module",
+        "callable 0 (test_w5_grad_only_through_closure_tensors.<locals>.<lambda>): outputs "
+        "need the gradient of 1 tensor(s) that are neither inputs nor parameters of the "
+        "callable (tensor of shape (4,) (torch.float32): a closure tensor",
+        "pass it as an argument, or graph an nn.Module that registers it",
     ):
         mgc((lambda x: x * weight,), ((sample(requires_grad=False),),))
+
+
+class _TiedHead(torch.nn.Module):
+    """A head whose output projection is an embedding's weight it does not register."""
+
+    def __init__(self, embedding: torch.nn.Embedding) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self._outside = [embedding]  # a list: not a submodule, so not its parameter
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(h) @ self._outside[0].weight.t()
+
+
+def test_w5_outside_tensors_are_refused_where_inputs_and_parameters_need_gradients_too():
+    """With an input or a parameter that needs a gradient too, the graphs would capture and
+    leave the outside tensor without one: refused by the probe, before any warm-up."""
+    weight = torch.randn(4, 4, requires_grad=True)
+    with raises(ValueError, "outputs need the gradient of 1 tensor(s)", "a closure tensor"):
+        mgc(lambda x: x @ weight, (sample(),))
+    embedding = torch.nn.Embedding(10, 4)
+    head = _TiedHead(embedding)
+    with raises(ValueError, "callable 0 (_TiedHead): outputs need the gradient of 1 "
+                "tensor(s) that are neither inputs nor parameters of the callable "
+                "(parameter of shape (10, 4) (torch.float32)"):
+        mgc(head, (sample(),))
+    assert not isinstance(head.__dict__.get("forward"), leangraph.GraphedCallable)
+    # Registered, the tie is the module's own parameter: graphed, with eager's gradients.
+    head.embedding = embedding
+    eager = copy.deepcopy(head)
+    eager._outside = [eager.embedding]
+    mgc(head, (sample(),))
+    x = sample()
+    head(x).sum().backward()
+    eager(x.detach().requires_grad_()).sum().backward()
+    assert torch.equal(embedding.weight.grad, eager.embedding.weight.grad)
+    leangraph.reset_all(head)
 
 
 def test_outputs_must_keep_their_shape_between_runs():

@@ -156,18 +156,23 @@ def test_reset_waits_for_a_backward_replay():
 
 class Paused(torch.Tensor):
     """A replay argument that holds the replay inside its argument checks (the first time its
-    ``requires_grad`` is read), before the replay takes the callable's lock."""
+    dtype, shape, device or ``requires_grad`` is read), before the replay takes the
+    callable's lock."""
 
     gate: Optional[tuple[threading.Event, threading.Event]] = None  # (entered, release)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         gate = cls.gate
-        if gate is not None and func == torch.Tensor.requires_grad.__get__:
+        if gate is not None and func in _CHECKED:
             cls.gate = None
             gate[0].set()
             assert gate[1].wait(TIMEOUT), "the test never released the gate"
         return super().__torch_function__(func, types, args, kwargs)
+
+
+_CHECKED = tuple(getattr(torch.Tensor, name).__get__
+                 for name in ("dtype", "shape", "device", "requires_grad"))
 
 
 def test_a_reset_that_wins_the_race_makes_the_replay_raise():

@@ -233,6 +233,7 @@ def _measure(
         template = output_template(label, output_leaves)
         outputs = [t for t in output_leaves if isinstance(t, torch.Tensor)]
         _refuse_reentrant_checkpoint(label, outputs)
+        _refuse_outside_leaves(label, outputs, [*inputs, *params])
         memory = _layer_memory(inputs, params, buffers, outputs, saved_tensors)
         # Only several outputs that need a gradient can leave some without one.
         several = sum(o.requires_grad for o in outputs) > 1
@@ -274,6 +275,37 @@ def _autograd_nodes(outputs: Iterable[torch.Tensor]) -> Iterator[Any]:
         met[id(node)] = node
         yield node
         stack.extend(n for n, _ in node.next_functions if n is not None)
+
+
+def _refuse_outside_leaves(
+    label: str, outputs: Sequence[torch.Tensor], known: Sequence[torch.Tensor]
+) -> None:
+    """Refuse outputs that differentiate a tensor neither an input nor a parameter of the
+    callable (a closure tensor, a parameter of a module outside it, say a tied embedding):
+    the backward graph differentiates the inputs and parameters only, so that tensor would
+    get no gradient where eager's backward gives it one."""
+    ids = {id(t) for t in known}
+    outside = [
+        t for t in outputs if t.requires_grad and t.grad_fn is None and id(t) not in ids
+    ]
+    for node in _autograd_nodes(outputs):
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if variable is not None and id(variable) not in ids:
+            outside.append(variable)
+    if not outside:
+        return
+    kinds = sorted({
+        f"{'parameter' if isinstance(t, torch.nn.Parameter) else 'tensor'} of shape "
+        f"{tuple(t.shape)} ({t.dtype})"
+        for t in outside
+    })
+    raise ValueError(
+        f"{label}: outputs need the gradient of {len(outside)} tensor(s) that are neither "
+        f"inputs nor parameters of the callable ({', '.join(kinds)}: a closure tensor, or a "
+        "parameter of a module outside it); the graphs would give them none, where eager's "
+        "backward gives them one. Expected every tensor the outputs differentiate to be an "
+        "input or a parameter: pass it as an argument, or graph an nn.Module that registers it"
+    )
 
 
 def _refuse_input_writes(

@@ -117,15 +117,8 @@ class GraphBuilder:
         return tuple(p for p, trains in zip(source.params, source.facts.trains) if trains)
 
     def _differentiable(self, outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        differentiable = tuple(o for o in outputs if o.requires_grad)
-        if differentiable and not (
-            self._input_targets(self.source.samples) or self._param_targets()
-        ):
-            raise ValueError(
-                f"{self.label}: outputs require grad only through tensors that are neither "
-                "inputs nor module parameters; graph an nn.Module so its parameters are known"
-            )
-        return differentiable
+        # The probe refused outputs differentiating anything but inputs and parameters.
+        return tuple(o for o in outputs if o.requires_grad)
 
     # ------------------------------------------------------------------------ warm-up
 
