@@ -317,3 +317,37 @@ def test_r19_a_graph_captured_under_no_grad_replays_forward_only(fused, device):
         graphed(x)
     with torch.inference_mode():
         assert torch.equal(graphed(x), eager(x))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_r24_an_output_the_backward_reads_modified_in_place_is_refused(device):
+    """tanh's backward reads its output: eager refuses the backward once the output was
+    modified in place, and so does the replay (its backward graph would read the new values).
+    An output no backward reads (a linear layer's) may change, as in eager."""
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).to(device)
+    eager = copy.deepcopy(layer)
+    graphed = leangraph.make_graphed_callables(
+        layer, (torch.randn(2, 4, device=device, requires_grad=True),))
+    x = torch.randn(2, 4, device=device, requires_grad=True)
+    out = eager(x)
+    out.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    out = graphed(x)
+    out.add_(1)
+    with pytest.raises(RuntimeError, match=r"callable 0 \(Sequential\): output 0 was modified "
+                       r"in place after its forward replay \(version \d+, now \d+\), but the "
+                       r"backward reads it .* Clone the output before modifying it"):
+        out.sum().backward()
+    leangraph.reset_all(graphed)
+    linear = torch.nn.Linear(4, 4).to(device)
+    eager = copy.deepcopy(linear)
+    graphed = leangraph.make_graphed_callables(
+        linear, (torch.randn(2, 4, device=device, requires_grad=True),))
+    for module in (linear, eager):
+        out = module(x)
+        out.mul_(2)
+        out.sum().backward()
+    assert torch.equal(linear.weight.grad, eager.weight.grad)
+    leangraph.reset_all(graphed)

@@ -83,6 +83,9 @@ class GraphFacts:
             parameter ``j`` is ``len(inputs) + j``): what gets no gradient, as in eager,
             when a backward gives that output none. Empty where fewer than two outputs need
             a gradient.
+        saved_outputs: The positions of tensor outputs whose memory the backward reads
+            (saved for it, as ``tanh`` saves its result): eager's backward refuses one
+            modified in place after the forward.
     """
 
     memory: LayerMemory
@@ -90,6 +93,7 @@ class GraphFacts:
     output_template: LeafTemplate
     trains: tuple[bool, ...]
     reach: tuple[frozenset[int], ...] = ()
+    saved_outputs: tuple[int, ...] = ()
 
     @property
     def inputs(self) -> tuple[BufferKey, ...]:
@@ -238,9 +242,10 @@ def _measure(
         # Only several outputs that need a gradient can leave some without one.
         several = sum(o.requires_grad for o in outputs) > 1
         reach = _reach(outputs, [*inputs, *params]) if several else ()
+        saved_outputs = _saved_outputs(outputs, saved_tensors, [*inputs, *params, *buffers])
     named = fn.named_parameters() if isinstance(fn, torch.nn.Module) else ()
     trains = tuple(p.requires_grad for _, p in named)
-    return GraphFacts(memory, output_tree, template, trains, reach)
+    return GraphFacts(memory, output_tree, template, trains, reach, saved_outputs)
 
 
 def _reach(
@@ -277,6 +282,17 @@ def _autograd_nodes(outputs: Iterable[torch.Tensor]) -> Iterator[Any]:
         stack.extend(n for n, _ in node.next_functions if n is not None)
 
 
+def _saved_outputs(
+    outputs: Sequence[torch.Tensor],
+    saved_tensors: Sequence[torch.Tensor],
+    others: Sequence[torch.Tensor],
+) -> tuple[int, ...]:
+    """Positions of the outputs needing a gradient whose storage the backward saved (not an
+    input's, parameter's or buffer's: those are not the graph's outputs to guard)."""
+    saved = {_storage(t)[0] for t in saved_tensors} - {_storage(t)[0] for t in others}
+    return tuple(i for i, o in enumerate(outputs) if o.requires_grad and _storage(o)[0] in saved)
+
+
 def _refuse_outside_leaves(
     label: str, outputs: Sequence[torch.Tensor], known: Sequence[torch.Tensor]
 ) -> None:
@@ -285,20 +301,20 @@ def _refuse_outside_leaves(
     the backward graph differentiates the inputs and parameters only, so that tensor would
     get no gradient where eager's backward gives it one."""
     ids = {id(t) for t in known}
-    outside = [
-        t for t in outputs if t.requires_grad and t.grad_fn is None and id(t) not in ids
-    ]
+    outside = [t for t in outputs if t.requires_grad and t.grad_fn is None and id(t) not in ids]
     for node in _autograd_nodes(outputs):
         variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
         if variable is not None and id(variable) not in ids:
             outside.append(variable)
     if not outside:
         return
-    kinds = sorted({
-        f"{'parameter' if isinstance(t, torch.nn.Parameter) else 'tensor'} of shape "
-        f"{tuple(t.shape)} ({t.dtype})"
-        for t in outside
-    })
+    kinds = sorted(
+        {
+            f"{'parameter' if isinstance(t, torch.nn.Parameter) else 'tensor'} of shape "
+            f"{tuple(t.shape)} ({t.dtype})"
+            for t in outside
+        }
+    )
     raise ValueError(
         f"{label}: outputs need the gradient of {len(outside)} tensor(s) that are neither "
         f"inputs nor parameters of the callable ({', '.join(kinds)}: a closure tensor, or a "

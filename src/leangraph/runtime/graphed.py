@@ -85,6 +85,10 @@ class GraphedCallable:
         self._specs = record.signature.specs
         self._warned: set[str] = set()  # inputs already warned about, by name
         self._single_output = record.output_tree.is_leaf()
+        # Outputs the backward graph reads, and their versions after the last forward replay:
+        # eager's backward refuses one modified in place since (the replay would read it).
+        self._saved_outputs = tuple(record.static_outputs[i] for i in record.saved_outputs)
+        self._saved_versions: tuple[int, ...] = ()
         # Facts of the capture the hot path would otherwise derive at every replay.
         self._has_backward = record.has_backward
         # With several differentiable outputs a backward may give some none: autograd then
@@ -287,6 +291,7 @@ class GraphedCallable:
         self._autograd_params = ()
         self._frozen_params = ()
         self._params, self._param_data = (), ()
+        self._saved_outputs = ()
         if self._guard is not None:
             self._guard.invalidate("its callable was reset")
 
@@ -327,6 +332,8 @@ class GraphedCallable:
                 static.copy_(value)
             record.pair.replay_forward()
             self._forward_generation += 1
+            if self._saved_outputs:
+                self._saved_versions = tuple(t._version for t in self._saved_outputs)
             if self._has_backward:
                 self._pending.note(self._index, token)
             if self._guard is not None:
@@ -363,6 +370,8 @@ class GraphedCallable:
             if fused is not None:
                 fused.check_backward_pass()
             self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
+            if self._saved_outputs:
+                self._check_saved_outputs(record)
             _fill_seeds(record.static_grad_outputs, grads)
             if fused is not None:
                 fused.before_replay()
@@ -381,6 +390,20 @@ class GraphedCallable:
             if self._outputs_may_lack_grads and any(map(operator.is_, grads, _NONES)):
                 handed = self._grads.without_unreached(handed, [g is not None for g in grads])
             return handed
+
+    def _check_saved_outputs(self, record: GraphRecord) -> None:
+        """Refuse a backward replay reading an output modified in place since its forward."""
+        for index, tensor, version in zip(
+            record.saved_outputs, self._saved_outputs, self._saved_versions
+        ):
+            if tensor._version != version:
+                raise RuntimeError(
+                    f"{self._label}: output {index} was modified in place after its forward "
+                    f"replay (version {version}, now {tensor._version}), but the backward "
+                    "reads it (it is saved for the gradient); eager's backward refuses this "
+                    "too (one of the variables needed for gradient computation has been "
+                    "modified by an inplace operation). Clone the output before modifying it"
+                )
 
     def _call_accumulator_hooks(self) -> None:
         """After a backward replay, outside the lock: the Python hooks it calls itself
