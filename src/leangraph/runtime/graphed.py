@@ -169,10 +169,10 @@ class GraphedCallable:
                 structure, keys, dtype, shape, device or ``requires_grad``.
             RuntimeError: under a ``torch.func`` transform; for a module changed since
                 capture (a submodule replaced, a module hook added inside it, a parameter or
-                buffer replaced or moved; captured with an order, a training mode switched); with
-                ``accumulator_hooks="python"``, inside torch's ``DistributedDataParallel``;
-                captured under ``torch.no_grad()``, with grad mode on where eager's outputs
-                would require grad.
+                buffer replaced or moved; captured with an order, a training mode switched);
+                with ``accumulator_hooks="python"`` or ``False``, inside torch's
+                ``DistributedDataParallel``; captured under ``torch.no_grad()``, with grad
+                mode on where eager's outputs would require grad.
         """
         record = self._record
         if record is not None and self._modules is not None:
