@@ -3,13 +3,13 @@
 relay and all-reduce the fused ``.grad``; training equals eager DDP bitwise, ``no_sync``
 microbatches included. ``gradient_as_bucket_view=True`` makes DDP swap ``.grad`` for its
 bucket, which the next replay refuses clearly. With ``accumulator_hooks="python"`` the replays
-could not call DDP's hooks (C++), so a replay inside DDP's forward is refused (R17)."""
+could not call DDP's hooks (C++), and with ``False`` no accumulator runs at all, so a replay
+inside DDP's forward is refused in both (R17)."""
 
 from __future__ import annotations
 
 import copy
-from pathlib import Path
-
+import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -59,6 +59,14 @@ class _nothing:
         return None
 
 
+def _refusal(rank: int, hooks: bool | str) -> str:
+    try:
+        _train(rank, bucket_view=False, hooks=hooks)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
 def _cases(rank: int) -> dict[str, object]:
     result: dict[str, object] = {"plain": _train(rank, bucket_view=False)}
     try:
@@ -66,19 +74,41 @@ def _cases(rank: int) -> dict[str, object]:
         result["bucket_view"] = "no error"
     except RuntimeError as exc:
         result["bucket_view"] = str(exc)
-    try:
-        result["python_hooks"] = _train(rank, bucket_view=False, hooks="python")
-    except RuntimeError as exc:
-        result["python_hooks"] = str(exc)
+    result["python_hooks"] = _refusal(rank, "python")
+    result["no_hooks"] = _refusal(rank, False)
     return result
 
 
-def test_fused_accumulation_trains_like_eager_ddp(tmp_path: Path) -> None:
-    for result in two_gloo_ranks(__file__, tmp_path, timeout=300):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
+    return two_gloo_ranks(__file__, tmp_path_factory.mktemp("ddp"), timeout=300)
+
+
+def test_fused_accumulation_trains_like_eager_ddp(two_ranks) -> None:
+    for result in two_ranks:
         assert result["plain"] == {"same_grads": True, "same_params": True,
                                    "grad_sums_equal": True}, result
         assert ".grad is another tensor than at capture" in result["bucket_view"], result
-        assert "runs inside torch's DistributedDataParallel" in result["python_hooks"], result
+
+
+def test_r17_python_accumulator_hooks_inside_ddp_are_refused_at_the_forward(two_ranks) -> None:
+    for result in two_ranks:
+        assert result["python_hooks"].startswith(
+            "callable 0 (Block) runs inside torch's DistributedDataParallel, whose "
+            "gradient-ready hooks are registered from C++"), result
+        assert "Capture with accumulator_hooks=True" in result["python_hooks"], result
+
+
+def test_r17_no_accumulator_hooks_inside_ddp_are_refused_at_the_forward(two_ranks) -> None:
+    """With accumulator_hooks=False no accumulator runs, so DDP's reducer, which hooks them,
+    would reduce nothing: the ranks would diverge silently."""
+    for result in two_ranks:
+        assert result["no_hooks"] == (
+            "callable 0 (Block) runs inside torch's DistributedDataParallel, whose reducer "
+            "hooks the parameters' accumulators (from C++) to all-reduce their gradients; with "
+            "accumulator_hooks=False no replay runs an accumulator, so DDP would never see the "
+            "gradients, nothing would be reduced, and the ranks would silently diverge. Capture "
+            "with accumulator_hooks=True under DDP"), result
 
 
 if __name__ == "__main__":

@@ -365,12 +365,11 @@ def test_buffers_updated_in_place_advance_at_every_replay():
     torch.manual_seed(0)
     module = nn.BatchNorm1d(4)
     eager = copy.deepcopy(module)
-    graphed = mgc(module, (leaf(8, 4),))
-    eager.load_state_dict(module.state_dict())  # the warm-up and capture passes' statistics
+    graphed = mgc(module, (leaf(8, 4),))  # warm-up and capture leave the statistics alone
     for _ in range(3):
         x = leaf(8, 4)
         assert torch.equal(graphed(x), eager(twin(x)))
-    assert int(module.num_batches_tracked) == int(eager.num_batches_tracked) > 3
+    assert int(module.num_batches_tracked) == int(eager.num_batches_tracked) == 3
     assert torch.equal(module.running_mean, eager.running_mean)
     assert torch.equal(module.running_var, eager.running_var)
 

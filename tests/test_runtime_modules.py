@@ -38,7 +38,6 @@ def _graphed_and_eager() -> tuple[nn.Module, nn.Module]:
     eager = Net()
     graphed = copy.deepcopy(eager)
     leangraph.make_graphed_callables(graphed, (torch.randn(8, 6, requires_grad=True),))
-    eager.load_state_dict(graphed.state_dict())  # warm-up moved the batch-norm statistics
     return graphed, eager
 
 
@@ -207,3 +206,114 @@ def test_r22_a_replay_under_another_autocast_than_capture_is_refused(at_capture,
         graphed(torch.randn(8, 6))
     with autocast(at_capture):  # under capture's autocast it replays
         graphed(torch.randn(8, 6)).float().sum().backward()
+
+
+class Rope(nn.Module):
+    """A buffer the forward reads (a rotary frequency table), next to a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("freq", torch.linspace(0.1, 1.0, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * torch.cos(self.freq)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _rope(device: str) -> tuple[Rope, Rope]:
+    torch.manual_seed(0)
+    eager = Rope().to(device)
+    graphed = copy.deepcopy(eager)
+    leangraph.make_graphed_callables(graphed, (torch.randn(4, 8, device=device,
+                                                           requires_grad=True),))
+    return graphed, eager
+
+
+def _remove(module: Rope) -> None:
+    del module.freq
+
+
+def _assign_state(module: Rope) -> None:
+    """A checkpoint loaded by assignment: the parameters as they are, the buffer a new one."""
+    state = module.state_dict(keep_vars=True)
+    state["freq"] = state["freq"].clone()
+    module.load_state_dict(state, assign=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda m: setattr(m, "freq", m.freq * 4), "buffer 'freq' was replaced after capture "
+                                                   r"\(another Tensor, torch.float32 on"),
+        (lambda m: m.register_buffer("freq", m.freq.clone()), "buffer 'freq' was replaced"),
+        (lambda m: m.freq.__setattr__("data", m.freq * 4), "buffer 'freq' must keep the data "
+                                                           "it was captured with, got other "
+                                                           "memory"),
+        (_assign_state, "buffer 'freq' was replaced after capture"),
+        (_remove, "buffer 'freq' was removed after capture"),
+    ],
+    ids=["assigned", "registered-again", "data-assigned", "load-state-dict-assign", "removed"],
+)
+def test_r23_a_buffer_replaced_or_moved_after_capture_is_refused(device, change, message):
+    graphed, _ = _rope(device)
+    captured, memory = graphed.freq, graphed.freq.data
+    change(graphed)
+    x = torch.randn(4, 8, device=device)
+    with pytest.raises(RuntimeError, match=r"callable 0 \(Rope\): " + message + ".*the graphs "
+                                           "(still )?read the captured tensor's memory") as info:
+        graphed(x)
+    if "removed" not in message:
+        assert "Update it in place (buf.copy_(new)), or capture again" in str(info.value)
+    # The captured tensor back in its place, on its memory: the graphs replay again.
+    captured.data = memory
+    graphed.register_buffer("freq", captured)
+    graphed(x).sum().backward()
+
+
+def test_r23_with_an_order_a_buffer_replaced_after_capture_is_refused() -> None:
+    layers, graphed = _ordered()
+    layers[1].norm.running_mean = torch.zeros(6)
+    hidden = graphed[0](torch.randn(8, 6, requires_grad=True))
+    with pytest.raises(RuntimeError, match=r"graph \(chunk 1, microbatch 0, layer 1\): buffer "
+                                           "'norm.running_mean' was replaced after capture"):
+        graphed[1](hidden)
+    leangraph.reset_all(graphed)
+
+
+class Counter(nn.Module):
+    """A forward that replaces its buffer instead of updating it in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count = self.count + 1
+        return self.lin(x) * self.count
+
+
+def test_r23_a_forward_that_replaces_its_own_buffer_is_refused_at_replay() -> None:
+    """A replay runs the captured kernels, not the assignment: the count would stop."""
+    module = Counter()
+    leangraph.make_graphed_callables(module, (torch.randn(2, 4, requires_grad=True),))
+    with pytest.raises(RuntimeError, match="buffer 'count' was replaced after capture.*or by "
+                                           "the forward itself, whose assignment a replay does "
+                                           "not run"):
+        module(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_buffer_updated_in_place_after_capture_is_what_the_graphs_read(device) -> None:
+    graphed, eager = _rope(device)
+    x = torch.randn(4, 8, device=device)
+    for module in (graphed, eager):
+        module.freq.mul_(4)  # a rope rescale, in place
+    assert torch.equal(graphed(x), eager(x))
+    for module in (graphed, eager):
+        module.freq.copy_(torch.linspace(1.0, 2.0, 8))
+    assert torch.equal(graphed(x), eager(x))

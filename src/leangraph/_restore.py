@@ -2,7 +2,9 @@
 
 A failure in the probe, warm-up or capture must leave the caller's state as it found it:
 RNG states and modules' training flags (parameters' ``.grad`` need nothing: warm-up and
-capture differentiate with ``torch.autograd.grad``, which never touches ``.grad``).
+capture differentiate with ``torch.autograd.grad``, which never touches ``.grad``). Module
+buffers the probe, warm-up and a capture that runs its work write into are put back whether
+the call fails or not (:func:`values_kept`).
 """
 
 from __future__ import annotations
@@ -93,16 +95,31 @@ def note_out_of_memory(exc: BaseException, device: torch.device) -> None:
 
 @contextlib.contextmanager
 def values_kept(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
-    """Put the values of ``tensors`` back after the block, in place: what a forward nobody
-    asked for (the probe's), or a capture that runs its work (the CPU backend's; a CUDA
-    capture records kernels without running them), wrote into them must not stay."""
+    """Put the values of ``tensors`` back after the block, in place (references to them stay
+    valid): what forwards nobody asked for (the probe's, warm-up's on the samples), or a
+    capture that runs its work (the CPU backend's; a CUDA capture records kernels without
+    running them), wrote into them must not stay. After a failure too; a put-back that fails
+    then (a CUDA error the device keeps) is noted on the error, which stays the error."""
     kept = {id(t): (t, t.detach().clone()) for t in tensors}
     try:
         yield
-    finally:
-        with torch.no_grad():
-            for tensor, value in kept.values():
-                tensor.copy_(value)
+    except BaseException as exc:
+        try:
+            _put_back(kept.values())
+        except Exception as error:
+            _add_note(
+                exc,
+                "leangraph: could not put back the module buffers (or accumulation targets) "
+                f"the failed phase wrote into: {error!r}",
+            )
+        raise
+    _put_back(kept.values())
+
+
+def _put_back(kept: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for tensor, value in kept:
+            tensor.copy_(value)
 
 
 def module_buffers(callables: Iterable[Any]) -> list[torch.Tensor]:

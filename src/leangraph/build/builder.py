@@ -106,14 +106,20 @@ def _warm_up_and_capture(
     warmup_steps = options.num_warmup_iters * len(plan.warmup)
     if options.pre_warmup_hook is not None:
         options.pre_warmup_hook()
-    run_warmup(
-        plan,
-        builders,
-        num_iters=options.num_warmup_iters,
-        backend=backend,
-        observers=observers,
-        total_steps=warmup_steps + len(plan.capture),
-    )
+    # Warm-up runs the callables on the samples, whose values are nobody's data: what it
+    # writes into module buffers (BatchNorm's running statistics and num_batches_tracked, a
+    # step counter) is put back in place, as the probe and a CUDA capture leave them. Entered
+    # outside the backend's warm-up context, so that on CUDA the copies are taken before the
+    # warm-up stream starts and put back once it is joined, before any capture begins.
+    with values_kept(module_buffers(call.callables)):
+        run_warmup(
+            plan,
+            builders,
+            num_iters=options.num_warmup_iters,
+            backend=backend,
+            observers=observers,
+            total_steps=warmup_steps + len(plan.capture),
+        )
     if options.post_warmup_hook is not None:
         options.post_warmup_hook()
     recorder.end_warmup()

@@ -37,6 +37,9 @@ class ModuleState:
         parents: Per submodule, its parent's position in ``(root, *submodules)``.
         local_names: Per submodule, its name in its parent's ``_modules``.
         training: The ``training`` flags of ``(root, *submodules)``.
+        buffers: Every buffer of the tree (a ``None`` one is no tensor a graph reads), by
+            qualified name, per module in ``(root, *submodules)`` order. Held: the graphs read
+            their memory for as long as they live, replaced or not.
     """
 
     root: weakref.ref[torch.nn.Module]
@@ -44,6 +47,7 @@ class ModuleState:
     parents: tuple[int, ...]
     local_names: tuple[str, ...]
     training: tuple[bool, ...]
+    buffers: tuple[tuple[str, torch.Tensor], ...]
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> ModuleState:
@@ -60,6 +64,12 @@ class ModuleState:
             parents=tuple(parents),
             local_names=tuple(local_names),
             training=(module.training, *(m.training for _, m in named)),
+            buffers=tuple(
+                (f"{path}.{local}" if path else local, buffer)
+                for path, owner in (("", module), *named)
+                for local, buffer in owner._buffers.items()
+                if buffer is not None
+            ),
         )
 
 

@@ -53,6 +53,13 @@ class InGraphAccumulation:
         self._watched = watched if fused.targets else ()
         # Without accumulator hooks, a post-accumulate-grad hook added since capture is refused.
         self._hooks = fused.delivery is not HookDelivery.NONE
+        # Why a forward replay inside torch's DDP is refused, if it is: its reducer hooks the
+        # accumulators from C++, which neither mode without the relay runs.
+        self._ddp_refusal: str | None = None
+        if self._python_hooks is not None:
+            self._ddp_refusal = _DDP_PYTHON_HOOKS.format(label=label)
+        elif not self._hooks and fused.targets:
+            self._ddp_refusal = _DDP_NO_HOOKS.format(label=label)
         # The common replay, every target attached as at capture, checked in C-level loops.
         grad_targets = [t for t in fused.targets if not t.into_main_grad]
         main_targets = [t for t in fused.targets if t.into_main_grad]
@@ -70,21 +77,16 @@ class InGraphAccumulation:
         )
 
     def before_forward(self) -> None:
-        """With ``accumulator_hooks="python"``, refuse a forward replay inside torch's
-        ``DistributedDataParallel``: its reducer hooks the accumulators from C++, where the
-        replays cannot see or call them, so DDP would never reduce the gradients.
+        """With ``accumulator_hooks="python"`` or ``False``, refuse a forward replay inside
+        torch's ``DistributedDataParallel``: its reducer hooks the accumulators from C++, where
+        the replays cannot see or call them (``"python"``), and which no replay runs
+        (``False``), so DDP would never reduce the gradients and the ranks would diverge.
 
         Raises:
             RuntimeError: naming the callable.
         """
-        if self._python_hooks is not None and _active_torch_ddp() is not None:
-            raise RuntimeError(
-                f"{self._label} runs inside torch's DistributedDataParallel, whose "
-                "gradient-ready hooks are registered from C++ on the parameters' "
-                "accumulators; accumulator_hooks='python' calls only hooks registered from "
-                "Python, so DDP would never reduce the gradients. Capture with "
-                "accumulator_hooks=True"
-            )
+        if self._ddp_refusal is not None and _active_torch_ddp() is not None:
+            raise RuntimeError(self._ddp_refusal)
 
     def before_replay(self) -> None:
         """Make every target the parameter's gradient again; raise for a replaced one.
@@ -253,6 +255,21 @@ _QUEUE_AT_PASS_END = torch.autograd.Variable._execution_engine.queue_callback
 def _in_backward_pass() -> bool:
     """Whether autograd's engine is running a backward pass on this thread."""
     return torch._C._current_graph_task_id() != -1
+
+
+_DDP_PYTHON_HOOKS = (
+    "{label} runs inside torch's DistributedDataParallel, whose gradient-ready hooks are "
+    "registered from C++ on the parameters' accumulators; accumulator_hooks='python' calls "
+    "only hooks registered from Python, so DDP would never reduce the gradients. Capture with "
+    "accumulator_hooks=True"
+)
+_DDP_NO_HOOKS = (
+    "{label} runs inside torch's DistributedDataParallel, whose reducer hooks the parameters' "
+    "accumulators (from C++) to all-reduce their gradients; with accumulator_hooks=False no "
+    "replay runs an accumulator, so DDP would never see the gradients, nothing would be "
+    "reduced, and the ranks would silently diverge. Capture with accumulator_hooks=True under "
+    "DDP"
+)
 
 
 def _active_torch_ddp() -> object:

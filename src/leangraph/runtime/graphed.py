@@ -172,11 +172,11 @@ class GraphedCallable:
             TypeError, ValueError: if the arguments differ from the captured ones in
                 structure, keys, dtype, shape, device or ``requires_grad``.
             RuntimeError: under a ``torch.func`` transform; for a module changed since
-                capture (a submodule replaced, a module hook added inside it; captured with
-                an order, a training mode switched); with
-                ``accumulator_hooks="python"``, inside torch's ``DistributedDataParallel``;
-                captured under ``torch.no_grad()``, with grad mode on where eager's outputs
-                would require grad.
+                capture (a submodule replaced, a module hook added inside it, a parameter or
+                buffer replaced or moved; captured with an order, a training mode switched);
+                with ``accumulator_hooks="python"`` or ``False``, inside torch's
+                ``DistributedDataParallel``; captured under ``torch.no_grad()``, with grad
+                mode on where eager's outputs would require grad.
         """
         record = self._record
         if record is not None and self._modules is not None:
@@ -198,6 +198,8 @@ class GraphedCallable:
             _refuse_other_autocast(self._label, self._autocast, self._device_type)
         if not all(map(operator.eq, map(_DATA_PTR, self._params), self._param_data)):
             _refuse_moved_data(self._label, record, self._param_data)
+        if self._modules is not None:  # after the parameters: module.half() names one of them
+            self._modules.check_buffers()
         if _TRANSFORMS_ACTIVE():
             raise RuntimeError(
                 f"{self._label} cannot run under a torch.func transform (vmap, grad, jvp, "

@@ -1,10 +1,12 @@
-"""A graphed module at replay: its tree, training modes and hooks as capture saw them.
+"""A graphed module at replay: its tree, training modes, hooks and buffers as capture saw them.
 
 A graph replays the kernels its capture recorded, so a module's graphs stand for it only as it
 was then: the same submodules in the same places, each in the training mode it had (dropout,
-batch norm and anything reading ``self.training`` chose their kernels by it), and no module
-hook inside it (capture refuses them: a replay cannot run them). :class:`ModuleWatch` checks
-all three at every replay in C-level loops (a transformer layer has about ten submodules).
+batch norm and anything reading ``self.training`` chose their kernels by it), no module hook
+inside it (capture refuses them: a replay cannot run them), and the same buffers on the same
+memory (the kernels read the captured tensors' memory; writes in place are what they see).
+:class:`ModuleWatch` checks them at every replay in C-level loops (a transformer layer has
+about ten submodules).
 """
 
 from __future__ import annotations
@@ -59,6 +61,16 @@ class ModuleWatch:
         self._params = tuple(param for _, param in params) if modules else ()
         self._param_dicts = tuple(modules[position[path]]._parameters for path, _, _ in owners)
         self._param_locals = tuple(local for _, _, local in owners)
+        buffers = state.buffers if modules else ()
+        buffer_owners = [name.rpartition(".") for name, _ in buffers]
+        self._buffer_names = tuple(name for name, _ in buffers)
+        self._buffers = tuple(buffer for _, buffer in buffers)
+        self._buffer_dicts = tuple(modules[position[path]]._buffers for path, _, _ in buffer_owners)
+        self._buffer_locals = tuple(local for _, _, local in buffer_owners)
+        # Where the buffers' data is now, after capture: the graphs read that memory. A buffer
+        # with no storage to point at (a sparse one) is checked by identity only.
+        self._pointed = tuple(b for b in self._buffers if _data_ptr(b) is not None)
+        self._pointers = tuple(map(_DATA_PTR, self._pointed))
         self._hook_dicts = tuple(
             getattr(module, kind)
             for module in modules[self._hooked_from :]
@@ -115,6 +127,52 @@ class ModuleWatch:
                     "captured one, so the new one would get no gradient. Replace parameters "
                     "before capture; FSDP2's fully_shard swaps them at every forward and does "
                     "not compose with a graphed module (docs/composition.md)"
+                )
+
+    def check_buffers(self) -> None:
+        """Refuse a replay of a module whose buffers were replaced, removed or moved since
+        capture (an assignment, ``module.to()``, ``load_state_dict(assign=True)``,
+        ``buf.data = ...``): the graphs read the captured tensors' memory, so they would not
+        see the new values. Writes in place (``buf.copy_``, BatchNorm's statistics) are fine.
+
+        Raises:
+            RuntimeError: naming the callable and the buffer.
+        """
+        registered = map(dict.get, self._buffer_dicts, self._buffer_locals)
+        if all(map(operator.is_, registered, self._buffers)) and all(
+            map(operator.eq, map(_DATA_PTR, self._pointed), self._pointers)
+        ):
+            return
+        if self._root() is None:
+            return
+        pointers = dict(zip(map(id, self._pointed), self._pointers))
+        for name, owned, local, buffer in zip(
+            self._buffer_names, self._buffer_dicts, self._buffer_locals, self._buffers
+        ):
+            current = owned.get(local)
+            if current is None:
+                raise RuntimeError(
+                    f"{self._label}: buffer {name!r} was removed after capture: the graphs "
+                    "still read the captured tensor's memory, where the module's forward "
+                    "would no longer find it. Register it again (the same tensor), or capture "
+                    "again"
+                )
+            if current is not buffer:
+                raise RuntimeError(
+                    f"{self._label}: buffer {name!r} was replaced after capture (another "
+                    f"{type(current).__name__}, {current.dtype} on {current.device}, is "
+                    "registered now: by an assignment, module.to() or "
+                    "load_state_dict(assign=True), or by the forward itself, whose assignment "
+                    "a replay does not run); the graphs read the captured tensor's memory, so "
+                    "they would not see the new one. Update it in place "
+                    "(buf.copy_(new)), or capture again"
+                )
+            if id(buffer) in pointers and buffer.data_ptr() != pointers[id(buffer)]:
+                raise RuntimeError(
+                    f"{self._label}: buffer {name!r} must keep the data it was captured with, "
+                    f"got other memory ({buffer.dtype}, {buffer.device}; buf.data = ...): the "
+                    "graphs read the captured tensor's memory, so they would not see the new "
+                    "data. Update it in place (buf.copy_(new)), or capture again"
                 )
 
     def changed_mode(self) -> str:
@@ -195,3 +253,12 @@ _GLOBAL_HOOK_DICTS = global_module_hooks()
 
 
 _TRAINING = operator.attrgetter("training")
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+def _data_ptr(tensor: torch.Tensor) -> int | None:
+    """Where ``tensor``'s data is, or None for a tensor without storage (a sparse one)."""
+    try:
+        return tensor.data_ptr()
+    except RuntimeError:
+        return None
