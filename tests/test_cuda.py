@@ -420,3 +420,4 @@ def test_no_garbage_collection_runs_while_streams_capture():
     grads = replay_step(graphed, order, [2], inputs).input_grads
     assert len(grads) == 4 and all(bool(torch.isfinite(g).all()) for g in grads)
     leangraph.reset_all(graphed)
+

@@ -167,7 +167,11 @@ class GraphBuilder:
         with torch.no_grad():
             for static, sample in zip(self._static_inputs, self.source.samples):
                 if not same_buffer(static, sample):
-                    static.copy_(sample)  # values do not matter on CUDA; keeps CPU runs exact
+                    # Values do not matter on CUDA; they keep CPU runs exact. Through .data, whose
+                    # version counter is its own: a chained input is the previous layer's output,
+                    # which that layer's backward may have saved (a ReLU's), and a versioned
+                    # write would make its backward capture refuse it as modified in place.
+                    static.data.copy_(sample)
         captured: list[Any] = []
 
         def capture() -> tuple[torch.Tensor, ...]:
