@@ -241,6 +241,34 @@ def test_r11_positional_constants_and_ordered_graphs():
         graphed(x, 2, False)
 
 
+def divide(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / eps
+
+
+def test_r11_float_constants_compare_by_exact_value():
+    """-0.0 == 0.0 in Python, but x / -0.0 is -inf where x / 0.0 is +inf: a float constant is
+    the value captured, sign of zero included; and NaN, which is never == itself, is the NaN
+    captured (complex constants part by part)."""
+    x = torch.ones(3, requires_grad=True)
+    zero = mgc(divide, (x, 0.0))
+    with raises(ValueError, "callable 0 (divide) input 1 must be the constant 0.0 it was at "
+                            "capture, got -0.0"):
+        zero(x, -0.0)
+    assert torch.equal(zero(x, 0.0), divide(x, 0.0))
+    negative_zero = mgc(divide, (x, -0.0))
+    with raises(ValueError, "input 1 must be the constant -0.0 it was at capture, got 0.0"):
+        negative_zero(x, 0.0)
+    assert torch.equal(negative_zero(x, -0.0), torch.full((3,), -torch.inf))
+    nan = mgc(divide, (x, float("nan")))
+    assert nan(x, float("nan")).isnan().all()
+    with raises(ValueError, "input 1 must be the constant nan it was at capture, got 1.0"):
+        nan(x, 1.0)
+    complex_zero = mgc(divide, (x, complex(1.0, 0.0)))
+    with raises(ValueError, "must be the constant (1+0j) it was at capture, got (1-0j)"):
+        complex_zero(x, complex(1.0, -0.0))
+    assert torch.equal(complex_zero(x, complex(1.0, 0.0)), divide(x, complex(1.0, 0.0)))
+
+
 @pytest.mark.parametrize(
     ("arg", "error", "message"),
     [
