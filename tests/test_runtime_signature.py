@@ -121,6 +121,40 @@ def test_r5_a_dtype_that_would_convert_exactly_is_refused_too(device):
     assert graphed_block(half.detach().float()).dtype == torch.float32
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("share_buffers", [True, False])
+@pytest.mark.filterwarnings("ignore::UserWarning")  # sparse CSR beta, nested prototype
+def test_r23_an_argument_that_is_not_dense_is_refused_naming_it(device, share_buffers):
+    """A sparse or mkldnn argument has the captured dtype, shape and device; its copy into
+    the static input failed with torch's "Cannot access data pointer of Tensor that doesn't
+    have storage", naming nothing. A nested one's sizes cannot even be compared."""
+    torch.manual_seed(0)
+    block = Block(4).to(device)
+    reference = copy.deepcopy(block)
+    graphed = mgc(block, (sample().to(device),), share_buffers=share_buffers)
+    kwargs_graph = mgc(scale, (sample().to(device),),
+                       sample_kwargs={"factor": torch.ones(2, 4, device=device)},
+                       share_buffers=share_buffers)
+    dense = torch.randn(2, 4, device=device)
+    kinds = {
+        "torch.sparse_coo tensor": dense.to_sparse(),
+        "torch.sparse_csr tensor": dense.to_sparse_csr(),
+        "nested tensor (torch.strided)": torch.nested.nested_tensor(list(dense)),
+    }
+    if device == "cpu" and torch.backends.mkldnn.is_available():
+        kinds["torch._mkldnn tensor"] = dense.to_mkldnn()
+    for named, value in kinds.items():
+        with raises(TypeError, "callable 0 (Block) input 0 must be a dense (strided) tensor as "
+                               f"at capture, got a {named}", "to_dense()"):
+            graphed(value)
+        with raises(TypeError, "callable 0 (scale) kwarg 'factor' must be a dense (strided) "
+                               f"tensor as at capture, got a {named}"):
+            kwargs_graph(dense, factor=value)
+    # The refusals left nothing half done: the dense value replays as eager.
+    assert torch.equal(graphed(dense), reference(dense))
+    assert torch.equal(kwargs_graph(dense, factor=dense), dense * dense)
+
+
 @pytest.mark.parametrize("shape", [(1, 4), (4,), (2, 1), (3, 4), (2, 4, 1), (1, 2, 4)])
 def test_r6_shape_is_never_broadcast(shape):
     graphed = graphed_blocks()

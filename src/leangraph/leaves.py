@@ -18,7 +18,15 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["CONSTANT_TYPES", "TENSOR", "LeafTemplate", "is_constant", "leaf_names", "same_constant"]
+__all__ = [
+    "CONSTANT_TYPES",
+    "TENSOR",
+    "LeafTemplate",
+    "is_constant",
+    "leaf_names",
+    "not_dense",
+    "same_constant",
+]
 
 CONSTANT_TYPES: tuple[type, ...] = (
     type(None),
@@ -67,6 +75,19 @@ def _same_float(a: float, b: float) -> bool:
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b)
     return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+
+
+def not_dense(tensor: torch.Tensor) -> str | None:
+    """What kind of tensor ``tensor`` is if it is not a dense one with storage (sparse,
+    mkldnn, nested, quantized), else None: a graph's static inputs are dense buffers that
+    every replay copies its arguments into."""
+    if tensor.is_nested:
+        return f"nested tensor ({tensor.layout})"
+    if tensor.layout is not torch.strided:
+        return f"{tensor.layout} tensor"
+    if tensor.is_quantized:
+        return f"quantized tensor ({tensor.dtype})"
+    return None
 
 
 class _TensorSlot:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..leaves import TENSOR, LeafTemplate, leaf_names, same_constant
+from ..leaves import TENSOR, LeafTemplate, leaf_names, not_dense, same_constant
 
 __all__ = ["CallSignature", "TensorSpec"]
 
@@ -74,6 +74,19 @@ class TensorSpec:
             raise ValueError(f"{owner} {self.name} must stay on {self.device}, got {value.device}")
         return value
 
+    def check_dense(self, owner: str, value: torch.Tensor) -> None:
+        """Raise naming ``owner`` if ``value`` is not a dense tensor with storage, which a
+        replay could not copy into this spec's buffer. Asked only once something failed: a
+        sparse tensor matches the spec's dtype, shape and device, so only its copy fails, and
+        a nested one's sizes cannot be compared."""
+        kind = not_dense(value)
+        if kind is not None:
+            raise TypeError(
+                f"{owner} {self.name} must be a dense (strided) tensor as at capture, got a "
+                f"{kind}; a replay copies its arguments into the graph's dense static inputs. "
+                "Convert it first (to_dense(), to_padded_tensor())"
+            )
+
 
 class CallSignature:
     """The structure (``tree``, of ``(args, kwargs)``), tensor specs and constants of a
@@ -127,15 +140,34 @@ class CallSignature:
                 or device, naming the argument.
         """
         positional = not kwargs and len(args) == self._positional_arity
-        if positional and all(map(TensorSpec.matches, self.specs, args)):
-            return list(args)  # the usual call: what pytree gives here, without its walk
-        if positional and all(isinstance(arg, torch.Tensor) for arg in args):
+        try:
+            if positional and all(map(TensorSpec.matches, self.specs, args)):
+                return list(args)  # the usual call: what pytree gives here, without its walk
+            if positional and all(isinstance(arg, torch.Tensor) for arg in args):
+                leaves: list[Any] = list(args)
+            else:
+                leaves = self._structured_leaves(args, kwargs)
+                self._check_constants(leaves)
+                leaves = self._tensor_leaves(leaves)
+            return [spec.check(self.owner, leaf) for spec, leaf in zip(self.specs, leaves)]
+        except RuntimeError:
+            # A nested tensor has no sizes to compare: named here, off the path of every call.
+            self._refuse_not_dense(args, kwargs)
+            raise
+
+    def _tensor_leaves(self, leaves: Sequence[Any]) -> list[Any]:
+        """The leaves in the captured tensors' places."""
+        return [leaf for i, leaf in enumerate(leaves) if self.template.leaves[i] is TENSOR]
+
+    def _refuse_not_dense(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise naming the first tensor argument that is not dense, if any (R23)."""
+        if not kwargs and len(args) == self._positional_arity:
             leaves: list[Any] = list(args)
         else:
-            leaves = self._structured_leaves(args, kwargs)
-            self._check_constants(leaves)
-            leaves = [leaf for i, leaf in enumerate(leaves) if self.template.leaves[i] is TENSOR]
-        return [spec.check(self.owner, leaf) for spec, leaf in zip(self.specs, leaves)]
+            leaves = self._tensor_leaves(self._structured_leaves(args, kwargs))
+        for spec, leaf in zip(self.specs, leaves):
+            if isinstance(leaf, torch.Tensor):
+                spec.check_dense(self.owner, leaf)
 
     def _check_constants(self, leaves: Sequence[Any]) -> None:
         for name, position, value in self._constants:
