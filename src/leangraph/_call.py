@@ -210,25 +210,30 @@ def _check_leaves(index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     """Every leaf is a dense tensor autograd can track, or a constant the graph can capture
     (see ``leaves``)."""
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
-        group, *rest = path
-        where = "sample_args" if group == pytree.SequenceKey(0) else "sample_kwargs"
-        where = f"{where}[{index}]{''.join(str(key) for key in rest)}"
         if isinstance(leaf, torch.Tensor):
-            _check_sample_tensor(where, leaf)
+            if not_dense(leaf) is not None or leaf.is_inference():
+                _refuse_sample_tensor(_leaf_path(index, path), leaf)
             continue
         if is_constant(leaf):
             continue
         raise TypeError(
-            f"{where}: an argument leaf must be a tensor or a constant (None, bool, int, float, "
-            f"str, dtype, device, enum), got {type(leaf).__name__}; graphs replay tensors, and "
-            "capture other leaves as constants compared at every replay"
+            f"{_leaf_path(index, path)}: an argument leaf must be a tensor or a constant (None, "
+            f"bool, int, float, str, dtype, device, enum), got {type(leaf).__name__}; graphs "
+            "replay tensors, and capture other leaves as constants compared at every replay"
         )
 
 
-def _check_sample_tensor(where: str, tensor: torch.Tensor) -> None:
-    """A sample tensor is dense with storage (a graph's static input is one, which every
-    replay copies into) and not an inference tensor (warm-up and capture differentiate
-    through it)."""
+def _leaf_path(index: int, path: tuple[Any, ...]) -> str:
+    """``sample_args[1][0]``, ``sample_kwargs[1]['mask']``: how errors name a sample leaf."""
+    group, *rest = path
+    where = "sample_args" if group == pytree.SequenceKey(0) else "sample_kwargs"
+    return f"{where}[{index}]{''.join(str(key) for key in rest)}"
+
+
+def _refuse_sample_tensor(where: str, tensor: torch.Tensor) -> None:
+    """Refuse a sample tensor that is not dense with storage (a graph's static input is one,
+    which every replay copies into) or is an inference tensor (warm-up and capture
+    differentiate through it)."""
     kind = not_dense(tensor)
     if kind is not None:
         raise TypeError(
@@ -237,14 +242,12 @@ def _check_sample_tensor(where: str, tensor: torch.Tensor) -> None:
             "into it. Convert it outside the graphed callable (to_dense(), dequantize(), "
             "to_padded_tensor()) and graph the dense computation"
         )
-    if tensor.is_inference():
-        raise ValueError(
-            f"{where} is an inference tensor (made under torch.inference_mode()), which "
-            "autograd cannot track, and warm-up and capture differentiate through the "
-            "samples; make the samples, and call make_graphed_callables, outside "
-            "inference_mode (under torch.no_grad() for forward-only graphs, which replay "
-            "under inference_mode too)"
-        )
+    raise ValueError(
+        f"{where} is an inference tensor (made under torch.inference_mode()), which autograd "
+        "cannot track, and warm-up and capture differentiate through the samples; make the "
+        "samples, and call make_graphed_callables, outside inference_mode (under "
+        "torch.no_grad() for forward-only graphs, which replay under inference_mode too)"
+    )
 
 
 def _common_device(samples: Sequence[Sample], callables: Sequence[Any]) -> torch.device:

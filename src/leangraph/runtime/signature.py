@@ -137,7 +137,8 @@ class CallSignature:
 
         Raises:
             TypeError, ValueError: if they differ in structure, keys, constants, dtype, shape
-                or device, naming the argument.
+                or device, or a tensor is nested, naming the argument (a sparse one is named
+                where its copy fails).
         """
         positional = not kwargs and len(args) == self._positional_arity
         try:
