@@ -3,11 +3,13 @@ train shared parameters, and a failed build releasing every graph it made."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
 import torch
 
+import leangraph
 from helpers import build_stage, sample
 from leangraph._call import CaptureOptions, validate_call
 from leangraph.backends import CpuBackend
@@ -55,6 +57,92 @@ def test_a_sample_given_to_two_graphs_is_copied_only_where_samples_are_the_stati
     assert private[0].samples[0].data_ptr() == x.data_ptr()
     assert private[1].samples[0].data_ptr() != x.data_ptr()
     assert torch.equal(private[1].samples[0], x.detach())
+
+
+class Shifted(torch.nn.Module):
+    """A layer that takes part of its own state as an argument (a positional table)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("table", torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + shift
+
+
+def test_without_sharing_a_sample_is_copied_where_a_replay_would_overwrite_memory():
+    """Samples become the static inputs without sharing; one that overlaps another kept
+    sample, a parameter or buffer, or itself gets a buffer of its own (of its layout), and
+    the others stay the samples themselves."""
+    base = torch.randn(4, 6)
+    layer = Shifted()
+    first, second = _sources(
+        (layer,),
+        ((base[:, 0:4], layer.table), (base[:, 2:6], layer.lin.weight.t())),
+        order=[1, 1, -1, -1],
+        share_buffers=False,
+    )
+    window, table = first.samples
+    assert window.data_ptr() == base.data_ptr()  # the first user of that memory keeps it
+    overlapping, weight = second.samples
+    for copied, sample_tensor in ((table, layer.table), (overlapping, base[:, 2:6]),
+                                  (weight, layer.lin.weight.t())):
+        assert copied.untyped_storage().data_ptr() != sample_tensor.untyped_storage().data_ptr()
+        assert torch.equal(copied, sample_tensor.detach())
+    # A transposed sample keeps its dense layout; a window's gaps are not kept.
+    assert weight.stride() == (1, 4) and overlapping.is_contiguous()
+    disjoint = _sources((double, double), ((base[0],), (base[1],)), share_buffers=False)
+    assert [s.samples[0].data_ptr() for s in disjoint] == [base[0].data_ptr(), base[1].data_ptr()]
+    (expanded,) = _sources(double, (torch.zeros(1, 4).expand(3, 4),), share_buffers=False)
+    assert expanded.samples[0].stride() == (4, 1)
+
+
+def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x * 2 + y * 3
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_without_sharing_overlapping_samples_replay_as_eager(device):
+    """Views of one tensor as two arguments (the second copy overwrote the first), windows of
+    one tensor as two layers' samples (a wrong weight gradient), a slice of a parameter
+    (every replay overwrote it) and an expanded sample (every replay failed inside copy_)."""
+    torch.manual_seed(0)
+    base = torch.randn(4, 4, device=device)
+    graphed_add = leangraph.make_graphed_callables(
+        add, (base.view(4, 4).requires_grad_(), base.view(4, 4).requires_grad_()),
+        share_buffers=False)
+    x, y = torch.randn(4, 4, device=device), torch.randn(4, 4, device=device)
+    assert torch.equal(graphed_add(x, y), add(x, y))
+
+    layers = [torch.nn.Linear(2, 2).to(device) for _ in range(2)]
+    eager = copy.deepcopy(layers)
+    seq = torch.randn(4, 3, device=device)
+    graphed = leangraph.make_graphed_callables(
+        tuple(layers), ((seq[:, 0:2],), (seq[:, 1:3],)), share_buffers=False)
+    a, b = torch.randn(4, 2, device=device), torch.randn(4, 2, device=device)
+    (graphed[0](a).sum() + graphed[1](b).sum()).backward()
+    (eager[0](a).sum() + eager[1](b).sum()).backward()
+    for mine, theirs in zip(layers, eager):
+        assert torch.equal(mine.weight.grad, theirs.weight.grad)
+        assert torch.equal(mine.bias.grad, theirs.bias.grad)
+
+    owner = torch.nn.Linear(2, 2).to(device)  # not graphed: its weight is only a sample's base
+    before = owner.weight.detach().clone()
+    graphed_add = leangraph.make_graphed_callables(
+        add, (torch.randn(2, 2, device=device, requires_grad=True), owner.weight[0:2]),
+        share_buffers=False)
+    zeros = torch.zeros(2, 2, device=device)
+    assert torch.equal(graphed_add(x[:2, :2], zeros), add(x[:2, :2], zeros))
+    assert torch.equal(owner.weight.detach(), before)
+
+    lin = torch.nn.Linear(4, 4).to(device)
+    reference = copy.deepcopy(lin)
+    leangraph.make_graphed_callables(
+        lin, (torch.zeros(1, 4, device=device).expand(3, 4).requires_grad_(),),
+        share_buffers=False)
+    h = torch.randn(3, 4, device=device)
+    assert torch.equal(lin(h), reference(h))
 
 
 def test_sources_run_a_modules_forward_and_name_the_graph():

@@ -4,7 +4,9 @@ requires (:func:`check_capturable`)."""
 
 from __future__ import annotations
 
+import copy
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -195,6 +197,82 @@ def test_v15_one_device_for_samples_and_parameters():
         "callables[0] (Block) parameter 'norm.weight' is on cpu",
     ):
         mgc(Block(4), (torch.randn(2, 4, device="meta"),))
+
+
+def _not_dense_kinds(device: str) -> dict[str, tuple[Any, str]]:
+    """Tensors that are not dense with storage, by kind: how to make one from a dense
+    tensor, and how the refusal names it."""
+    kinds = {
+        "sparse_coo": (lambda t: t.to_sparse(), "a torch.sparse_coo tensor"),
+        "sparse_csr": (lambda t: t.to_sparse_csr(), "a torch.sparse_csr tensor"),
+        "nested": (lambda t: torch.nested.nested_tensor(list(t)), "a nested tensor"),
+    }
+    if device == "cpu":
+        kinds["quantized"] = (
+            lambda t: torch.quantize_per_tensor(t, 0.1, 0, torch.qint8),
+            "a quantized tensor (torch.qint8)",
+        )
+        if torch.backends.mkldnn.is_available():
+            kinds["mkldnn"] = (lambda t: t.to_mkldnn(), "a torch._mkldnn tensor")
+    return kinds
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.filterwarnings("ignore::UserWarning")  # sparse CSR beta, quantize deprecated
+def test_v27_a_sample_tensor_must_be_dense_with_storage(device):
+    """A sparse, mkldnn, nested or quantized sample failed deep inside (torch's "Cannot
+    access data pointer of Tensor that doesn't have storage"): refused naming the sample,
+    before anything runs."""
+    calls = []
+
+    def double(x, y):
+        calls.append(1)
+        return x * 2 + y
+
+    for kind, (make, named) in _not_dense_kinds(device).items():
+        dense = torch.randn(2, 4, device=device)
+        with raises(TypeError, "sample_args[0][1]: a sample tensor must be a dense (strided) "
+                               f"tensor with storage, got {named}", "to_dense()"):
+            mgc(double, (sample().to(device), make(dense)))
+        with raises(TypeError, "sample_kwargs[0]['y']: a sample tensor must be a dense"):
+            mgc(double, (sample().to(device),), sample_kwargs={"y": make(dense)})
+        with raises(TypeError, "sample_args[0][1]: a sample tensor must be a dense", named):
+            leangraph.plan_memory(double, (sample().to(device), make(dense)))
+        assert not calls, kind  # refused before the probe's forward
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_v28_inference_tensors_and_inference_mode_are_refused(device):
+    """Inference tensors as samples died in the probe with torch's "Inference tensors do not
+    track version counter"; a capture under inference_mode made inference-tensor buffers,
+    which a replay outside it could not write ("Inplace update to inference tensor outside
+    InferenceMode"). Both are refused before anything runs; no_grad's forward-only graphs
+    replay under inference_mode."""
+    torch.manual_seed(0)
+    eager = Block(4).to(device)
+    module = copy.deepcopy(eager)
+    with torch.inference_mode():
+        made_there = torch.randn(2, 4, device=device)
+    with raises(ValueError, "sample_args[0][0] is an inference tensor (made under "
+                            "torch.inference_mode())", "make the samples, and call "
+                            "make_graphed_callables, outside inference_mode"):
+        mgc(module, (made_there,))
+    with raises(ValueError, "sample_kwargs[0]['factor'] is an inference tensor"):
+        mgc(scale, (sample().to(device),), sample_kwargs={"factor": made_there})
+    normal = torch.randn(2, 4, device=device)
+    with torch.inference_mode(), raises(
+        RuntimeError, "make_graphed_callables must not run under torch.inference_mode()",
+        "under torch.no_grad() for forward-only graphs",
+    ):
+        mgc(module, (normal,))
+    assert not isinstance(module.__dict__.get("forward"), GraphedCallable)
+    with torch.no_grad():  # what the refusals point to
+        graphed = mgc(module, (normal,))
+    x = torch.randn(2, 4, device=device)
+    with torch.inference_mode():
+        assert torch.equal(graphed(x), eager(x))
+    with torch.no_grad():
+        assert torch.equal(graphed(made_there), eager(made_there))
 
 
 def test_v18_global_module_hooks_are_refused():

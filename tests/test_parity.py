@@ -89,11 +89,15 @@ def test_torch_case_make_graphed_callables(device, with_amp, cache_enabled, allo
     graphed.load_state_dict(control.state_dict())
     opt_graphed = torch.optim.SGD(graphed.parameters(), lr=0.1)
     opt_control = torch.optim.SGD(control.parameters(), lr=0.1)
+    # torch's test samples every activation in fp32 and lets its copy into the static input
+    # cast what autocast gives; a replay here must get the captured dtype (R5), so the
+    # samples are in the dtype each section receives: autocast's after the first.
+    act = _autocast(device, True, False).fast_dtype if with_amp else torch.float32
     x = torch.randn(n, d_in, device=device)
-    h = torch.randn(n, hidden, device=device, requires_grad=True)
-    h2 = torch.randn(n, d_out, device=device, requires_grad=True)
+    h = torch.randn(n, hidden, device=device, dtype=act, requires_grad=True)
+    h2 = torch.randn(n, d_out, device=device, dtype=act, requires_grad=True)
     unused = torch.randn(n, hidden, device=device, requires_grad=True)
-    y_pred = torch.randn(n, d_out, device=device, requires_grad=True)
+    y_pred = torch.randn(n, d_out, device=device, dtype=act, requires_grad=True)
     y = torch.randn(n, d_out, device=device)
     relu, loss_fn = torch.nn.functional.relu, torch.nn.functional.mse_loss
     callables = (graphed[0], graphed[1], graphed[2], relu, loss_fn)

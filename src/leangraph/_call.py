@@ -19,7 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .build.accumulation import HookDelivery
-from .leaves import is_constant
+from .leaves import is_constant, not_dense
 from .order import parse_order
 from .plan import Plan, build_plan, build_unordered_plan
 
@@ -207,18 +207,47 @@ def _sample_layout(sample: Sample) -> tuple[Any, ...]:
 
 
 def _check_leaves(index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Every leaf is a tensor or a constant the graph can capture (see ``leaves``)."""
+    """Every leaf is a dense tensor autograd can track, or a constant the graph can capture
+    (see ``leaves``)."""
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
-        if isinstance(leaf, torch.Tensor) or is_constant(leaf):
+        if isinstance(leaf, torch.Tensor):
+            if not_dense(leaf) is not None or leaf.is_inference():
+                _refuse_sample_tensor(_leaf_path(index, path), leaf)
             continue
-        group, *rest = path
-        where = "sample_args" if group == pytree.SequenceKey(0) else "sample_kwargs"
+        if is_constant(leaf):
+            continue
         raise TypeError(
-            f"{where}[{index}]{''.join(str(key) for key in rest)}: an argument leaf must be a "
-            f"tensor or a constant (None, bool, int, float, str, dtype, device, enum), got "
-            f"{type(leaf).__name__}; graphs replay tensors, and capture other leaves as "
-            "constants compared at every replay"
+            f"{_leaf_path(index, path)}: an argument leaf must be a tensor or a constant (None, "
+            f"bool, int, float, str, dtype, device, enum), got {type(leaf).__name__}; graphs "
+            "replay tensors, and capture other leaves as constants compared at every replay"
         )
+
+
+def _leaf_path(index: int, path: tuple[Any, ...]) -> str:
+    """``sample_args[1][0]``, ``sample_kwargs[1]['mask']``: how errors name a sample leaf."""
+    group, *rest = path
+    where = "sample_args" if group == pytree.SequenceKey(0) else "sample_kwargs"
+    return f"{where}[{index}]{''.join(str(key) for key in rest)}"
+
+
+def _refuse_sample_tensor(where: str, tensor: torch.Tensor) -> None:
+    """Refuse a sample tensor that is not dense with storage (a graph's static input is one,
+    which every replay copies into) or is an inference tensor (warm-up and capture
+    differentiate through it)."""
+    kind = not_dense(tensor)
+    if kind is not None:
+        raise TypeError(
+            f"{where}: a sample tensor must be a dense (strided) tensor with storage, got a "
+            f"{kind}; a graph's static input is dense and every replay copies its argument "
+            "into it. Convert it outside the graphed callable (to_dense(), dequantize(), "
+            "to_padded_tensor()) and graph the dense computation"
+        )
+    raise ValueError(
+        f"{where} is an inference tensor (made under torch.inference_mode()), which autograd "
+        "cannot track, and warm-up and capture differentiate through the samples; make the "
+        "samples, and call make_graphed_callables, outside inference_mode (under "
+        "torch.no_grad() for forward-only graphs, which replay under inference_mode too)"
+    )
 
 
 def _common_device(samples: Sequence[Sample], callables: Sequence[Any]) -> torch.device:
@@ -357,10 +386,18 @@ def check_capturable(call: Call, already_graphed: Callable[[Any], bool]) -> None
     ``already_graphed(module)`` says whether a module's ``forward`` is already graphed.
 
     Raises:
-        RuntimeError: for autocast with its cache enabled.
+        RuntimeError: for autocast with its cache enabled, or inference mode.
         ValueError: for modules with hooks, buffers that require grad, an already graphed
             module, or (without an order) the same module given twice.
     """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "make_graphed_callables must not run under torch.inference_mode(): the static "
+            "buffers and outputs it allocates would be inference tensors, which a replay "
+            "outside inference_mode cannot write into; call it outside inference_mode, "
+            "under torch.no_grad() for forward-only graphs (which replay under "
+            "inference_mode too)"
+        )
     enabled = any(torch.is_autocast_enabled(d) for d in ("cuda", "cpu"))
     if enabled and torch.is_autocast_cache_enabled():
         raise RuntimeError(

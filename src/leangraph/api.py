@@ -133,8 +133,9 @@ def make_graphed_callables(
     Memory aliasing: replay outputs are views of graph-owned buffers. With ``share_buffers``
     they stay valid until their graph's backward replay (or, without a backward, its next
     forward replay), and samples may be freed after the call; with ``share_buffers=False``
-    sample tensors become the static inputs and outputs stay valid until the callable's
-    next replay (docs/concepts.md: the warm-up, buffer and pool model).
+    sample tensors become the static inputs (but for those a replay's copy must not write:
+    overlapping another, a parameter or a buffer, or expanded) and outputs stay valid until
+    the callable's next replay (docs/concepts.md: the warm-up, buffer and pool model).
 
     Args:
         callables: A callable or ``nn.Module``, or a tuple of them.

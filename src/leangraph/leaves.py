@@ -10,6 +10,7 @@ can be taken out (the static buffers) and put back (the call and the returned ou
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,15 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["CONSTANT_TYPES", "TENSOR", "LeafTemplate", "is_constant", "leaf_names", "same_constant"]
+__all__ = [
+    "CONSTANT_TYPES",
+    "TENSOR",
+    "LeafTemplate",
+    "is_constant",
+    "leaf_names",
+    "not_dense",
+    "same_constant",
+]
 
 CONSTANT_TYPES: tuple[type, ...] = (
     type(None),
@@ -44,13 +53,41 @@ def is_constant(value: object) -> bool:
 
 
 def same_constant(a: object, b: object) -> bool:
-    """Whether two constants are the same: same type and equal (``1`` is not ``True``)."""
+    """Whether two constants are the same: same type and equal (``1`` is not ``True``);
+    floats and complex numbers by their exact value (:func:`_same_float`)."""
     if a is b:
         return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and isinstance(b, float):
+        return _same_float(a, b)
+    if isinstance(a, complex) and isinstance(b, complex):
+        return _same_float(a.real, b.real) and _same_float(a.imag, b.imag)
     try:
-        return type(a) is type(b) and bool(a == b)
+        return bool(a == b)
     except Exception:  # a value whose comparison fails is not the same constant
         return False
+
+
+def _same_float(a: float, b: float) -> bool:
+    """``==`` but exact: ``-0.0`` is not ``0.0`` (``x / eps`` gives -inf for one, +inf for
+    the other) and NaN is NaN (a graph captured with a NaN fill replays with NaN again)."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+
+
+def not_dense(tensor: torch.Tensor) -> str | None:
+    """What kind of tensor ``tensor`` is if it is not a dense one with storage (sparse,
+    mkldnn, nested, quantized), else None: a graph's static inputs are dense buffers that
+    every replay copies its arguments into."""
+    if tensor.is_nested:
+        return f"nested tensor ({tensor.layout})"
+    if tensor.layout is not torch.strided:
+        return f"{tensor.layout} tensor"
+    if tensor.is_quantized:
+        return f"quantized tensor ({tensor.dtype})"
+    return None
 
 
 class _TensorSlot:

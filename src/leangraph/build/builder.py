@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 from .._call import Call, CaptureOptions
 from .._restore import module_buffers, note_out_of_memory, values_kept
 from ..backends.base import GraphBackend
-from ..buffers import BufferPlan, StaticBuffers
+from ..buffers import BufferKey, BufferPlan, StaticBuffers, allocate
 from ..hooks import CaptureHooks
 from ..probe import GraphFacts
 from ..progress import ProgressCallback
@@ -159,7 +159,10 @@ def graph_sources(
     """What every graph is built from, in graph order."""
     named_by_callable = [_named_parameters(fn) for fn in call.callables]
     sharing = parameter_sharing(call, facts, [tuple(p for _, p in n) for n in named_by_callable])
-    seen: set[int] = set()
+    # Without sharing the samples become the static inputs (torch's model): the memory kept
+    # so far, and that of the callables' parameters and buffers, which none may overwrite.
+    kept: Extents | None = None if options.share_buffers else {}
+    held: Extents = {} if options.share_buffers else _held_extents(call.callables)
     last_signature: dict[int, CallSignature] = {}  # per callable: its graphs share a structure
     states = [
         ModuleState.of(fn) if isinstance(fn, torch.nn.Module) else None for fn in call.callables
@@ -170,7 +173,7 @@ def graph_sources(
         index = call.callable_index(graph)
         leaves, tree = pytree.tree_flatten(call.samples[graph])
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        samples = _static_leaves(tensors, seen, copy_repeats=not options.share_buffers)
+        samples = _static_leaves(tensors, kept, held)
         given = iter(samples)
         call_leaves = [next(given) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         named = named_by_callable[index]
@@ -239,19 +242,86 @@ def _itself(value: Callable[..., Any]) -> Callable[..., Any]:
     return value
 
 
+Extents = dict[int, list[tuple[int, int]]]
+"""Byte ranges of memory in use, by the address of the storage they lie in."""
+
+
 def _static_leaves(
-    leaves: list[torch.Tensor], seen: set[int], *, copy_repeats: bool
+    leaves: list[torch.Tensor], kept: Extents | None, held: Extents
 ) -> tuple[torch.Tensor, ...]:
-    """Sample tensors as detached leaves; with ``copy_repeats`` (samples that will be static
-    inputs) a tensor already given to another graph is copied."""
+    """Sample tensors as detached leaves.
+
+    With ``kept`` (``share_buffers=False``: the samples become the static inputs; ``kept``
+    holds the memory of those kept so far, across graphs) a sample is copied into a buffer
+    of its own, of its layout where it has a dense one, if a replay's copy into it would
+    write over another static input (a tensor given twice, overlapping views of one tensor:
+    a replay's second copy overwrote the first), a parameter or buffer (``held``, or a view
+    of any ``nn.Parameter``: every replay wrote the caller's values into it), or itself (an
+    expanded sample, which no copy can write).
+    """
     static = []
     for leaf in leaves:
         tensor = leaf.detach()
-        if copy_repeats and id(leaf) in seen:
-            tensor = tensor.clone()
-        seen.add(id(leaf))
+        if kept is not None:
+            storage, start, end = _extent(tensor)
+            if (
+                _overlaps(kept, storage, start, end)
+                or _overlaps(held, storage, start, end)
+                or isinstance(leaf, torch.nn.Parameter)
+                or isinstance(leaf._base, torch.nn.Parameter)
+                or _overlaps_itself(tensor)
+            ):
+                tensor = _fresh_copy(tensor)
+            else:
+                kept.setdefault(storage, []).append((start, end))
         static.append(tensor.requires_grad_(leaf.requires_grad))
     return tuple(static)
+
+
+def _extent(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """The storage address of ``tensor`` and the byte range its elements lie in."""
+    size = tensor.element_size()
+    start = int(tensor.storage_offset()) * size
+    if tensor.numel() == 0:
+        return tensor.untyped_storage().data_ptr(), start, start
+    last = sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.untyped_storage().data_ptr(), start, start + (last + 1) * size
+
+
+def _overlaps(extents: Extents, storage: int, start: int, end: int) -> bool:
+    return any(s < end and start < e for s, e in extents.get(storage, ()))
+
+
+def _held_extents(callables: Sequence[Any]) -> Extents:
+    """The memory of the modules' parameters and buffers."""
+    held: Extents = {}
+    for fn in callables:
+        if isinstance(fn, torch.nn.Module):
+            for tensor in (*fn.parameters(), *fn.buffers()):
+                storage, start, end = _extent(tensor.detach())
+                held.setdefault(storage, []).append((start, end))
+    return held
+
+
+def _overlaps_itself(tensor: torch.Tensor) -> bool:
+    """Whether two elements of ``tensor`` may share memory (a stride-0 dimension of an
+    expanded tensor, or strides that interleave): walking the dimensions by increasing
+    stride, each must step past everything the smaller ones reach."""
+    reach = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(tensor.stride(), tensor.shape) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def _fresh_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` in a buffer of its own, of its dense layout where it has one
+    (kernels chosen for a transposed sample may differ from a contiguous copy's)."""
+    (buffer,) = allocate([BufferKey.of(tensor, keep_layout=True)], requires_grad=False)
+    with torch.no_grad():
+        buffer.copy_(tensor)
+    return buffer
 
 
 def parameter_sharing(

@@ -556,17 +556,24 @@ def _inputs_to_copy(
     """The (static buffer, value) pairs a forward replay copies: every input that is not
     its buffer already. A chained input must be the previous layer's output itself."""
     copies = []
-    for index, (static, value) in enumerate(zip(record.static_inputs, inputs)):
-        if same_buffer(static, value):
-            continue
-        source = record.chained_from[index]
-        if source is not None:
-            raise ValueError(
-                f"{label} input {index} is the output buffer of {source} "
-                "(chained layers share it); pass that graph's output itself, got another "
-                "tensor. Capture with share_buffers=False to feed layers anything"
-            )
-        copies.append((static, value))
+    try:
+        for index, (static, value) in enumerate(zip(record.static_inputs, inputs)):
+            if same_buffer(static, value):
+                continue
+            source = record.chained_from[index]
+            if source is not None:
+                raise ValueError(
+                    f"{label} input {index} is the output buffer of {source} "
+                    "(chained layers share it); pass that graph's output itself, got another "
+                    "tensor. Capture with share_buffers=False to feed layers anything"
+                )
+            copies.append((static, value))
+    except RuntimeError:
+        # A sparse or mkldnn argument has the captured dtype, shape and device, so only its
+        # missing storage (data_ptr) stops it: named here, off the path of every replay.
+        for spec, value in zip(record.signature.specs, inputs):
+            spec.check_dense(label, value)
+        raise
     return copies
 
 

@@ -3,13 +3,12 @@
 A :class:`CallSignature` is made once from the sample arguments. :meth:`CallSignature.bind`
 turns a replay's ``(args, kwargs)`` into tensor leaves in capture order, or raises naming the
 callable, what was captured and what was got. Non-tensor leaves are constants of the graph and
-must equal their capture values. Nothing is broadcast or moved; a dtype is converted only
-where the conversion is exact (an fp16 input into an fp32 buffer).
+must equal their capture values. Nothing is broadcast, moved or cast: a dtype must be the
+captured one, since eager would compute in the dtype it is given.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,9 +16,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..leaves import TENSOR, LeafTemplate, leaf_names, same_constant
+from ..leaves import TENSOR, LeafTemplate, leaf_names, not_dense, same_constant
 
-__all__ = ["CallSignature", "TensorSpec", "converts_exactly"]
+__all__ = ["CallSignature", "TensorSpec"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,19 +49,22 @@ class TensorSpec:
         """Return ``value`` if a replay may copy it into this spec's static buffer, else
         raise naming ``owner``.
 
-        A dtype that converts exactly into the buffer's is accepted (fp16 or bf16 into fp32,
-        under autocast say); a lossy one (fp32 into bf16) is not. ``requires_grad`` may
-        differ: an input that requires grad only at replay gets no gradient (the caller
-        warns), one that no longer does simply gets none.
+        The dtype must be the captured one: even a widening copy (fp16 into an fp32 buffer)
+        would compute in the buffer's dtype and return it, where eager computes in the
+        argument's (and a bool mask copied into an int64 buffer would index instead of mask).
+        ``requires_grad`` may differ: an input that requires grad only at replay gets no
+        gradient (the caller warns), one that no longer does simply gets none.
         """
         if not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"{owner} {self.name} must be a tensor as at capture, got {type(value).__name__}"
             )
-        if value.dtype != self.dtype and not converts_exactly(value.dtype, self.dtype):
+        if value.dtype != self.dtype:
             raise TypeError(
-                f"{owner} {self.name} must keep dtype {self.dtype} (or one that converts to it "
-                f"exactly), got {value.dtype}"
+                f"{owner} {self.name} must keep dtype {self.dtype} as at capture, got "
+                f"{value.dtype}; a graph computes in its captured dtypes, so make the samples "
+                "in the dtype the callable receives (under autocast, the previous layer's "
+                "output dtype)"
             )
         if tuple(value.shape) != self.shape:
             raise ValueError(
@@ -72,30 +74,18 @@ class TensorSpec:
             raise ValueError(f"{owner} {self.name} must stay on {self.device}, got {value.device}")
         return value
 
-
-def converts_exactly(source: torch.dtype, target: torch.dtype) -> bool:
-    """Whether every value of dtype ``source`` is exactly representable in ``target``."""
-    if source == torch.bool:
-        return True
-    if source.is_complex or target.is_complex:
-        return source.is_complex == target.is_complex and source.itemsize <= target.itemsize
-    if target.is_floating_point:
-        have = torch.finfo(target)
-        if source.is_floating_point:
-            need = torch.finfo(source)
-            return (
-                have.eps <= need.eps  # as many significand bits
-                and have.max >= need.max
-                and have.tiny * have.eps <= need.tiny * need.eps  # subnormals included
+    def check_dense(self, owner: str, value: torch.Tensor) -> None:
+        """Raise naming ``owner`` if ``value`` is not a dense tensor with storage, which a
+        replay could not copy into this spec's buffer. Asked only once something failed: a
+        sparse tensor matches the spec's dtype, shape and device, so only its copy fails, and
+        a nested one's sizes cannot be compared."""
+        kind = not_dense(value)
+        if kind is not None:
+            raise TypeError(
+                f"{owner} {self.name} must be a dense (strided) tensor as at capture, got a "
+                f"{kind}; a replay copies its arguments into the graph's dense static inputs. "
+                "Convert it first (to_dense(), to_padded_tensor())"
             )
-        # An integer converts exactly if its largest magnitude fits the significand.
-        digits = round(-math.log2(have.eps)) + 1
-        integer = torch.iinfo(source)
-        return max(integer.max, -integer.min) <= 2**digits
-    if source.is_floating_point:
-        return False
-    have_int, need_int = torch.iinfo(target), torch.iinfo(source)
-    return have_int.min <= need_int.min and have_int.max >= need_int.max
 
 
 class CallSignature:
@@ -146,19 +136,39 @@ class CallSignature:
         """The tensor leaves of a replay's arguments, checked against the captured ones.
 
         Raises:
-            TypeError, ValueError: if they differ in structure, keys, constants, dtype (beyond
-                an exact conversion), shape or device, naming the argument.
+            TypeError, ValueError: if they differ in structure, keys, constants, dtype, shape
+                or device, or a tensor is nested, naming the argument (a sparse one is named
+                where its copy fails).
         """
         positional = not kwargs and len(args) == self._positional_arity
-        if positional and all(map(TensorSpec.matches, self.specs, args)):
-            return list(args)  # the usual call: what pytree gives here, without its walk
-        if positional and all(isinstance(arg, torch.Tensor) for arg in args):
+        try:
+            if positional and all(map(TensorSpec.matches, self.specs, args)):
+                return list(args)  # the usual call: what pytree gives here, without its walk
+            if positional and all(isinstance(arg, torch.Tensor) for arg in args):
+                leaves: list[Any] = list(args)
+            else:
+                leaves = self._structured_leaves(args, kwargs)
+                self._check_constants(leaves)
+                leaves = self._tensor_leaves(leaves)
+            return [spec.check(self.owner, leaf) for spec, leaf in zip(self.specs, leaves)]
+        except RuntimeError:
+            # A nested tensor has no sizes to compare: named here, off the path of every call.
+            self._refuse_not_dense(args, kwargs)
+            raise
+
+    def _tensor_leaves(self, leaves: Sequence[Any]) -> list[Any]:
+        """The leaves in the captured tensors' places."""
+        return [leaf for i, leaf in enumerate(leaves) if self.template.leaves[i] is TENSOR]
+
+    def _refuse_not_dense(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise naming the first tensor argument that is not dense, if any (R25)."""
+        if not kwargs and len(args) == self._positional_arity:
             leaves: list[Any] = list(args)
         else:
-            leaves = self._structured_leaves(args, kwargs)
-            self._check_constants(leaves)
-            leaves = [leaf for i, leaf in enumerate(leaves) if self.template.leaves[i] is TENSOR]
-        return [spec.check(self.owner, leaf) for spec, leaf in zip(self.specs, leaves)]
+            leaves = self._tensor_leaves(self._structured_leaves(args, kwargs))
+        for spec, leaf in zip(self.specs, leaves):
+            if isinstance(leaf, torch.Tensor):
+                spec.check_dense(self.owner, leaf)
 
     def _check_constants(self, leaves: Sequence[Any]) -> None:
         for name, position, value in self._constants:
