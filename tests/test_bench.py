@@ -117,6 +117,13 @@ def test_bench_on_the_cpu_by_default_is_small_and_finishes_in_seconds(capsys):
     assert elapsed < 60, elapsed
 
 
+def test_without_eager_no_row_claims_to_be_the_loss_reference(capsys):
+    assert main(["bench", "--device", "cpu", "--no-progress", "--methods", "leangraph"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.split()[:1] == ["leangraph"]}
+    assert rows["leangraph"][-1] == "-", rows
+
+
 def test_rounds_time_each_graphed_method_afresh():
     result = run_bench(_tiny(rounds=3))
     assert set(result.rounds) == {"leangraph"}
