@@ -15,7 +15,7 @@ import operator
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -181,17 +181,9 @@ class GraphedCallable:
         record = self._record
         if record is not None and self._modules is not None:
             if not self._modules.modes_as_captured():
-                if record.module is not None:  # drop-in: the module's eager forward runs
-                    eager = record.module.eager_forward()
-                    if eager is not None:
-                        return eager(*args, **kwargs)
-                else:
-                    raise RuntimeError(
-                        f"{self._label}: {self._modules.changed_mode()}; its graphs replay "
-                        "the kernels of the captured modes (dropout, batch norm, anything "
-                        "reading self.training). Call the eager module in this mode, or "
-                        "capture again"
-                    )
+                eager = _eager_in_another_mode(self._label, record, self._modules)
+                if eager is not None:
+                    return eager(*args, **kwargs)
             self._modules.check_replayable()
         record = self._require_ready("call")
         if self._autocast is not None and autocast_state(self._device_type) != self._autocast:
@@ -373,7 +365,9 @@ class GraphedCallable:
                 fused.check_backward_pass()
             self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
             if self._saved_outputs:
-                self._check_saved_outputs(record)
+                _refuse_modified_outputs(
+                    self._label, record, self._saved_outputs, self._saved_versions
+                )
             _fill_seeds(record.static_grad_outputs, grads)
             if fused is not None:
                 fused.before_replay()
@@ -393,25 +387,25 @@ class GraphedCallable:
                 handed = self._grads.without_unreached(handed, [g is not None for g in grads])
             return handed
 
-    def _check_saved_outputs(self, record: GraphRecord) -> None:
-        """Refuse a backward replay reading an output modified in place since its forward."""
-        for index, tensor, version in zip(
-            record.saved_outputs, self._saved_outputs, self._saved_versions
-        ):
-            if tensor._version != version:
-                raise RuntimeError(
-                    f"{self._label}: output {index} was modified in place after its forward "
-                    f"replay (version {version}, now {tensor._version}), but the backward "
-                    "reads it (it is saved for the gradient); eager's backward refuses this "
-                    "too (one of the variables needed for gradient computation has been "
-                    "modified by an inplace operation). Clone the output before modifying it"
-                )
-
     def _call_accumulator_hooks(self) -> None:
         """After a backward replay, outside the lock: the Python hooks it calls itself
         (``accumulator_hooks="python"``; at the weight step for a split backward)."""
         if self._fused is not None and self._weight is None:
             self._fused.call_hooks()
+
+
+def _eager_in_another_mode(
+    label: str, record: GraphRecord, modules: ModuleWatch
+) -> Callable[..., Any] | None:
+    """A drop-in module's eager forward, for a call in another training mode than capture's
+    (None once the module is gone); with an order, a refusal."""
+    if record.module is None:
+        raise RuntimeError(
+            f"{label}: {modules.changed_mode()}; its graphs replay the kernels of the captured "
+            "modes (dropout, batch norm, anything reading self.training). Call the eager "
+            "module in this mode, or capture again"
+        )
+    return record.module.eager_forward()
 
 
 def _module_watch(record: GraphRecord) -> ModuleWatch | None:
@@ -449,6 +443,21 @@ def _refuse_other_autocast(
         "and precision chosen at capture, where eager's would follow the autocast around "
         "them. Replay under the autocast of capture, or capture again"
     )
+
+
+def _refuse_modified_outputs(
+    label: str, record: GraphRecord, saved: Sequence[torch.Tensor], versions: Sequence[int]
+) -> None:
+    """Refuse a backward replay reading an output modified in place since its forward (R24)."""
+    for index, tensor, version in zip(record.saved_outputs, saved, versions):
+        if tensor._version != version:
+            raise RuntimeError(
+                f"{label}: output {index} was modified in place after its forward replay "
+                f"(version {version}, now {tensor._version}), but the backward reads it (it is "
+                "saved for the gradient); eager's backward refuses this too (one of the "
+                "variables needed for gradient computation has been modified by an inplace "
+                "operation). Clone the output before modifying it"
+            )
 
 
 def _fill_seeds(seeds: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
