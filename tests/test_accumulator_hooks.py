@@ -82,6 +82,29 @@ def test_v24_a_post_accumulate_grad_hook_is_refused_before_warm_up():
     assert warmed == []
 
 
+def test_v24_a_megatron_ddp_parameter_is_refused_before_warm_up():
+    """Megatron-core's DDP sets grad_added_to_main_grad on every parameter it manages and
+    hooks their accumulators, which no replay runs with accumulator_hooks=False."""
+    _, module = _block_pair()
+    module.down.weight.grad_added_to_main_grad = False
+    warmed: list[bool] = []
+    with raises(ValueError, "callable 0 (Block) parameter 'down.weight' is managed by "
+                "Megatron-core's DistributedDataParallel (it has grad_added_to_main_grad), "
+                "whose gradient-ready hooks are registered on the parameters' accumulators; "
+                "accumulator_hooks=False would never run them"):
+        leangraph.make_graphed_callables(
+            module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+            accumulator_hooks=False, pre_warmup_hook=lambda: warmed.append(True))
+    assert warmed == []
+    for hooks in (True, "python"):  # either runs Megatron DDP's hooks
+        _, module = _block_pair()
+        module.down.weight.grad_added_to_main_grad = False
+        graphed = leangraph.make_graphed_callables(
+            module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+            accumulator_hooks=hooks)
+        leangraph.reset_all(graphed)
+
+
 def test_r15_a_post_accumulate_grad_hook_added_after_capture_is_refused_at_the_backward():
     _, module = _block_pair()
     graphed = leangraph.make_graphed_callables(

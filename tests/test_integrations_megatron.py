@@ -280,6 +280,91 @@ def _reset_error(example: Any, setup: Any) -> str:
     return "no error"
 
 
+def _megatron_refusals(example: Any, setup: Any) -> dict[str, Any]:
+    """Misuse through Megatron's own helper and schedule (PP=1): what each raised, whether
+    warm-up ran, and Megatron's capture flag after it; and a failed capture's eager fallback
+    (its history, to compare with eager training). Each scenario reports what it raised
+    unexpectedly under ``"<scenario>-error"``, and leaves Megatron's state clean for the
+    next."""
+    from megatron.core.transformer import cuda_graphs
+    from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+    out: dict[str, Any] = {}
+    warmed: list[bool] = []
+    spy = {"pre_warmup_hook": lambda: warmed.append(True)}
+
+    def capture(chunks: list[Any], config: Any, key: str) -> Any:
+        warmed.clear()
+        helper = TECudaGraphHelper(chunks, config, example.SEQ, example.BATCH)
+        try:
+            helper.create_cudagraphs()
+            out[key] = "accepted"
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[key] = f"{type(exc).__name__}: {exc}"
+        out[f"{key}-warmed"] = bool(warmed)
+        out[f"{key}-capturing-after"] = cuda_graphs.is_graph_capturing()
+        return helper
+
+    def second_helper() -> None:  # while the first one's graphs live (V4)
+        config, chunks = example.build_model(setup, graphed=True)
+        with lgm.install(capture_options=spy):
+            first = capture(chunks, config, "second-helper-first")
+            example.train_steps(replace(setup, steps=1), config, chunks)
+            capture(chunks, config, "second-helper")
+            trained = example.train_steps(replace(setup, steps=1), config, chunks)
+            out["second-helper-then-trains"] = len(trained)  # the first's graphs
+            first.delete_cuda_graphs()
+
+    def hooks_false() -> None:  # Megatron DDP's hooks are on the accumulators (V24)
+        hooked = replace(setup, overlap_grad_reduce=True)
+        config, chunks = example.build_model(hooked, graphed=True)
+        with lgm.install(capture_options={**spy, "fuse_grad_accumulation": True,
+                                          "accumulator_hooks": False}):
+            capture(chunks, config, "hooks-false")
+
+    def forward_only() -> None:  # in training mode with grad on (L4), then under no_grad
+        config, chunks = example.build_model(setup, graphed=True)
+        with lgm.install():
+            helper = capture(chunks, config, "forward-only-capture")
+            schedule = example.get_forward_backward_func()
+
+            def run() -> Any:
+                return schedule(forward_step_func=example.forward_step,
+                                data_iterator=iter(example.microbatches(setup, 100)),
+                                model=chunks[0], num_microbatches=setup.microbatches,
+                                seq_length=example.SEQ, micro_batch_size=example.BATCH,
+                                forward_only=True)
+
+            try:
+                run()
+                out["forward-only"] = "accepted"
+            except RuntimeError as exc:
+                out["forward-only"] = f"{type(exc).__name__}: {exc}"
+            with torch.no_grad():
+                out["forward-only-no-grad"] = len(run())
+            helper.delete_cuda_graphs()
+
+    def failed() -> None:  # a capture failing inside the helper, then eager training
+        def boom() -> None:
+            raise KeyError("boom")
+
+        config, chunks = example.build_model(setup, graphed=True)
+        with lgm.install(capture_options={"pre_warmup_hook": boom}):
+            capture(chunks, config, "failed")
+        out["failed-then-eager"] = example.train_steps(setup, config, chunks)
+
+    for name, scenario in (("second-helper", second_helper), ("hooks-false", hooks_false),
+                           ("forward-only", forward_only), ("failed", failed)):
+        try:
+            scenario()
+        except Exception:  # noqa: BLE001 - reported to the test
+            out[f"{name}-error"] = traceback.format_exc()
+        finally:
+            if cuda_graphs.is_graph_capturing():  # left on by a failure the test reports
+                cuda_graphs._set_capture_end()
+    return out
+
+
 def run_case(name: str, device: str) -> dict[str, Any]:
     example = _example()
     setup = example.Setup(**CASES[name][1], device=device)
@@ -323,6 +408,13 @@ def _worker(args: argparse.Namespace) -> None:
                 results[name] = run_case(name, args.device)
                 if name == "pp1" and args.device == "cpu":
                     results["reset"] = _reset_error(example, example.Setup(**kwargs))
+                    refusals = _megatron_refusals(example, example.Setup(**kwargs))
+                    eager = _EAGER[example.Setup(**kwargs)][0][:3]
+                    fallback = refusals.pop("failed-then-eager", "not run")
+                    counts, mismatches = ((None, fallback) if isinstance(fallback, str)
+                                          else _compare(eager, fallback))
+                    results["refusals"] = {**refusals, "failed-then-eager": mismatches,
+                                           "failed-then-eager-counts": counts}
                 if name in ("pp1", "pp2-vp2") and args.device == "cpu":
                     results[f"example-{name}"] = bool(example.run(example.Setup(**kwargs)))
                 example.finalize()
@@ -424,6 +516,68 @@ def test_a_reset_graph_refuses_to_replay(one_rank: list[dict[str, Any]]) -> None
     assert one_rank[0]["reset"].startswith("GraphResetError"), one_rank[0]["reset"]
 
 
+def test_v4_a_second_helper_capturing_layers_with_live_graphs_is_refused(
+    one_rank: list[dict[str, Any]],
+) -> None:
+    """The layers would replay the first helper's graphs inside the new capture."""
+    report = one_rank[0]["refusals"]
+    assert report["second-helper-first"] == "accepted", report
+    assert report["second-helper"] == (
+        "ValueError: leangraph's Megatron adapter: layer 0 (TransformerLayer 1) already has "
+        "leangraph graphs that are not reset (1 of the 1 in layer.cuda_graphs); its __call__ "
+        "replays them, so this capture would record their replays instead of the layer. Call "
+        "the first TECudaGraphHelper's delete_cuda_graphs() (it resets them and empties "
+        "layer.cuda_graphs) before capturing again"
+    ), report
+    assert report["second-helper-warmed"] is False, report
+    assert report["second-helper-capturing-after"] is False, report
+    assert report["second-helper-then-trains"] == 1, report
+
+
+def test_v24_accumulator_hooks_false_under_megatron_ddp_is_refused_before_warm_up(
+    one_rank: list[dict[str, Any]],
+) -> None:
+    report = one_rank[0]["refusals"]
+    assert report["hooks-false"].startswith(
+        "ValueError: graph (chunk 1, microbatch 0, layer 0) parameter "
+        "'layer.input_layernorm.weight' is managed by Megatron-core's DistributedDataParallel "
+        "(it has grad_added_to_main_grad), whose gradient-ready hooks are registered on the "
+        "parameters' accumulators; accumulator_hooks=False would never run them"
+    ), report
+    assert report["hooks-false"].endswith(
+        "Capture with accumulator_hooks=True or 'python'"), report
+    assert report["hooks-false-warmed"] is False, report
+    assert report["hooks-false-capturing-after"] is False, report
+
+
+def test_l4_a_forward_only_schedule_in_training_mode_says_to_use_no_grad(
+    one_rank: list[dict[str, Any]],
+) -> None:
+    report = one_rank[0]["refusals"]
+    assert report["forward-only-capture"] == "accepted", report
+    assert report["forward-only"].startswith(
+        "RuntimeError: graph (chunk 1, microbatch 0, layer 0): forward replayed while the "
+        "outputs of its previous replay"), report
+    assert report["forward-only"].endswith(
+        "drop those outputs and everything computed from them. Megatron's schedule runs with "
+        "forward_only=True here, in training mode with grad enabled, so the layers replay "
+        "their training graphs and no backward comes: use torch.no_grad() or model.eval() "
+        "for forward-only passes"), report
+    assert report["forward-only-no-grad"] == 2, report  # one loss per microbatch
+
+
+def test_a_failed_capture_puts_megatrons_capture_flag_back(
+    one_rank: list[dict[str, Any]],
+) -> None:
+    """Eager training after it (the layers have no graphs) is eager's, bitwise: with the
+    flag left on, the layers would run their capture path and DDP's hooks return early."""
+    report = one_rank[0]["refusals"]
+    assert report["failed"].startswith("KeyError: 'boom'"), report
+    assert report["failed-capturing-after"] is False, report
+    assert report["failed-then-eager"] == [], report
+    assert report["failed-then-eager-counts"]["grads"] > 0, report
+
+
 def test_the_example_trains_bitwise_like_eager(one_rank, two_ranks) -> None:
     assert one_rank[0]["example-pp1"] is True
     assert [report["example-pp2-vp2"] for report in two_ranks] == [True, True]
@@ -515,6 +669,83 @@ def test_install_refuses_options_it_sets() -> None:
         lgm.install(capture_options={"order": [1, -1]})
 
 
+@pytest.mark.parametrize(("name", "value", "source"), [
+    ("share_buffers", False, "_reuse_graph_input_output_buffers, which the helper passes as True"),
+    ("num_warmup_iters", 1, "the helper's num_warmup_iters, computed from Megatron's "
+                            "config.cuda_graph_warmup_steps"),
+    ("allow_unused_input", False, "the helper's allow_unused_input, True"),
+    ("retain_graph_in_backward", True, "Megatron's config.cuda_graph_retain_backward_graph"),
+    ("sample_kwargs", {}, "Megatron's static inputs, the layers' get_layer_static_inputs"),
+])
+def test_v29_install_refuses_options_the_adapter_sets_naming_where_it_takes_them(
+    name: str, value: Any, source: str,
+) -> None:
+    message = (f"capture_options may not set {name}: leangraph's Megatron adapter sets these "
+               f"itself ({name} from {source})")
+    with pytest.raises(ValueError) as info:
+        lgm.install(capture_options={name: value})
+    assert str(info.value) == message
+    assert not lgm.installed()
+    with pytest.raises(ValueError) as info:  # the adapter itself, called directly
+        _capture(Layer(), capture_options={name: value})
+    assert str(info.value) == message
+
+
+def test_v29_install_refuses_an_unknown_option_naming_the_closest() -> None:
+    with pytest.raises(TypeError) as info:
+        lgm.install(capture_options={"fuse_grad_accumulaton": True})
+    assert str(info.value) == (
+        "capture_options: leangraph.make_graphed_callables has no option "
+        "'fuse_grad_accumulaton'; did you mean 'fuse_grad_accumulation'?")
+    with pytest.raises(TypeError, match=r"has no option 'zzz'; expected one of accumulator_hooks, "
+                                        r"backend, capture_time_hooks, check_memory"):
+        lgm.install(capture_options={"zzz": 1})
+    with pytest.raises(TypeError, match="has no option 'debug_output'; did you mean "
+                                        "'debug_outputs'"):
+        _capture(Layer(), capture_options={"debug_output": True})
+    assert not lgm.installed()
+
+
+@pytest.mark.parametrize(("options", "error", "message"), [
+    ({"fuse_grad_accumulation": 1}, TypeError, "fuse_grad_accumulation must be a bool, got int 1"),
+    ({"check_memory": "False"}, TypeError, "check_memory must be a bool, got str 'False'"),
+    ({"accumulator_hooks": "Python"}, ValueError,
+     "accumulator_hooks must be True, False or 'python', got 'Python'"),
+    ({"accumulator_hooks": "python"}, ValueError,
+     "accumulator_hooks='python' needs fuse_grad_accumulation=True"),
+    ({"overlap_grad_accumulation": True, "fuse_grad_accumulation": True}, ValueError,
+     "overlap_grad_accumulation=True moves autograd's additions"),
+    ({"backend": "tpu"}, ValueError, "backend must be 'cuda', 'cpu' or None, got 'tpu'"),
+    ({"generator_states": [1]}, ValueError,
+     "generator_states[0] must be a CUDA torch.Generator"),
+    ({"generator_states": torch.Generator()}, TypeError,
+     "generator_states must be a list or tuple of CUDA generators, got Generator"),
+    ({"progress": 3}, TypeError, "progress must be callable or None, got int 3"),
+    ({"pre_warmup_hook": 3}, TypeError, "pre_warmup_hook must be callable or None, got int 3"),
+])
+def test_v26_install_checks_option_values_at_once(
+    options: dict[str, Any], error: type[Exception], message: str,
+) -> None:
+    """leangraph's own checks of the values (V16, V23-V26), run at install()."""
+    with pytest.raises(error) as info:
+        lgm.install(capture_options=options)
+    assert str(info.value).startswith(message), info.value
+    assert not lgm.installed()
+
+
+def test_warm_up_hooks_and_pool_may_come_from_capture_options() -> None:
+    """The helper passes none of them; given both ways they are refused."""
+    calls: list[str] = []
+    graphed = _capture(Layer(), capture_options={"pre_warmup_hook": lambda: calls.append("pre"),
+                                                 "post_warmup_hook": lambda: calls.append("post")})
+    assert calls == ["pre", "post"]
+    graphed.reset()
+    with pytest.raises(ValueError, match="pre_warmup_hook is given both as the adapter's "
+                                         "argument and in capture_options; expected one"):
+        _capture(Layer(), pre_warmup_hook=lambda: None,
+                 capture_options={"pre_warmup_hook": lambda: None})
+
+
 def test_te_min_version_answers_for_the_adapters_features() -> None:
     for version in ("1.10.0", "2.6.0", "2.7.0", "2.7.0.dev0", "2.10.0"):
         assert lgm.te_min_version(version), version
@@ -557,6 +788,49 @@ def test_graphed_layer_replays_with_megatrons_call_convention() -> None:
     graphed.reset()
     with pytest.raises(leangraph.GraphResetError):
         graphed(x, attention_mask=mask)
+
+
+def test_r2_hidden_states_as_a_keyword_is_refused_naming_megatrons_convention() -> None:
+    graphed = _capture(Layer(), allow_unused_input=True)
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    with pytest.raises(TypeError) as info:
+        graphed(hidden_states=torch.randn(2, 4, requires_grad=True), attention_mask=mask)
+    assert str(info.value) == (
+        "graph (chunk 1, microbatch 0, layer 0): hidden_states must be passed positionally, "
+        "as Megatron's layer passes it to its graphs (layer.cuda_graphs[m](hidden_states, "
+        "attention_mask=..., ...)), got it as a keyword argument")
+    graphed.reset()
+
+
+def test_v4_a_layer_that_still_holds_graphs_is_refused_before_warm_up() -> None:
+    """As Megatron's layers hold them in ``layer.cuda_graphs``, which their ``__call__``
+    replays whenever it is not empty."""
+    layer = Layer()
+    layer.cuda_graphs = [_capture(layer, allow_unused_input=True)]
+    warmed: list[bool] = []
+    with pytest.raises(ValueError) as info:
+        _capture(layer, allow_unused_input=True, pre_warmup_hook=lambda: warmed.append(True))
+    assert str(info.value).startswith(
+        "leangraph's Megatron adapter: layer 0 (Layer) already has leangraph graphs that are "
+        "not reset (1 of the 1 in layer.cuda_graphs); its __call__ replays them")
+    assert warmed == []
+    layer.cuda_graphs[0].reset()
+    with pytest.raises(ValueError, match=r"layer 0 \(Layer\) still holds 1 graphs in "
+                                         r"layer.cuda_graphs \(reset, or not leangraph's\)"):
+        _capture(layer, allow_unused_input=True)
+    layer.cuda_graphs = []
+    _capture(layer, allow_unused_input=True).reset()
+
+
+def test_l4_outside_a_forward_only_schedule_gets_no_megatron_hint() -> None:
+    graphed = _capture(Layer(), allow_unused_input=True)
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    kept = graphed(torch.randn(2, 4, requires_grad=True), attention_mask=mask)
+    with pytest.raises(RuntimeError, match="still await their backward") as info:
+        graphed(torch.randn(2, 4, requires_grad=True), attention_mask=mask)
+    assert "forward_only" not in str(info.value)
+    del kept
+    graphed.reset()
 
 
 def test_graphed_layer_refuses_a_tensor_it_did_not_capture() -> None:

@@ -10,6 +10,8 @@ The stages run one way, each taking and returning frozen records: :func:`validat
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypedDict, TypeVar, overload
@@ -26,7 +28,7 @@ from ._call import (
     validate_call,
 )
 from ._restore import SavedState
-from .backends import GraphBackend, make_backend
+from .backends import GraphBackend, check_backend_name, check_generator_states, make_backend
 from .build.builder import Built, build_graphs
 from .build.record import GraphRecord
 from .hooks import CaptureHooks, normalize_hooks
@@ -39,7 +41,7 @@ from .runtime.graphed import GraphedCallable, autocast_state
 from .runtime.pending import PendingBackwards
 from .runtime.sequence import ReplaySequence
 
-__all__ = ["make_graphed_callables"]
+__all__ = ["check_option_values", "make_graphed_callables", "option_defaults"]
 
 log = logging.getLogger("leangraph")
 
@@ -204,6 +206,33 @@ def make_graphed_callables(
     graph_backend = make_backend(backend, call.device, pool, states)
     built = _build(call, options, graph_backend, hooks, progress)
     return _hand_back(call, built, options)
+
+
+def option_defaults() -> dict[str, Any]:
+    """Every keyword option of :func:`make_graphed_callables`, with its default."""
+    return {
+        name: parameter.default
+        for name, parameter in inspect.signature(make_graphed_callables).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+
+
+def check_option_values(options: Mapping[str, Any]) -> None:
+    """Run the checks of :func:`make_graphed_callables` on the options in ``options`` that
+    need no call (no callables, samples or order), the others at their defaults: the flags,
+    ``num_warmup_iters``, the hooks and ``progress``, ``accumulator_hooks`` with
+    ``fuse_grad_accumulation`` and ``overlap_grad_accumulation``, ``generator_states``, the
+    ``backend`` name. For integrations that take options long before they capture.
+
+    Raises:
+        TypeError, ValueError: as :func:`make_graphed_callables` would (docs/errors.md).
+    """
+    values = {**option_defaults(), **options}
+    fields = dataclasses.fields(CaptureOptions)
+    CaptureOptions(**{field.name: values[field.name] for field in fields})
+    check_callable_or_none("progress", values["progress"])
+    check_generator_states(_generator_states(values["generator_states"]))
+    check_backend_name(values["backend"])
 
 
 def _generator_states(value: object) -> tuple[Any, ...]:

@@ -43,6 +43,7 @@ from torch.autograd.graph import Node
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
+    "MEGATRON_DDP_FLAG",
     "AccumulationTarget",
     "FusedGradients",
     "HookDelivery",
@@ -144,11 +145,12 @@ def check_fusable(
     label: str, params: Sequence[tuple[str, torch.nn.Parameter]], *, delivery: HookDelivery
 ) -> None:
     """Refuse, before warm-up, parameters whose gradient cannot be added into a buffer, and
-    (with ``NONE``) parameters with a hook that would never fire.
+    (with ``NONE``) parameters with a hook that would never fire: a post-accumulate-grad
+    hook, or Megatron-core DDP's on their accumulators (:data:`MEGATRON_DDP_FLAG`).
 
     Raises:
         ValueError: for a ``main_grad`` of another shape or device, or not floating point;
-            for a post-accumulate-grad hook with ``NONE``.
+            for a post-accumulate-grad hook or a Megatron-DDP parameter with ``NONE``.
         RuntimeError: for ``AUTOGRAD``, if this torch's accumulators skip hooks for a
             missing gradient.
     """
@@ -156,6 +158,15 @@ def check_fusable(
         for name, param in params:
             if has_post_accumulate_hooks(param):
                 raise ValueError(post_accumulate_hook_refusal(label, name))
+            if hasattr(param, MEGATRON_DDP_FLAG):
+                raise ValueError(
+                    f"{label} parameter {name!r} is managed by Megatron-core's "
+                    f"DistributedDataParallel (it has {MEGATRON_DDP_FLAG}), whose "
+                    "gradient-ready hooks are registered on the parameters' accumulators; "
+                    "accumulator_hooks=False would never run them (its backward replays run "
+                    "no autograd accumulator), so DDP would never see the gradients. Capture "
+                    "with accumulator_hooks=True or 'python'"
+                )
     elif (
         delivery is HookDelivery.AUTOGRAD
         and params
@@ -183,6 +194,10 @@ def check_fusable(
                 f"{tuple(main_grad.shape)} on {main_grad.device}"
             )
 
+
+MEGATRON_DDP_FLAG = "grad_added_to_main_grad"
+"""The attribute Megatron-core's ``DistributedDataParallel`` sets on every parameter it
+manages (its gradient-ready hooks, on the accumulators, read it)."""
 
 post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 """A tensor's ``register_post_accumulate_grad_hook`` hooks: None or a dict (torch keeps them in

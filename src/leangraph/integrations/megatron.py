@@ -27,8 +27,11 @@ TransformerEngine, outside any graph leangraph captures.
 
 from __future__ import annotations
 
+import gc
 import importlib
+import os
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +42,7 @@ from leangraph import GraphedCallable, GraphedSet
 from leangraph import make_graphed_callables as _capture
 from leangraph.order import parse_order
 
-from ._options import capture_options as _checked_options
+from ._options import capture_options as _capture_options
 
 __all__ = [
     "PATCHES",
@@ -112,6 +115,34 @@ PATCHES = (
 )
 """Every patch :func:`install` applies, in order."""
 
+_SET_BY_ADAPTER = {
+    "order": "Megatron's pipeline schedule, the helper's _order",
+    "num_layers_per_chunk": "the helper's _num_layers_per_chunk",
+    "sample_kwargs": "Megatron's static inputs, the layers' get_layer_static_inputs",
+    "share_buffers": "_reuse_graph_input_output_buffers, which the helper passes as True",
+    "num_warmup_iters": (
+        "the helper's num_warmup_iters, computed from Megatron's config.cuda_graph_warmup_steps"
+    ),
+    "allow_unused_input": "the helper's allow_unused_input, True",
+    "retain_graph_in_backward": "Megatron's config.cuda_graph_retain_backward_graph",
+}
+"""The options of ``leangraph.make_graphed_callables`` the adapter sets itself, each with
+where it takes it from: ``capture_options`` may not set them."""
+
+# The adapter's own keyword arguments (TransformerEngine's) that capture_options may give
+# instead; the helper passes none of them.
+_EITHER = ("pool", "pre_warmup_hook", "post_warmup_hook")
+
+
+def _checked_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``capture_options``, checked as far as it can be without a capture."""
+    return _capture_options(
+        options,
+        why="leangraph's Megatron adapter sets these itself",
+        sets=_SET_BY_ADAPTER,
+        check=True,
+    )
+
 
 # --------------------------------------------------------------------------------------------
 # The adapter: TransformerEngine's make_graphed_callables signature
@@ -147,6 +178,12 @@ class MegatronGraphedLayer:
 
     def __call__(self, *args: Any, is_first_microbatch: bool | None = None, **kwargs: Any) -> Any:
         del is_first_microbatch  # TransformerEngine's fp8 weight caching; fp8 is refused
+        if "hidden_states" in kwargs and "hidden_states" not in self._captured:
+            raise TypeError(
+                f"{self.graphed.label}: hidden_states must be passed positionally, as "
+                "Megatron's layer passes it to its graphs (layer.cuda_graphs[m](hidden_states, "
+                "attention_mask=..., ...)), got it as a keyword argument"
+            )
         passed = {}
         for name, value in kwargs.items():
             if name in self._captured:
@@ -159,7 +196,12 @@ class MegatronGraphedLayer:
                 )
         for name in self._captured.difference(passed):
             passed[name] = None  # the graph's signature check names what it expected
-        return self.graphed(*args, **passed)
+        try:
+            return self.graphed(*args, **passed)
+        except RuntimeError as exc:
+            if "still await their backward" in str(exc) and _in_forward_only_schedule():
+                raise RuntimeError(f"{exc}. {_FORWARD_ONLY_HINT}") from exc
+            raise
 
     def backward_dw(self) -> None:
         """The weight-gradient step of a split backward (``-(c + 0.5)`` in the order)."""
@@ -168,6 +210,26 @@ class MegatronGraphedLayer:
     def reset(self) -> None:
         """Release this graph; idempotent. A later replay raises ``GraphResetError``."""
         self.graphed.reset()
+
+
+_FORWARD_ONLY_HINT = (
+    "Megatron's schedule runs with forward_only=True here, in training mode with grad "
+    "enabled, so the layers replay their training graphs and no backward comes: use "
+    "torch.no_grad() or model.eval() for forward-only passes"
+)
+_SCHEDULES = os.path.join("pipeline_parallel", "schedules.py")
+
+
+def _in_forward_only_schedule() -> bool:
+    """Whether a Megatron schedule (``get_forward_backward_func()``) on the stack runs with
+    ``forward_only=True`` (looked at only when a replay was refused)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.endswith(_SCHEDULES) and "forward_only" in code.co_varnames:
+            return frame.f_locals.get("forward_only") is True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def make_graphed_callables(
@@ -206,29 +268,38 @@ def make_graphed_callables(
             options: fp8 is refused; the rest carry nothing without it.
         _order, _num_layers_per_chunk, _reuse_graph_input_output_buffers: TE's pipeline
             options (``order``, ``num_layers_per_chunk``, ``share_buffers``).
-        capture_options: Further ``leangraph.make_graphed_callables`` options (not
-            ``order``, ``num_layers_per_chunk`` or ``sample_kwargs``).
+        capture_options: Further ``leangraph.make_graphed_callables`` options, checked
+            as by :func:`install` (not those the adapter sets itself; ``pool`` and the
+            warm-up hooks only where the arguments above leave them None).
 
     Returns:
         A tuple of :class:`MegatronGraphedLayer`, one per graph in TE's layout (a single one
         for a single callable).
 
     Raises:
-        ValueError: for fp8 or fp4, and for what leangraph refuses, before any warm-up.
+        ValueError: for fp8 or fp4, for a layer that still holds graphs (a second capture
+            before ``delete_cuda_graphs()``), and for what leangraph refuses, before any
+            warm-up.
+        TypeError: for an unknown capture option (as :func:`install`).
     """
     del fp8_recipe, fp8_group, fp8_weight_caching  # nothing to do without fp8
+    options = _checked_options(capture_options)
+    given = {"pool": pool, "pre_warmup_hook": pre_warmup_hook, "post_warmup_hook": post_warmup_hook}
+    for name in _EITHER:
+        if name in options and given[name] is not None:
+            raise ValueError(
+                f"{name} is given both as the adapter's argument and in capture_options; "
+                "expected one of them"
+            )
+        options.setdefault(name, given[name])
     single = not isinstance(callables, tuple)
     layers = (callables,) if single else callables
+    _refuse_graphed_layers(layers)
     _refuse_fp8(fp8_enabled, layers)
     args = (sample_args,) if single else tuple(sample_args)
     kwargs = _per_graph_kwargs(sample_kwargs, len(args))
     order, per_chunk = _order_or_default(_order, _num_layers_per_chunk)
     _check_dtypes(layers, args, order, per_chunk)
-    options = dict(
-        _checked_options(
-            capture_options, why="the adapter passes Megatron's order, layout and samples itself"
-        )
-    )
     states = _tracker_states(args)
     if states:
         options["generator_states"] = (*options.get("generator_states", ()), *states)
@@ -238,13 +309,10 @@ def make_graphed_callables(
         sample_kwargs=kwargs,
         num_warmup_iters=num_warmup_iters,
         allow_unused_input=allow_unused_input,
-        pool=pool,
         order=order,
         num_layers_per_chunk=per_chunk,
         retain_graph_in_backward=retain_graph_in_backward,
         share_buffers=_reuse_graph_input_output_buffers,
-        pre_warmup_hook=pre_warmup_hook,
-        post_warmup_hook=post_warmup_hook,
         **options,
     )
     wrapped = tuple(MegatronGraphedLayer(g, tuple(k)) for g, k in zip(graphs, kwargs))
@@ -302,6 +370,33 @@ class _ThroughCall(torch.nn.Module):
 
 def _through_call(layers: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(_ThroughCall(x) if isinstance(x, torch.nn.Module) else x for x in layers)
+
+
+def _refuse_graphed_layers(layers: Sequence[Any]) -> None:
+    """Refuse layers that still hold graphs: Megatron's layer ``__call__`` replays
+    ``layer.cuda_graphs`` whenever it is not empty, inside this capture too, which would then
+    record those replays instead of the layer."""
+    for index, layer in enumerate(layers):
+        graphs = getattr(layer, "cuda_graphs", None)
+        if not isinstance(graphs, list) or not graphs:
+            continue
+        name = type(layer).__name__
+        if getattr(layer, "layer_number", None) is not None:
+            name = f"{name} {layer.layer_number}"
+        live = sum(isinstance(g, MegatronGraphedLayer) and not g.graphed.is_reset for g in graphs)
+        held = (
+            f"already has leangraph graphs that are not reset ({live} of the {len(graphs)} in "
+            "layer.cuda_graphs)"
+            if live
+            else f"still holds {len(graphs)} graphs in layer.cuda_graphs (reset, or not "
+            "leangraph's)"
+        )
+        raise ValueError(
+            f"leangraph's Megatron adapter: layer {index} ({name}) {held}; its __call__ replays "
+            "them, so this capture would record their replays instead of the layer. Call the "
+            "first TECudaGraphHelper's delete_cuda_graphs() (it resets them and empties "
+            "layer.cuda_graphs) before capturing again"
+        )
 
 
 def _refuse_fp8(fp8_enabled: bool | Sequence[bool], layers: Sequence[Any]) -> None:
@@ -399,9 +494,26 @@ class _Adapter:
         self.options = dict(options)
 
     def __call__(self, callables: Any, sample_args: Any, **kwargs: Any) -> Any:
-        return make_graphed_callables(
-            callables, sample_args, capture_options=self.options, **kwargs
-        )
+        try:
+            return make_graphed_callables(
+                callables, sample_args, capture_options=self.options, **kwargs
+            )
+        except BaseException:
+            _end_megatron_capture()
+            raise
+
+
+def _end_megatron_capture() -> None:
+    """After a failed capture, put back what ``TECudaGraphHelper._start_capturing`` set
+    before calling the adapter (its ``_finish_capturing`` runs only after a success): the
+    global capture flag, under which the layers would run their capture path and Megatron's
+    DDP hooks would return early, and the frozen garbage collector."""
+    graphs_module = importlib.import_module(_GRAPHS)
+    if not graphs_module.is_graph_capturing():
+        return  # not called by the helper
+    graphs_module._set_capture_end()
+    if getattr(graphs_module, "FREEZE_GC", False):
+        gc.unfreeze()
 
 
 class MegatronPatches:
@@ -449,8 +561,11 @@ def install(*, capture_options: Mapping[str, Any] | None = None) -> MegatronPatc
 
     Args:
         capture_options: Further ``leangraph.make_graphed_callables`` options for every
-            capture (``backend``, ``check_memory``, ``debug_outputs``, ...), checked at once;
-            not ``order``, ``num_layers_per_chunk`` or ``sample_kwargs``.
+            capture (``backend``, ``check_memory``, ``debug_outputs``, ...), checked at once:
+            the names, and the values as far as that needs no capture. Not those the adapter
+            sets itself from what Megatron passes: ``order``, ``num_layers_per_chunk``,
+            ``sample_kwargs``, ``share_buffers``, ``num_warmup_iters``,
+            ``allow_unused_input``, ``retain_graph_in_backward``.
 
     Returns:
         The applied patches (:class:`MegatronPatches`); ``uninstall()`` reverts them.
@@ -459,11 +574,12 @@ def install(*, capture_options: Mapping[str, Any] | None = None) -> MegatronPatc
         ImportError: if megatron-core is not installed.
         RuntimeError: for a megatron-core version outside :data:`SUPPORTED_VERSIONS`, one
             lacking an attribute of :data:`PATCHES`, or when already installed.
-        ValueError: for capture options the adapter sets itself.
+        ValueError: for capture options the adapter sets itself, and option values
+            ``leangraph.make_graphed_callables`` refuses (docs/errors.md).
+        TypeError: for an option ``leangraph.make_graphed_callables`` does not take (with the
+            closest name it does), and values it refuses.
     """
-    options = _checked_options(
-        capture_options, why="the adapter passes Megatron's order, layout and samples itself"
-    )
+    options = _checked_options(capture_options)
     version = megatron_version()
     graphs_module = importlib.import_module(_GRAPHS)
     if isinstance(getattr(graphs_module, "make_graphed_callables", None), _Adapter):
