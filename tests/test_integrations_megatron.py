@@ -365,6 +365,28 @@ def _megatron_refusals(example: Any, setup: Any) -> dict[str, Any]:
     return out
 
 
+def _freeze_error(example: Any, setup: Any) -> str:
+    """Freeze a linear layer's weight after capture, then train: Megatron's
+    ``ColumnParallelLinear`` reads ``weight.requires_grad`` in its forward (and would take
+    ``linear_with_frozen_weight``, leaving the bias without a gradient), so the replay must
+    refuse rather than train along the captured path."""
+    from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+    config, chunks = example.build_model(setup, graphed=True)
+    with lgm.install():
+        helper = TECudaGraphHelper(chunks, config, example.SEQ, example.BATCH)
+        helper.create_cudagraphs()
+        layer = helper.callables_per_chunk[0][0]
+        layer.self_attention.linear_qkv.weight.requires_grad_(False)
+        try:
+            example.train_steps(setup, config, chunks)
+        except RuntimeError as exc:
+            return f"RuntimeError: {exc}"
+        finally:
+            helper.delete_cuda_graphs()
+    return "no error"
+
+
 def run_case(name: str, device: str) -> dict[str, Any]:
     example = _example()
     setup = example.Setup(**CASES[name][1], device=device)
@@ -415,6 +437,7 @@ def _worker(args: argparse.Namespace) -> None:
                                           else _compare(eager, fallback))
                     results["refusals"] = {**refusals, "failed-then-eager": mismatches,
                                            "failed-then-eager-counts": counts}
+                    results["freeze"] = _freeze_error(example, example.Setup(**kwargs))
                 if name in ("pp1", "pp2-vp2") and args.device == "cpu":
                     results[f"example-{name}"] = bool(example.run(example.Setup(**kwargs)))
                 example.finalize()
@@ -576,6 +599,16 @@ def test_a_failed_capture_puts_megatrons_capture_flag_back(
     assert report["failed-capturing-after"] is False, report
     assert report["failed-then-eager"] == [], report
     assert report["failed-then-eager-counts"]["grads"] > 0, report
+
+
+def test_freezing_a_weight_megatron_reads_the_flag_of_is_refused(
+    one_rank: list[dict[str, Any]],
+) -> None:
+    error = one_rank[0]["freeze"]
+    assert error.startswith("RuntimeError: graph (chunk 1, microbatch 0, layer 0) parameter "
+                            "'layer.self_attention.linear_qkv.weight' must require grad as at "
+                            "capture"), error
+    assert "reads the parameter's requires_grad" in error, error
 
 
 def test_the_example_trains_bitwise_like_eager(one_rank, two_ranks) -> None:

@@ -38,6 +38,41 @@ def test_facts_say_what_each_graph_returns_needs_and_trains():
     assert plain.output_tree.is_leaf()
 
 
+class _FlagReader(torch.nn.Module):
+    """Reads its own weight's requires_grad (as Megatron-core's linear layers do), and an
+    input's, which is no parameter's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.weight = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        w = self.weight if self.weight.requires_grad and x.requires_grad else self.weight * 1
+        return self.inner(x) @ w
+
+
+def test_facts_name_the_parameters_whose_requires_grad_the_forward_reads():
+    reader = _FlagReader()
+    (facts,) = _facts((reader,), ((torch.randn(2, 4, requires_grad=True),),))
+    names = [name for name, _ in reader.named_parameters()]
+    assert [names[i] for i in facts.reads_requires_grad] == ["weight"]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.nn.Linear(4, 4),
+    lambda: Block(4),
+    lambda: torch.nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True),
+    lambda: torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.GRU(4, 4, batch_first=True)),
+])
+def test_torch_layers_read_no_parameters_requires_grad_in_python(make):
+    """Autograd and ``Function.apply`` read the flag in C++; nothing in these layers' Python
+    does, so freezing their parameters after capture stays allowed."""
+    module = make()
+    (facts,) = _facts((module,), ((torch.randn(2, 3, 4, requires_grad=True),),))
+    assert facts.reads_requires_grad == ()
+
+
 class _Trunk(torch.nn.Module):
     """A trunk and several heads on it: each head's output reaches the trunk and itself."""
 

@@ -1,5 +1,5 @@
 """One graphed callable (``leangraph.runtime.graphed``): replay, the module drop-in and its eager
-fallback, reset, and the lifecycle rules (docs/errors.md, R9, R10, L1-L6) (CPU backend)."""
+fallback, reset, and the lifecycle rules (docs/errors.md, R9, R10, R26, L1-L6) (CPU backend)."""
 
 from __future__ import annotations
 
@@ -146,6 +146,87 @@ def test_a_parameter_frozen_after_capture_gets_no_gradient_and_the_others_theirs
     eager(x).sum().backward()
     assert gates.a.grad is None
     torch.testing.assert_close(gates.b.grad, eager.b.grad, rtol=0, atol=0)
+
+
+class FlagSwitch(torch.nn.Module):
+    """Branches on its weight's requires_grad, as Megatron-core's linear layers do (another
+    autograd function for a frozen weight, which leaves the bias without a gradient too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 4))
+        self.bias = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.requires_grad:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return torch.nn.functional.linear(x, self.weight.detach(), self.bias.detach())
+
+
+def test_r26_a_parameter_whose_requires_grad_the_forward_reads_must_not_be_frozen():
+    torch.manual_seed(0)
+    switch = FlagSwitch()
+    eager = copy.deepcopy(switch)
+    graphed = mgc(switch, (sample(),))
+    switch.weight.requires_grad_(False)
+    with raises(
+        RuntimeError,
+        "callable 0 (FlagSwitch) parameter 'weight' must require grad as at capture, got "
+        "requires_grad=False",
+        "its forward reads the parameter's requires_grad",
+        "another path",
+        "capture again after freezing it",
+    ):
+        graphed(sample())
+    # The bias, whose flag the forward does not read, may be frozen: eager's path is the same.
+    switch.weight.requires_grad_(True)
+    for module in (switch, eager):
+        module.bias.requires_grad_(False)
+    x = sample()
+    x_ref = x.detach().clone().requires_grad_()
+    out, ref = graphed(x), eager(x_ref)
+    out.sum().backward()
+    ref.sum().backward()
+    assert torch.equal(out, ref) and torch.equal(x.grad, x_ref.grad)
+    assert switch.bias.grad is None and torch.equal(switch.weight.grad, eager.weight.grad)
+
+
+def test_r26_reads_under_an_order_are_refused_per_graph():
+    torch.manual_seed(0)
+    layers = (FlagSwitch(), FlagSwitch())
+    graphed = mgc(layers, ((sample(),), (sample(),)), order=[1, -1], num_layers_per_chunk=2)
+    layers[1].weight.requires_grad_(False)
+    hidden = graphed[0](sample())  # layer 0's flag is as at capture
+    with raises(RuntimeError, "graph (chunk 1, microbatch 0, layer 1) parameter 'weight'"):
+        graphed[1](hidden)
+
+
+@pytest.mark.parametrize("make, frozen", [
+    (lambda: torch.nn.Linear(4, 4), "weight"),
+    (lambda: Block(4), "up.weight"),
+    (lambda: Block(4), "norm.bias"),
+])
+def test_freezing_a_parameter_of_plain_torch_layers_after_capture_trains_like_eager(make, frozen):
+    """torch's own layers do not read their parameters' requires_grad in Python: freezing one
+    after capture is allowed, and the others' gradients are eager's, bitwise."""
+    torch.manual_seed(0)
+    module = make()
+    eager = copy.deepcopy(module)
+    graphed = mgc(module, (sample(),))
+    for m in (module, eager):
+        m.get_parameter(frozen).requires_grad_(False)
+    for _ in range(2):
+        x = sample()
+        x_ref = x.detach().clone().requires_grad_()
+        out, ref = graphed(x), eager(x_ref)
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        assert torch.equal(out, ref) and torch.equal(x.grad, x_ref.grad)
+    for (name, p), q in zip(module.named_parameters(), eager.parameters()):
+        if name == frozen:
+            assert p.grad is None and q.grad is None
+        else:
+            assert torch.equal(p.grad, q.grad), name
 
 
 def test_r9_chained_input_must_be_the_previous_layers_output():

@@ -4,8 +4,9 @@ Before warm-up, every distinct (callable, sample layout) pair (``Call.alike``) r
 once under ``torch.autograd.graph.saved_tensors_hooks``. What it returns and what autograd
 saves give the facts the memory check and the buffer plan both read, so the two cannot
 disagree: each graph's input and output buffer keys, which outputs need a gradient (hence
-whether the graph has a backward), its output structure, which parameters it trains, and the
-byte counts of :class:`LayerMemory`. Nothing runs backward (gradient sizes come from tensor
+whether the graph has a backward), its output structure, which parameters it trains, which
+parameters' ``requires_grad`` its Python code reads, and the byte counts of
+:class:`LayerMemory`. Nothing runs backward (gradient sizes come from tensor
 metadata).
 
 The probe leaves no trace: it runs in a forked RNG state, puts module buffers back (a forward
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ._call import Call, Sample
@@ -86,6 +88,10 @@ class GraphFacts:
         saved_outputs: The positions of tensor outputs whose memory the backward reads
             (saved for it, as ``tanh`` saves its result): eager's backward refuses one
             modified in place after the forward.
+        reads_requires_grad: The positions (``named_parameters`` order) of the parameters
+            whose ``requires_grad`` the forward's Python code read (Megatron-core's linear
+            layers switch to another autograd function for a frozen weight): its path may
+            depend on them, so a replay is refused once one differs from capture.
     """
 
     memory: LayerMemory
@@ -94,6 +100,7 @@ class GraphFacts:
     trains: tuple[bool, ...]
     reach: tuple[frozenset[int], ...] = ()
     saved_outputs: tuple[int, ...] = ()
+    reads_requires_grad: tuple[int, ...] = ()
 
     @property
     def inputs(self) -> tuple[BufferKey, ...]:
@@ -180,14 +187,51 @@ class _Packed:
         self.tensor: torch.Tensor | None = tensor
 
 
+# The getter of ``Tensor.requires_grad``, as a TorchFunctionMode is handed it (a new
+# method-wrapper at each lookup: compared with ``==``, which compares the descriptor).
+_REQUIRES_GRAD_GET = torch.Tensor.requires_grad.__get__  # type: ignore[attr-defined]
+
+
+class _RequiresGradReads(TorchFunctionMode):
+    """Records which of ``watched`` (the callable's parameters) Python code reads
+    ``requires_grad`` of while the mode is active.
+
+    The attribute's getter goes through ``__torch_function__`` whenever a mode is active, for
+    an ``nn.Parameter`` too (whose own ``__torch_function__`` is disabled: modes come first).
+    Reads made in C++ (autograd, ``Function.apply``'s ``needs_input_grad``) do not: only what
+    the callable's Python code decides by the flag is recorded. Thread-local, as the mode
+    stack is.
+    """
+
+    def __init__(self, watched: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self._position = {id(t): i for i, t in enumerate(watched)}
+        self.read: set[int] = set()
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if args and func == _REQUIRES_GRAD_GET:
+            position = self._position.get(id(args[0]))
+            if position is not None:
+                self.read.add(position)
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def _run_forward(
     fn: Any,
     inputs: list[Any],
     tree: pytree.TreeSpec,
     around_forward: Callable[[], AbstractContextManager[Any]],
+    reads: _RequiresGradReads,
 ) -> Iterator[tuple[Any, list[torch.Tensor]]]:
-    """Run ``fn`` once; yields what it returned and the tensors autograd still saves.
+    """Run ``fn`` once, under ``reads``; yields what it returned and the tensors autograd
+    still saves.
 
     Saved tensors are tracked by weak reference: those of graph branches that died during the
     forward (results the callable dropped) are freed, so they neither count nor alias the
@@ -205,7 +249,7 @@ def _run_forward(
         return holder.tensor
 
     args, kwargs = pytree.tree_unflatten(inputs, tree)
-    with around_forward(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with around_forward(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), reads:
         returned = fn(*args, **kwargs)
     holders = [h for h in (ref() for ref in packed) if h is not None]
     try:
@@ -231,7 +275,8 @@ def _measure(
     params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
     buffers = list(fn.buffers()) if isinstance(fn, torch.nn.Module) else []
     versions = [t._version for t in inputs]
-    with _run_forward(fn, call_leaves, tree, around_forward) as (returned, saved_tensors):
+    reads = _RequiresGradReads(params)
+    with _run_forward(fn, call_leaves, tree, around_forward, reads) as (returned, saved_tensors):
         _refuse_input_writes(label, sample, inputs, versions)
         output_leaves, output_tree = pytree.tree_flatten(returned)
         template = output_template(label, output_leaves)
@@ -245,7 +290,9 @@ def _measure(
         saved_outputs = _saved_outputs(outputs, saved_tensors, [*inputs, *params, *buffers])
     named = fn.named_parameters() if isinstance(fn, torch.nn.Module) else ()
     trains = tuple(p.requires_grad for _, p in named)
-    return GraphFacts(memory, output_tree, template, trains, reach, saved_outputs)
+    return GraphFacts(
+        memory, output_tree, template, trains, reach, saved_outputs, tuple(sorted(reads.read))
+    )
 
 
 def _reach(

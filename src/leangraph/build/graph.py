@@ -369,6 +369,7 @@ class GraphBuilder:
             params=source.params,
             param_names=source.param_names,
             param_trains=source.facts.trains,
+            reads_requires_grad=source.facts.reads_requires_grad,
             released=self._released,
             split_backward=source.split_backward,
             retain_graph=source.retain_graph,

@@ -113,6 +113,8 @@ class GraphRecord:
             full backward) the trained parameters.
         static_weight_grads: The weight-gradient graph's parameter gradients (split backward).
         params: The callable's parameters; ``param_names`` and ``param_trains`` alongside.
+        reads_requires_grad: Positions among ``params`` of those whose ``requires_grad`` the
+            forward's Python code read at capture (its path may depend on the flag).
         released: Whether outputs and gradient buffers were handed back to the pool.
         split_backward: Whether the backward is split (zero-bubble weight steps).
         retain_graph: Whether a backward may replay more than once per forward.
@@ -145,6 +147,7 @@ class GraphRecord:
     params: tuple[torch.nn.Parameter, ...]
     param_names: tuple[str, ...]
     param_trains: tuple[bool, ...]
+    reads_requires_grad: tuple[int, ...]
     released: bool
     split_backward: bool
     retain_graph: bool

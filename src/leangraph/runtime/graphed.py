@@ -104,6 +104,11 @@ class GraphedCallable:
             for name, p, trains in zip(record.param_names, record.params, record.param_trains)
             if not trains
         )
+        # Trained parameters whose requires_grad the forward read at capture: freezing one
+        # may change eager's path (another autograd function), not the captured one.
+        self._flag_read_params = tuple(
+            record.params[i] for i in record.reads_requires_grad if record.param_trains[i]
+        )
         self._grads: GradRouting | None = GradRouting(record, pending)
         self._fused = (
             None
@@ -205,6 +210,8 @@ class GraphedCallable:
             _refuse_grad_replay(self._label, record, leaves)
         if self._frozen_params:
             _check_frozen_params(self._label, self._frozen_params)
+        if self._flag_read_params and not all(map(_REQUIRES_GRAD, self._flag_read_params)):
+            _refuse_frozen_read(self._label, record)
         if self._ungraded_inputs and any(
             t.requires_grad and not s.requires_grad for t, s in zip(leaves, self._specs)
         ):
@@ -284,6 +291,7 @@ class GraphedCallable:
         self._side_accumulators = ()
         self._autograd_params = ()
         self._frozen_params = ()
+        self._flag_read_params = ()
         self._params, self._param_data = (), ()
         self._saved_outputs = ()
         if self._guard is not None:
@@ -482,6 +490,22 @@ def _check_frozen_params(label: str, frozen: Sequence[tuple[str, torch.nn.Parame
                 f"{label} parameter {name!r} must have requires_grad=False as at "
                 "capture (the backward graph computes no gradient for it), got "
                 "requires_grad=True; capture again to train it"
+            )
+
+
+def _refuse_frozen_read(label: str, record: GraphRecord) -> None:
+    """A parameter frozen since capture whose ``requires_grad`` the forward reads (Megatron-
+    core's linear layers switch to another autograd function for a frozen weight): eager's
+    forward could take another path, with other gradients, than the one the graphs replay."""
+    for i in record.reads_requires_grad:
+        param = record.params[i]
+        if record.param_trains[i] and not param.requires_grad:
+            raise RuntimeError(
+                f"{label} parameter {record.param_names[i]!r} must require grad as at "
+                "capture, got requires_grad=False: its forward reads the parameter's "
+                "requires_grad, so eager's would take another path for it (another autograd "
+                "function, other gradients) than the captured one the graphs replay. Freeze "
+                "it before capture, or capture again after freezing it"
             )
 
 
