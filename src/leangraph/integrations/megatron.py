@@ -283,15 +283,10 @@ def make_graphed_callables(
         TypeError: for an unknown capture option (as :func:`install`).
     """
     del fp8_recipe, fp8_group, fp8_weight_caching  # nothing to do without fp8
-    options = _checked_options(capture_options)
-    given = {"pool": pool, "pre_warmup_hook": pre_warmup_hook, "post_warmup_hook": post_warmup_hook}
-    for name in _EITHER:
-        if name in options and given[name] is not None:
-            raise ValueError(
-                f"{name} is given both as the adapter's argument and in capture_options; "
-                "expected one of them"
-            )
-        options.setdefault(name, given[name])
+    options = _with_arguments(
+        _checked_options(capture_options),
+        {"pool": pool, "pre_warmup_hook": pre_warmup_hook, "post_warmup_hook": post_warmup_hook},
+    )
     single = not isinstance(callables, tuple)
     layers = (callables,) if single else callables
     _refuse_graphed_layers(layers)
@@ -317,6 +312,19 @@ def make_graphed_callables(
     )
     wrapped = tuple(MegatronGraphedLayer(g, tuple(k)) for g, k in zip(graphs, kwargs))
     return wrapped[0] if single else wrapped
+
+
+def _with_arguments(options: dict[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with the adapter's own arguments that capture_options may give instead
+    (``pool`` and the warm-up hooks); refused when given both ways."""
+    for name in _EITHER:
+        if name in options and given[name] is not None:
+            raise ValueError(
+                f"{name} is given both as the adapter's argument and in capture_options; "
+                "expected one of them"
+            )
+        options.setdefault(name, given[name])
+    return options
 
 
 def _tracker_states(sample_args: Sequence[Any]) -> tuple[torch.Generator, ...]:

@@ -99,16 +99,7 @@ class GraphedCallable:
         self._frozen_outputs = tuple(
             i for i, rg in enumerate(record.output_requires_grad) if not rg
         )
-        self._frozen_params = tuple(
-            (name, p)
-            for name, p, trains in zip(record.param_names, record.params, record.param_trains)
-            if not trains
-        )
-        # Trained parameters whose requires_grad the forward read at capture: freezing one
-        # may change eager's path (another autograd function), not the captured one.
-        self._flag_read_params = tuple(
-            record.params[i] for i in record.reads_requires_grad if record.param_trains[i]
-        )
+        self._frozen_params, self._flag_read_params = _requires_grad_watch(record)
         self._grads: GradRouting | None = GradRouting(record, pending)
         self._fused = (
             None
@@ -479,6 +470,22 @@ def _fill_seeds(seeds: Sequence[torch.Tensor | None], grads: Sequence[torch.Tens
             static.zero_()
         elif not same_buffer(static, grad):
             static.copy_(grad)
+
+
+def _requires_grad_watch(
+    record: GraphRecord,
+) -> tuple[tuple[tuple[str, torch.nn.Parameter], ...], tuple[torch.nn.Parameter, ...]]:
+    """The parameters frozen at capture, with their names (R10: refused once they require
+    grad), and the trained ones whose ``requires_grad`` the forward read (R26: refused once
+    frozen, since freezing may change eager's path, another autograd function, not the
+    captured one)."""
+    frozen = tuple(
+        (name, p)
+        for name, p, trains in zip(record.param_names, record.params, record.param_trains)
+        if not trains
+    )
+    read = tuple(record.params[i] for i in record.reads_requires_grad if record.param_trains[i])
+    return frozen, read
 
 
 def _check_frozen_params(label: str, frozen: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
