@@ -306,10 +306,7 @@ def _reach(
         returned_input = output.grad_fn is None and output.requires_grad
         if returned_input and id(output) in position:  # an input returned as is
             reached.add(position[id(output)])
-        for node in _autograd_nodes([output]):
-            variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
-            if variable is not None and id(variable) in position:
-                reached.add(position[id(variable)])
+        reached.update(position[id(v)] for v in _leaves_reached([output]) if id(v) in position)
         result.append(frozenset(reached))
     return tuple(result)
 
@@ -327,6 +324,14 @@ def _autograd_nodes(outputs: Iterable[torch.Tensor]) -> Iterator[Any]:
         met[id(node)] = node
         yield node
         stack.extend(n for n, _ in node.next_functions if n is not None)
+
+
+def _leaves_reached(outputs: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The leaves the outputs' autograd graphs accumulate into (their AccumulateGrad nodes')."""
+    for node in _autograd_nodes(outputs):
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            yield variable
 
 
 def _saved_outputs(
@@ -349,10 +354,7 @@ def _refuse_outside_leaves(
     get no gradient where eager's backward gives it one."""
     ids = {id(t) for t in known}
     outside = [t for t in outputs if t.requires_grad and t.grad_fn is None and id(t) not in ids]
-    for node in _autograd_nodes(outputs):
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
-        if variable is not None and id(variable) not in ids:
-            outside.append(variable)
+    outside += [v for v in _leaves_reached(outputs) if id(v) not in ids]
     if not outside:
         return
     kinds = sorted(

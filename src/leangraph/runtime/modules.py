@@ -14,6 +14,7 @@ from __future__ import annotations
 import operator
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -56,17 +57,18 @@ class ModuleWatch:
         # `_modules` and hook dicts in place (they are bound once, at construction).
         self._parent_dicts = tuple(modules[i]._modules for i in self._parents)
         position = {name: i for i, name in enumerate(self._names)}
-        owners = [name.rpartition(".") for name, _ in params] if modules else []
-        self._param_names = tuple(name for name, _ in params) if modules else ()
-        self._params = tuple(param for _, param in params) if modules else ()
-        self._param_dicts = tuple(modules[position[path]]._parameters for path, _, _ in owners)
-        self._param_locals = tuple(local for _, _, local in owners)
+        params = params if modules else ()
         buffers = state.buffers if modules else ()
-        buffer_owners = [name.rpartition(".") for name, _ in buffers]
+        self._param_names = tuple(name for name, _ in params)
+        self._params = tuple(param for _, param in params)
+        self._param_dicts, self._param_locals = _owner_dicts(
+            modules, position, params, "_parameters"
+        )
         self._buffer_names = tuple(name for name, _ in buffers)
         self._buffers = tuple(buffer for _, buffer in buffers)
-        self._buffer_dicts = tuple(modules[position[path]]._buffers for path, _, _ in buffer_owners)
-        self._buffer_locals = tuple(local for _, _, local in buffer_owners)
+        self._buffer_dicts, self._buffer_locals = _owner_dicts(
+            modules, position, buffers, "_buffers"
+        )
         # Where the buffers' data is now, after capture: the graphs read that memory. A buffer
         # with no storage to point at (a sparse one) is checked by identity only.
         self._pointed = tuple(b for b in self._buffers if _data_ptr(b) is not None)
@@ -242,6 +244,19 @@ def _inert(hook: object) -> bool:
 
 
 _TRANSFORMERS_CAPTURING = "transformers.utils.output_capturing"
+
+
+def _owner_dicts(
+    modules: Sequence[torch.nn.Module],
+    position: dict[str, int],
+    named: Sequence[tuple[str, torch.Tensor]],
+    kind: str,
+) -> tuple[tuple[dict[str, Any], ...], tuple[str, ...]]:
+    """Per qualified name in ``named``, its owner's ``kind`` dict (``_parameters`` or
+    ``_buffers``, held: torch fills and empties it in place) and its local name there."""
+    split = [name.rpartition(".") for name, _ in named]
+    dicts = tuple(getattr(modules[position[path]], kind) for path, _, _ in split)
+    return dicts, tuple(local for _, _, local in split)
 
 
 def _mode(training: bool) -> str:
