@@ -116,8 +116,6 @@ class GraphedCallable:
             if overlap_grad_accumulation and record.delivers_param_grads()
             else ()
         )
-        # Where the parameters' data was at capture: the graphs read and write that memory.
-        self._params, self._param_data = record.params, tuple(map(_DATA_PTR, record.params))
         self._modules = _module_watch(record)
         self._debug_outputs = debug_outputs
         # Captured under no_grad: forward graphs only, which cannot make outputs that need
@@ -184,10 +182,6 @@ class GraphedCallable:
         record = self._require_ready("call")
         if self._autocast is not None and autocast_state(self._device_type) != self._autocast:
             _refuse_other_autocast(self._label, self._autocast, self._device_type)
-        if not all(map(operator.eq, map(_DATA_PTR, self._params), self._param_data)):
-            _refuse_moved_data(self._label, record, self._param_data)
-        if self._modules is not None:  # after the parameters: module.half() names one of them
-            self._modules.check_buffers()
         if _TRANSFORMS_ACTIVE():
             raise RuntimeError(
                 f"{self._label} cannot run under a torch.func transform (vmap, grad, jvp, "
@@ -283,7 +277,6 @@ class GraphedCallable:
         self._autograd_params = ()
         self._frozen_params = ()
         self._flag_read_params = ()
-        self._params, self._param_data = (), ()
         self._saved_outputs = ()
         if self._guard is not None:
             self._guard.invalidate("its callable was reset")
@@ -546,21 +539,6 @@ def _refuse_grad_replay(label: str, record: GraphRecord, leaves: Sequence[torch.
         )
 
 
-def _refuse_moved_data(label: str, record: GraphRecord, captured: Sequence[int]) -> None:
-    """A parameter whose data was swapped since capture (``param.data = ...``, a module's
-    ``.half()`` or ``.to()``, a sharding library re-pointing it): the graphs read and train the
-    memory capture saw, so the parameter's new data would be neither used nor trained."""
-    for name, param, pointer in zip(record.param_names, record.params, captured):
-        if param.data_ptr() != pointer:
-            raise RuntimeError(
-                f"{label} parameter {name!r} must keep the data it was captured with, got "
-                f"other memory ({param.dtype}, {param.device}): the graphs read and train the "
-                "captured memory, so the new data would be neither used nor trained. Change "
-                "dtypes, devices or data (module.half(), .to(), param.data = ...) before "
-                "capture, or capture again"
-            )
-
-
 def _device_of(record: GraphRecord) -> torch.device:
     return record.static_outputs[0].device
 
@@ -586,7 +564,6 @@ def _params_for_autograd(
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_DATA_PTR = torch.Tensor.data_ptr
 _NONES = itertools.repeat(None)
 
 

@@ -57,12 +57,14 @@ class ModuleWatch:
         # `_modules` and hook dicts in place (they are bound once, at construction).
         self._parent_dicts = tuple(modules[i]._modules for i in self._parents)
         position = {name: i for i, name in enumerate(self._names)}
-        params = params if modules else ()
         buffers = state.buffers if modules else ()
         self._param_names = tuple(name for name, _ in params)
         self._params = tuple(param for _, param in params)
+        # Where the parameters' data is now, after capture: the graphs read and train that
+        # memory, whether the module is still alive or not.
+        self._param_pointers = tuple(map(_DATA_PTR, self._params))
         self._param_dicts, self._param_locals = _owner_dicts(
-            modules, position, params, "_parameters"
+            modules, position, params if modules else (), "_parameters"
         )
         self._buffer_names = tuple(name for name, _ in buffers)
         self._buffers = tuple(buffer for _, buffer in buffers)
@@ -92,31 +94,34 @@ class ModuleWatch:
         """Refuse a replay of a module changed since capture in what its graphs cannot follow.
 
         Raises:
-            RuntimeError: naming the callable and the submodule, for a submodule replaced or
-                removed since capture, and for a module hook registered since capture on a
-                submodule (on the module itself too where a replay would not run it), or
-                globally.
+            RuntimeError: naming the callable and the submodule, parameter or buffer: for a
+                submodule replaced or removed since capture; a module hook registered since
+                capture on a submodule (on the module itself too where a replay would not run
+                it), or globally; a parameter replaced, or whose data was swapped or moved;
+                a buffer replaced, removed or moved. Parameters are checked before buffers,
+                so that ``module.half()`` names a parameter.
         """
         registered = map(dict.get, self._parent_dicts, self._local_names)
         replaced = not all(map(operator.is_, registered, self._submodules))
-        if not replaced and not (any(self._hook_dicts) or any(_GLOBAL_HOOK_DICTS)):
-            self._check_parameters()
-            return  # the usual replay
-        root = self._root()
-        if root is None:
-            return
-        if replaced:
-            self._raise_replaced()
-        self._check_hooks((root, *self._submodules)[self._hooked_from :])
+        if replaced or any(self._hook_dicts) or any(_GLOBAL_HOOK_DICTS):
+            root = self._root()
+            if root is not None:
+                if replaced:
+                    self._raise_replaced()
+                self._check_hooks((root, *self._submodules)[self._hooked_from :])
         self._check_parameters()
+        self._check_buffers()
 
     def _check_parameters(self) -> None:
         """Refuse a replay of a module whose parameters were replaced after capture (FSDP2's
-        ``fully_shard`` swaps in sharded and all-gathered ones): the graph reads and trains
-        the captured tensors only, so the module's new parameters would silently get no
-        gradient."""
+        ``fully_shard`` swaps in sharded and all-gathered ones), or whose data was swapped
+        (``param.data = ...``, a module's ``.half()`` or ``.to()``, a sharding library
+        re-pointing it): the graphs read and train the captured tensors' memory only, so the
+        new parameters or data would be neither used nor trained."""
         registered = map(dict.get, self._param_dicts, self._param_locals)
-        if all(map(operator.is_, registered, self._params)):
+        if all(map(operator.is_, registered, self._params)) and all(
+            map(operator.eq, map(_DATA_PTR, self._params), self._param_pointers)
+        ):
             return
         for name, owned, local, param in zip(
             self._param_names, self._param_dicts, self._param_locals, self._params
@@ -130,16 +135,21 @@ class ModuleWatch:
                     "before capture; FSDP2's fully_shard swaps them at every forward and does "
                     "not compose with a graphed module (docs/composition.md)"
                 )
+        for name, param, pointer in zip(self._param_names, self._params, self._param_pointers):
+            if param.data_ptr() != pointer:
+                raise RuntimeError(
+                    f"{self._label} parameter {name!r} must keep the data it was captured "
+                    f"with, got other memory ({param.dtype}, {param.device}): the graphs read "
+                    "and train the captured memory, so the new data would be neither used nor "
+                    "trained. Change dtypes, devices or data (module.half(), .to(), "
+                    "param.data = ...) before capture, or capture again"
+                )
 
-    def check_buffers(self) -> None:
+    def _check_buffers(self) -> None:
         """Refuse a replay of a module whose buffers were replaced, removed or moved since
         capture (an assignment, ``module.to()``, ``load_state_dict(assign=True)``,
         ``buf.data = ...``): the graphs read the captured tensors' memory, so they would not
-        see the new values. Writes in place (``buf.copy_``, BatchNorm's statistics) are fine.
-
-        Raises:
-            RuntimeError: naming the callable and the buffer.
-        """
+        see the new values. Writes in place (``buf.copy_``, BatchNorm's statistics) are fine."""
         registered = map(dict.get, self._buffer_dicts, self._buffer_locals)
         if all(map(operator.is_, registered, self._buffers)) and all(
             map(operator.eq, map(_DATA_PTR, self._pointed), self._pointers)
