@@ -134,6 +134,10 @@ USAGE_ERRORS = [
     (["bench", "--device", "cpu", "--hidden", "102"], "leangraph bench",
      "--hidden 102 must be a multiple of --heads 4"),
     (["bench", "--rounds", "-1"], "leangraph bench", "argument --rounds: must be at least 0"),
+    (["demo", "--threads", "1000000"], "leangraph demo",
+     "argument --threads: must be at most"),  # torch's thread pool would crash the process
+    (["bench", "--threads", str(4 * (os.cpu_count() or 1) + 1)], "leangraph bench",
+     f"must be at most {4 * (os.cpu_count() or 1)} (4 per CPU"),
     (["bench", "--device", "cpu", "--methods", "eager,whole-step"], "leangraph bench",
      "the whole-step method needs a CUDA GPU (torch.cuda.CUDAGraph)"),
     (["bench", "--device", "cpu", "--methods", "torch,whole-step"], "leangraph bench",

@@ -107,8 +107,9 @@ class _Parser(argparse.ArgumentParser):
 # ------------------------------------------------------------------------------ arguments
 
 
-def _count(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``minimum``."""
+def _count(minimum: int, maximum: tuple[int, str] | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum`` and, with ``maximum`` (the
+    bound, and why), at most that."""
 
     def parse(text: str) -> int:
         try:
@@ -117,6 +118,9 @@ def _count(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum[0]:
+            bound, why = maximum
+            raise argparse.ArgumentTypeError(f"must be at most {bound} ({why}), got {value}")
         return value
 
     parse.__name__ = f"integer >= {minimum}"
@@ -752,12 +756,20 @@ def _add_device(parser: argparse.ArgumentParser) -> None:
     )
 
 
+THREADS_PER_CPU = 4
+"""``--threads`` takes up to this many threads per CPU: torch's thread pool crashes the process
+(a segmentation fault, not an error) when it cannot start the threads asked for."""
+
+
 def _add_threads(parser: argparse.ArgumentParser) -> None:
+    cpus = os.cpu_count() or 1
+    bound = (THREADS_PER_CPU * cpus, f"{THREADS_PER_CPU} per CPU, {plural(cpus, 'CPU')} here")
     parser.add_argument(
         "--threads",
-        type=_count(1),
+        type=_count(1, bound),
         metavar="N",
-        help="torch's intra-op CPU threads during the run (default: 1 on the CPU, where these "
+        help=f"torch's intra-op CPU threads during the run, at most {THREADS_PER_CPU} per CPU "
+        "(default: 1 on the CPU, where these "
         "small ops only contend for more, and many times slower on a busy machine; torch's "
         "own default on a GPU)",
     )
