@@ -90,10 +90,13 @@ def test_version(capsys):
     assert out.strip() == f"leangraph {leangraph.__version__} (torch {torch.__version__})"
 
 
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+
+
 def _python_m_leangraph(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "leangraph", *argv], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "leangraph", *argv], cwd=cwd, env=_env(),
                           capture_output=True, text=True, timeout=120, check=False)
 
 
@@ -202,6 +205,19 @@ def test_debug_shows_the_traceback_instead(where, capsys):
     argv = [*argv, "--debug"] if where == "after" else ["--debug", *argv]
     with pytest.raises(UsageError, match="must be a multiple of 2"):
         main(argv)
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly():
+    """``leangraph plan | head -1``: no error line about the broken pipe."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "leangraph", "plan", "--pp", "1", "--vp", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # before it writes: its first print finds no reader
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141, err
+    assert err == ""
 
 
 def test_debug_shows_the_traceback_from_a_real_process():

@@ -945,9 +945,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(prog, str(exc), exc.status)
     except KeyboardInterrupt:
         return _fail(prog, "interrupted", 130)
+    except BrokenPipeError:
+        return _reader_gone()
     except Exception as exc:
         reason = f"{type(exc).__name__}: {_first_line(exc)}"
         return _fail(prog, f"{reason} (run again with --debug for the traceback)", 1)
+
+
+def _reader_gone() -> int:
+    """Whoever read stdout stopped (``leangraph plan | head -1``): end quietly, with the
+    status of a process SIGPIPE ended, as shell tools do; stdout goes to the null device, so
+    the interpreter's last flush at exit cannot fail too."""
+    with contextlib.suppress(OSError, ValueError):  # ValueError: a stdout without a file
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+    return 128 + 13  # SIGPIPE
 
 
 def _fail(prog: str, message: str, status: int) -> int:
