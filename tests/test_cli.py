@@ -131,6 +131,8 @@ USAGE_ERRORS = [
     (["bench", "--device", "cpu", "--json", "no-such-folder/b.json"], "leangraph bench",
      "folder no-such-folder does not exist"),
     (["bench", "--device", "cpu", "--json", "."], "leangraph bench", "is a folder"),
+    (["bench", "--device", "cpu", "--json", ""], "leangraph bench",
+     "--json '': an empty file name"),
     (["bench", "--device", "cpu", "--rank", "4"], "leangraph bench", "--rank 4 must be below --pp 4"),
     (["bench", "--device", "cpu", "--microbatches", "6"], "leangraph bench",
      "--microbatches 6 must be a multiple of --pp 4 with --vp 2"),

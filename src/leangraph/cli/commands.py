@@ -266,6 +266,8 @@ def _output_file(path: str | None, flag: str) -> None:
     """Refuse an output path whose folder does not exist, before any work."""
     if path is None:
         return
+    if not path.strip():
+        raise UsageError(f"{flag} {path!r}: an empty file name; give a file name")
     target = Path(path)
     if target.is_dir():
         raise UsageError(f"{flag} {path}: is a folder; give a file name")
