@@ -257,6 +257,36 @@ def test_w6_ordered_note_names_the_graph(made):
     _works_again(layers, order=TWO_CHUNKS, graphs=4)
 
 
+class _FailsAtCall(torch.nn.Module):
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 8)
+        self.calls, self.fail_at = 0, fail_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise KeyboardInterrupt("interrupted at capture")
+        return self.lin(x)
+
+
+def test_w6_a_failed_fused_capture_gives_back_a_grad_of_another_layout():
+    """In-graph accumulation attaches a buffer of its own as ``.grad`` where the parameter's
+    had another layout; a failed call puts the caller's tensor back."""
+    layer = _FailsAtCall(fail_at=5)  # the probe, 3 warm-up passes, then capture
+    transposed = torch.ones(4, 8).t()  # (8, 4), not contiguous
+    layer.lin.weight.grad = transposed
+    with pytest.raises(KeyboardInterrupt, match="interrupted at capture"):
+        mgc(layer, (sample(),), fuse_grad_accumulation=True)
+    assert layer.calls == 5 and "forward" not in layer.__dict__
+    assert layer.lin.weight.grad is transposed and torch.equal(transposed, torch.ones(8, 4))
+    layer.fail_at = 0
+    graphed = mgc(layer, (sample(),), fuse_grad_accumulation=True)  # on success it stays
+    assert layer.lin.weight.grad is not transposed
+    assert torch.equal(layer.lin.weight.grad, torch.ones(8, 4))
+    leangraph.reset_all(graphed)
+
+
 def test_w6_success_leaves_grads_and_training_flags_alone():
     layers = blocks(2)
     for p in layers[0].parameters():

@@ -51,6 +51,43 @@ def test_v4_a_graphed_module_cannot_be_graphed_again():
         leangraph.reset_all(layer)
 
 
+def test_v30_a_module_holding_a_graphed_submodule_is_refused():
+    outer = Block(4)
+    mgc(outer.up, (sample(),))
+    with raises(ValueError, "callables[0] (Block): submodule 'up' was graphed by "
+                "make_graphed_callables", "Graph the outer module from eager submodules"):
+        mgc(outer, (sample(),))
+    assert "forward" not in outer.__dict__  # refused before anything was replaced
+    leangraph.reset_all(outer.up)
+    with raises(ValueError, "submodule 'up' was graphed"):  # reset or not
+        mgc((Block(4), outer), ((sample(),), (sample(),)))
+
+
+def test_v30_a_graphed_callable_is_refused_as_a_callable():
+    graphed = mgc(lambda x: x * 2, (sample(),))
+    with raises(ValueError, "callables[0] is a graphed callable (a result of "
+                "make_graphed_callables)", "graph the eager callable it replays"):
+        mgc(graphed, (sample(),))
+
+
+def test_v30_graphing_a_submodule_of_a_graphed_module_afterwards_is_fine():
+    """The outer graph replays kernels of its own, never the submodule's forward: both
+    train their shared parameters exactly as eager does."""
+    torch.manual_seed(0)
+    outer = Block(4)
+    reference = copy.deepcopy(outer)
+    mgc(outer, (sample(),))
+    mgc(outer.up, (sample(),))
+    x, y = sample(), sample()
+    out = outer(x)
+    outer.up(y).sum().backward()
+    out.sum().backward()
+    reference(x.detach()).sum().backward()
+    reference.up(y.detach()).sum().backward()
+    for p, q in zip(outer.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 @pytest.mark.parametrize(
     ("register", "kind"),
     [

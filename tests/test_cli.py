@@ -90,10 +90,13 @@ def test_version(capsys):
     assert out.strip() == f"leangraph {leangraph.__version__} (torch {torch.__version__})"
 
 
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+
+
 def _python_m_leangraph(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "leangraph", *argv], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "leangraph", *argv], cwd=cwd, env=_env(),
                           capture_output=True, text=True, timeout=120, check=False)
 
 
@@ -128,12 +131,18 @@ USAGE_ERRORS = [
     (["bench", "--device", "cpu", "--json", "no-such-folder/b.json"], "leangraph bench",
      "folder no-such-folder does not exist"),
     (["bench", "--device", "cpu", "--json", "."], "leangraph bench", "is a folder"),
+    (["bench", "--device", "cpu", "--json", ""], "leangraph bench",
+     "--json '': an empty file name"),
     (["bench", "--device", "cpu", "--rank", "4"], "leangraph bench", "--rank 4 must be below --pp 4"),
     (["bench", "--device", "cpu", "--microbatches", "6"], "leangraph bench",
      "--microbatches 6 must be a multiple of --pp 4 with --vp 2"),
     (["bench", "--device", "cpu", "--hidden", "102"], "leangraph bench",
      "--hidden 102 must be a multiple of --heads 4"),
     (["bench", "--rounds", "-1"], "leangraph bench", "argument --rounds: must be at least 0"),
+    (["demo", "--threads", "1000000"], "leangraph demo",
+     "argument --threads: must be at most"),  # torch's thread pool would crash the process
+    (["bench", "--threads", str(4 * (os.cpu_count() or 1) + 1)], "leangraph bench",
+     f"must be at most {4 * (os.cpu_count() or 1)} (4 per CPU"),
     (["bench", "--device", "cpu", "--methods", "eager,whole-step"], "leangraph bench",
      "the whole-step method needs a CUDA GPU (torch.cuda.CUDAGraph)"),
     (["bench", "--device", "cpu", "--methods", "torch,whole-step"], "leangraph bench",
@@ -198,6 +207,19 @@ def test_debug_shows_the_traceback_instead(where, capsys):
     argv = [*argv, "--debug"] if where == "after" else ["--debug", *argv]
     with pytest.raises(UsageError, match="must be a multiple of 2"):
         main(argv)
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly():
+    """``leangraph plan | head -1``: no error line about the broken pipe."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "leangraph", "plan", "--pp", "1", "--vp", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # before it writes: its first print finds no reader
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141, err
+    assert err == ""
 
 
 def test_debug_shows_the_traceback_from_a_real_process():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 import pickle
 import weakref
 
@@ -355,6 +356,28 @@ def test_l6_graphed_callables_cannot_be_copied_or_pickled():
         copy.deepcopy(graphed[1])
     with raises(TypeError, "callable 0 (Block): a graphed callable cannot be copied or pickled"):
         pickle.dumps(graphed[0].forward)
+
+
+def test_l6_a_model_holding_graphed_layers_is_saved_by_its_state_dict():
+    model = torch.nn.Sequential(*graphed_blocks(2))
+    with raises(TypeError, "callable 0 (Block): a graphed callable cannot be copied",
+                "by its state_dict()"):
+        torch.save(model, io.BytesIO())
+    saved = io.BytesIO()
+    torch.save(model.state_dict(), saved)
+    torch.manual_seed(1)
+    eager = torch.nn.Sequential(*(Block(4) for _ in range(2)))
+    model.load_state_dict(eager.state_dict())  # copied in place: the graphs read the new values
+    x = sample()
+    x_eager = x.detach().clone().requires_grad_()
+    model(x).sum().backward()
+    eager(x_eager).sum().backward()
+    assert torch.equal(x.grad, x_eager.grad)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    saved.seek(0)
+    eager.load_state_dict(torch.load(saved))  # what was saved loads into an eager model
+    assert torch.equal(eager[0].up.weight, graphed_blocks(2)[0].up.weight)
 
 
 def test_r20_a_backward_with_create_graph_gives_eagers_gradients_and_refuses_a_second_order():

@@ -383,12 +383,14 @@ def global_module_hooks() -> tuple[dict[int, Any], ...]:
 def check_capturable(call: Call, already_graphed: Callable[[Any], bool]) -> None:
     """What capture alone requires of a valid call, checked before any work.
 
-    ``already_graphed(module)`` says whether a module's ``forward`` is already graphed.
+    ``already_graphed(obj)`` says whether ``obj`` is a graphed callable, or a module whose
+    ``forward`` is one.
 
     Raises:
         RuntimeError: for autocast with its cache enabled, or inference mode.
         ValueError: for modules with hooks, buffers that require grad, an already graphed
-            module, or (without an order) the same module given twice.
+            module or submodule, a graphed callable, or (without an order) the same module
+            given twice.
     """
     if torch.is_inference_mode_enabled():
         raise RuntimeError(
@@ -407,6 +409,11 @@ def check_capturable(call: Call, already_graphed: Callable[[Any], bool]) -> None
     for index, fn in enumerate(call.callables):
         if isinstance(fn, torch.nn.Module):
             _check_module(index, fn, already_graphed)
+        elif already_graphed(fn):
+            raise ValueError(
+                f"callables[{index}] is a graphed callable (a result of "
+                f"make_graphed_callables): {_NESTED}; graph the eager callable it replays"
+            )
     if not call.plan.ordered:
         _check_distinct_modules(call.callables)
 
@@ -421,11 +428,19 @@ def _fsdp_module_class() -> type | None:
     return None
 
 
+_NESTED = (
+    "a capture around it would record its replays, which read and write its static buffers "
+    "without its checks, so calling it directly or resetting it would silently change the "
+    "new graphs' results"
+)
+
+
 def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[Any], bool]) -> None:
     if already_graphed(fn):
         raise ValueError(
-            f"callables[{index}] ({type(fn).__name__}) was already graphed; reset it and "
-            "capture a fresh module"
+            f"callables[{index}] ({type(fn).__name__}) was already graphed (reset or not, its "
+            "forward stays the graphed callable); capture a fresh module: copy modules before "
+            "graphing them"
         )
     global_hooks = [kind for kind, hooks in zip(MODULE_HOOKS, global_module_hooks()) if hooks]
     if global_hooks:
@@ -437,6 +452,13 @@ def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[An
     fsdp = _fsdp_module_class()
     for name, module in fn.named_modules():
         where = f"submodule {name!r}" if name else "the module"
+        if name and already_graphed(module):
+            raise ValueError(
+                f"callables[{index}] ({type(fn).__name__}): {where} was graphed by "
+                f"make_graphed_callables (its forward is a graphed callable): {_NESTED}. Graph "
+                "the outer module from eager submodules (copy it before graphing the "
+                "submodule), or graph the submodule alone"
+            )
         if fsdp is not None and isinstance(module, fsdp):
             raise ValueError(
                 f"callables[{index}] ({type(fn).__name__}): {where} is sharded by FSDP2's "

@@ -1,10 +1,10 @@
 """What a failed call puts back, and what it adds to an out-of-memory error.
 
 A failure in the probe, warm-up or capture must leave the caller's state as it found it:
-RNG states and modules' training flags (parameters' ``.grad`` need nothing: warm-up and
-capture differentiate with ``torch.autograd.grad``, which never touches ``.grad``). Module
-buffers the probe, warm-up and a capture that runs its work write into are put back whether
-the call fails or not (:func:`values_kept`).
+RNG states, modules' training flags and the tensors parameters have as ``.grad`` (warm-up and
+capture differentiate with ``torch.autograd.grad``, which never touches ``.grad``, but in-graph
+accumulation may attach a buffer of its own). Module buffers the probe, warm-up and a capture
+that runs its work write into are put back whether the call fails or not (:func:`values_kept`).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ __all__ = ["SavedState", "module_buffers", "note_out_of_memory", "values_kept"]
 
 
 class SavedState:
-    """What a failed warm-up or capture puts back: RNG states and modules' training flags.
+    """What a failed warm-up or capture puts back: RNG states, modules' training flags and
+    parameters' ``.grad`` tensors.
 
     Taken before the memory check and warm-up. On success nothing is restored, as in
     ``torch.cuda.make_graphed_callables``: warm-up and capture advance the RNGs the callables
-    draw from. Parameters' ``.grad`` need no saving: warm-up and capture differentiate with
-    ``torch.autograd.grad``, which never touches ``.grad``.
+    draw from (and in-graph accumulation keeps the ``.grad`` buffers it attached).
     """
 
     def __init__(self, callables: tuple[Any, ...]) -> None:
@@ -37,6 +37,15 @@ class SavedState:
             for fn in callables
             if isinstance(fn, torch.nn.Module)
             for module in fn.modules()
+        ]
+        # With fuse_grad_accumulation a build may attach a gradient buffer of its own as
+        # .grad (where the parameter's had another layout): the failed call's graphs are
+        # gone, so the caller's tensor goes back.
+        self.grads = [
+            (param, param.grad)
+            for fn in callables
+            if isinstance(fn, torch.nn.Module)
+            for param in fn.parameters()
         ]
 
     def restore(self, exc: BaseException) -> None:
@@ -54,6 +63,9 @@ class SavedState:
                 _add_note(exc, f"leangraph: could not restore {what} after the failure: {error!r}")
         for module, training in self.training:
             module.training = training
+        for param, grad in self.grads:
+            if param.grad is not grad:
+                param.grad = grad
 
 
 def _add_note(exc: BaseException, note: str) -> None:

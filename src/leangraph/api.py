@@ -282,8 +282,11 @@ def _build(
     return built
 
 
-def _already_graphed(module: torch.nn.Module) -> bool:
-    return isinstance(module.__dict__.get("forward"), GraphedCallable)
+def _already_graphed(obj: Any) -> bool:
+    """Whether ``obj`` is a graphed callable, or a module whose ``forward`` is one."""
+    if isinstance(obj, torch.nn.Module):
+        obj = obj.__dict__.get("forward")
+    return isinstance(obj, GraphedCallable)
 
 
 def _hand_back(call: Call, built: Built, options: CaptureOptions) -> Any:

@@ -107,8 +107,9 @@ class _Parser(argparse.ArgumentParser):
 # ------------------------------------------------------------------------------ arguments
 
 
-def _count(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``minimum``."""
+def _count(minimum: int, maximum: tuple[int, str] | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum`` and, with ``maximum`` (the
+    bound, and why), at most that."""
 
     def parse(text: str) -> int:
         try:
@@ -117,6 +118,9 @@ def _count(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum[0]:
+            bound, why = maximum
+            raise argparse.ArgumentTypeError(f"must be at most {bound} ({why}), got {value}")
         return value
 
     parse.__name__ = f"integer >= {minimum}"
@@ -262,6 +266,8 @@ def _output_file(path: str | None, flag: str) -> None:
     """Refuse an output path whose folder does not exist, before any work."""
     if path is None:
         return
+    if not path.strip():
+        raise UsageError(f"{flag} {path!r}: an empty file name; give a file name")
     target = Path(path)
     if target.is_dir():
         raise UsageError(f"{flag} {path}: is a folder; give a file name")
@@ -752,12 +758,20 @@ def _add_device(parser: argparse.ArgumentParser) -> None:
     )
 
 
+THREADS_PER_CPU = 4
+"""``--threads`` takes up to this many threads per CPU: torch's thread pool crashes the process
+(a segmentation fault, not an error) when it cannot start the threads asked for."""
+
+
 def _add_threads(parser: argparse.ArgumentParser) -> None:
+    cpus = os.cpu_count() or 1
+    bound = (THREADS_PER_CPU * cpus, f"{THREADS_PER_CPU} per CPU, {plural(cpus, 'CPU')} here")
     parser.add_argument(
         "--threads",
-        type=_count(1),
+        type=_count(1, bound),
         metavar="N",
-        help="torch's intra-op CPU threads during the run (default: 1 on the CPU, where these "
+        help=f"torch's intra-op CPU threads during the run, at most {THREADS_PER_CPU} per CPU "
+        "(default: 1 on the CPU, where these "
         "small ops only contend for more, and many times slower on a busy machine; torch's "
         "own default on a GPU)",
     )
@@ -933,9 +947,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(prog, str(exc), exc.status)
     except KeyboardInterrupt:
         return _fail(prog, "interrupted", 130)
+    except BrokenPipeError:
+        return _reader_gone()
     except Exception as exc:
         reason = f"{type(exc).__name__}: {_first_line(exc)}"
         return _fail(prog, f"{reason} (run again with --debug for the traceback)", 1)
+
+
+def _reader_gone() -> int:
+    """Whoever read stdout stopped (``leangraph plan | head -1``): end quietly, with the
+    status of a process SIGPIPE ended, as shell tools do; stdout goes to the null device, so
+    the interpreter's last flush at exit cannot fail too."""
+    with contextlib.suppress(OSError, ValueError):  # ValueError: a stdout without a file
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+    return 128 + 13  # SIGPIPE
 
 
 def _fail(prog: str, message: str, status: int) -> int:

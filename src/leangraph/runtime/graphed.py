@@ -216,7 +216,8 @@ class GraphedCallable:
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
             f"{self._label}: a graphed callable cannot be copied or pickled (its graphs and "
-            "static buffers belong to one capture); copy the module before graphing it"
+            "static buffers belong to one capture); copy the module before graphing it, and "
+            "save a model holding graphed modules (torch.save) by its state_dict()"
         )
 
     def reset(self) -> None:
