@@ -692,6 +692,27 @@ def test_example_trains_bitwise_on_the_cpu(capsys: pytest.CaptureFixture[str]) -
     assert "OK: largest difference 0, tolerance 0" in printed
 
 
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--mode", "ordered", "--layers", "3"], "--layers must be >= 1, and even with --mode "
+     "ordered (two chunks of equal size), got 3"),
+    (["--microbatches", "3"], "--microbatches must be even and >= 2 (interleaved 1F1B over 2 "
+     "ranks runs them in groups of 2), got 3"),
+    (["--tolerance", "-1"], "--tolerance must be >= 0, got -1.0"),
+])
+def test_example_answers_bad_arguments_in_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before anything is built: argparse's usage and one line, no traceback (it raised an
+    IndexError or leangraph's order error from deep inside before)."""
+    with pytest.raises(SystemExit) as info:
+        load_example().main(argv)
+    assert info.value.code == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err.splitlines()[-1] == f"hf_llama.py: error: {message}"
+    assert "Traceback" not in printed.err
+
 # --------------------------------------------------------------------------------------------
 # On a GPU
 # --------------------------------------------------------------------------------------------
