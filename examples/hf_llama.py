@@ -144,7 +144,7 @@ def run(mode: str, args: argparse.Namespace) -> float:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="hf_llama.py", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--mode", choices=("drop-in", "ordered", "both"), default="both")
     parser.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa")
@@ -153,7 +153,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, default=4, help="ordered mode (>= 2)")
     parser.add_argument("--tolerance", type=float, default=None,
                         help="largest difference accepted (default: 0 on cpu, 1e-4 on cuda)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # One line for a user's error (argparse's usage and message, exit status 2), no traceback.
+    ordered = args.mode != "drop-in"
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.layers < 1 or (ordered and args.layers % 2):
+        parser.error(f"--layers must be >= 1, and even with --mode {args.mode} (two chunks of "
+                     f"equal size), got {args.layers}")
+    if ordered and (args.microbatches < 2 or args.microbatches % 2):
+        parser.error(f"--microbatches must be even and >= 2 (interleaved 1F1B over 2 ranks runs "
+                     f"them in groups of 2), got {args.microbatches}")
+    if args.tolerance is not None and not args.tolerance >= 0:
+        parser.error(f"--tolerance must be >= 0, got {args.tolerance}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -63,6 +63,35 @@ def make_model(attention: str = "sdpa", device: str = "cpu", **config: Any) -> n
     return model.train()
 
 
+# Tiny configs of other decoder-only architectures (each with its own attention and MLP
+# shapes); Gemma 2 alternates sliding-window and full-attention layers, Mixtral routes tokens
+# to experts. Gemma 2 has no "sdpa" path in transformers 5.
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "Mistral": dict(sliding_window=4),
+    "Qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    "Qwen3": dict(),
+    "Gemma": dict(head_dim=8),
+    "Gemma2": dict(head_dim=8, sliding_window=4, attn_implementation="eager"),
+    "Phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "GPTNeoX": dict(hidden_dropout=0.0, attention_dropout=0.0),
+    "Mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def make_architecture(name: str, dtype: torch.dtype = torch.float32, **config: Any) -> nn.Module:
+    """A tiny ``{name}ForCausalLM``, random weights, in training mode, untied head."""
+    options: dict[str, Any] = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False, tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    options.update(ARCHITECTURES[name], **config)
+    torch.manual_seed(0)
+    config_class = getattr(transformers, f"{name}Config")
+    model = getattr(transformers, f"{name}ForCausalLM")(config_class(**options))
+    return model.to(dtype).train()
+
+
 def token_batches(count: int, device: str = "cpu", *, rows: int = BATCH) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return [torch.randint(VOCAB, (rows, SEQUENCE), generator=generator).to(device)
@@ -145,7 +174,7 @@ def train(model: nn.Module, step: Step, batches: list[list[torch.Tensor]]) -> li
     for batch in batches:
         optimizer.zero_grad(set_to_none=True)
         losses = step(model, batch)
-        grads = [p.grad.clone() for p in model.parameters()]
+        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
         optimizer.step()
         history.append((losses, grads))
     return history
@@ -155,16 +184,17 @@ def assert_bitwise(graphed_run: list[Any], eager_run: list[Any], graphed: nn.Mod
                    eager: nn.Module) -> None:
     for step, ((g_losses, g_grads), (e_losses, e_grads)) in enumerate(zip(graphed_run, eager_run)):
         assert all(torch.equal(a, b) for a, b in zip(g_losses, e_losses)), f"step {step} loss"
-        assert len(g_grads) == len(e_grads) > 0
+        assert len(g_grads) == len(e_grads) > 0 and any(a is not None for a in g_grads)
         for index, (a, b) in enumerate(zip(g_grads, e_grads)):
-            assert torch.equal(a, b), f"step {step}: gradient of parameter {index} differs"
+            assert (a is None) == (b is None), f"step {step}: parameter {index}'s gradient"
+            assert a is None or torch.equal(a, b), f"step {step}: gradient {index} differs"
     for a, b in zip(graphed.parameters(), eager.parameters()):
         assert torch.equal(a, b)
 
 
 def max_difference(graphed_run: list[Any], eager_run: list[Any]) -> float:
     pairs = [(a, b) for (gl, gg), (el, eg) in zip(graphed_run, eager_run)
-             for a, b in [*zip(gl, el), *zip(gg, eg)]]
+             for a, b in [*zip(gl, el), *zip(gg, eg)] if a is not None]
     return max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
 
 
@@ -225,6 +255,54 @@ def test_drop_in_trains_bitwise_like_eager(attention: str, graphed_sets: list[An
     assert graphed.order is None and len(graphed.graphed_set.callables) == LAYERS
 
     assert_bitwise(train(model, drop_in_step, batches), train(eager, drop_in_step, batches),
+                   model, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_drop_in_trains_other_architectures_bitwise_like_eager(
+    name: str, dtype: torch.dtype, graphed_sets: list[Any]
+) -> None:
+    """Padding that differs per step too: each layer gets the mask its kind of attention
+    needs (sliding window or full) from the model's own forward."""
+    model = make_architecture(name, dtype)
+    eager = copy.deepcopy(model)
+    tokens = token_batches(STEPS)
+    masks = padded(tokens)
+    graphed_sets.append(graph_causal_lm(model, {"input_ids": tokens[0],
+                                                "attention_mask": masks[0]}))
+
+    def masked_step(net: nn.Module, batch: list[torch.Tensor]) -> list[torch.Tensor]:
+        (index,) = [i for i, t in enumerate(tokens) if t is batch[0]]
+        loss = net(input_ids=batch[0], attention_mask=masks[index], labels=batch[0]).loss
+        loss.backward()
+        return [loss.detach()]
+
+    batches = [[t] for t in tokens]
+    assert_bitwise(train(model, masked_step, batches), train(eager, masked_step, batches),
+                   model, eager)
+
+
+def test_inputs_embeds_sample_still_trains_the_embedding(graphed_sets: list[Any]) -> None:
+    """Sampled with inputs_embeds that do not require grad, the first layer's graph still
+    computes its input's gradient: training on input_ids then trains the embedding as eager
+    does (it got no gradient when the graph was captured for an input without one)."""
+    model = make_model()
+    eager = copy.deepcopy(model)
+    tokens = token_batches(STEPS)
+    embeds = torch.randn(BATCH, SEQUENCE, 32, generator=torch.Generator().manual_seed(3))
+    graphed_sets.append(graph_causal_lm(model, {"inputs_embeds": embeds}))
+    batches = [[t] for t in tokens]
+    assert_bitwise(train(model, drop_in_step, batches), train(eager, drop_in_step, batches),
+                   model, eager)
+    assert model.model.embed_tokens.weight.grad is not None
+
+    def embeds_step(net: nn.Module, batch: list[torch.Tensor]) -> list[torch.Tensor]:
+        loss = net(inputs_embeds=embeds + batch[0][..., None], labels=batch[0]).loss
+        loss.backward()
+        return [loss.detach()]
+
+    assert_bitwise(train(model, embeds_step, batches), train(eager, embeds_step, batches),
                    model, eager)
 
 
@@ -387,6 +465,52 @@ def test_padded_batches_with_eager_attention(graphed_sets: list[Any]) -> None:
     assert_bitwise(graphed_run, train(eager, eager_masked, [batch]), model, eager)
 
 
+def test_r27_run_chunk_takes_each_layers_own_kwargs_and_refuses_one_for_layers_called_unlike(
+    graphed_sets: list[Any],
+) -> None:
+    """Qwen2 here gives layer 0 full attention and the others a sliding window: one mapping
+    for a chunk mixing them would hand a layer the other kind's mask. One mapping per decoder
+    layer (record_layer_calls' own) trains bitwise like the model's forward."""
+    batch = token_batches(MICROBATCHES)
+    masks = padded(batch)
+    model = make_architecture("Qwen2", num_hidden_layers=4, attn_implementation="eager")
+    eager = copy.deepcopy(model)
+    order = interleaved_1f1b(pp_size=2, vp_size=2, rank=0, num_microbatches=MICROBATCHES)
+    graphed = graph_causal_lm(model, {"input_ids": batch[0], "attention_mask": masks[0]},
+                              order=order, num_microbatches=MICROBATCHES)
+    graphed_sets.append(graphed)
+    recorded = [record_layer_calls(eager, {"input_ids": t, "attention_mask": k})
+                for t, k in zip(batch, masks)]
+    hidden = model.model.embed_tokens(batch[0])
+    with pytest.raises(ValueError, match=(
+            r"run_chunk: layer_kwargs is one mapping for the 2 layers of chunk 1, but the "
+            r"model called decoder layers 0 and 1 with different 'attention_mask' at "
+            r"recording .*expected one mapping per decoder layer")):
+        graphed.run_chunk(1, 0, hidden, recorded[0][0].kwargs)
+    with pytest.raises(ValueError, match=r"one mapping per decoder layer \(4, indexed like "
+                       r"calls\), got 2"):
+        graphed.run_chunk(1, 0, hidden, [call.kwargs for call in recorded[0][:2]])
+    with pytest.raises(TypeError, match=r"layer_kwargs\[1\] must be a mapping of keyword "
+                       r"arguments, got LayerCall"):
+        graphed.run_chunk(1, 0, hidden, [recorded[0][0].kwargs, *recorded[0][1:]])
+    with pytest.raises(TypeError, match="layer_kwargs must be a mapping of keyword arguments "
+                       "or a sequence of one per decoder layer \\(4\\), got Tensor"):
+        graphed.run_chunk(1, 0, hidden, hidden)
+    # Nothing replayed: the order starts from its first step.
+    layer_kwargs = [[call.kwargs for call in calls] for calls in recorded]
+
+    def eager_masked(net: nn.Module, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+        losses = []
+        for t, k in zip(tokens, masks):
+            loss = net(input_ids=t, attention_mask=k, labels=t).loss / len(tokens)
+            loss.backward()
+            losses.append(loss.detach())
+        return losses
+
+    graphed_run = train(model, lambda m, b: pipeline_step(m, graphed, b, layer_kwargs), [batch])
+    assert_bitwise(graphed_run, train(eager, eager_masked, [batch]), model, eager)
+
+
 def test_ordered_replay_out_of_order_and_after_reset_raise(graphed_sets: list[Any]) -> None:
     model = make_model()
     order = interleaved_1f1b(pp_size=2, vp_size=2, rank=0, num_microbatches=MICROBATCHES)
@@ -507,6 +631,51 @@ def test_refuses_arguments_that_do_not_fit() -> None:
         graph_decoder_layers(decoder_layers(model)[:1], LayerCall((), calls[0].kwargs))
 
 
+def test_v31_refuses_dropout_the_forward_draws_itself_and_every_dropout_module() -> None:
+    """Rates handed to nn.functional.dropout (Starcoder2's residual_dropout), random router
+    noise (Mixtral's jitter) and dropout modules of any kind, in any training submodule."""
+    (tokens,) = token_batches(1)
+    starcoder = transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False, residual_dropout=0.1,
+        attention_dropout=0.0, embedding_dropout=0.0)).train()
+    refuse(starcoder, {"input_ids": tokens}, ValueError,
+           r"decoder layer 0 \(Starcoder2DecoderLayer\) trains with residual_dropout=0.1 in "
+           r"submodule 'self_attn'; .* set it to 0 \(or graph in eval mode\)")
+    mixtral = make_architecture("Mixtral", router_jitter_noise=0.05)
+    refuse(mixtral, {"input_ids": tokens}, ValueError, "jitter_noise=0.05 in submodule 'mlp")
+    layers = decoder_layers(make_model())
+    layers[1].mlp.act_fn = nn.Sequential(nn.SiLU(), nn.AlphaDropout(0.3))
+    calls = record_layer_calls(make_model(), {"input_ids": tokens})
+    with pytest.raises(ValueError, match=r"decoder layer 1 \(LlamaDecoderLayer\) trains with "
+                       r"nn.AlphaDropout\(p=0.3\) in submodule 'mlp.act_fn.1'"):
+        graph_decoder_layers(layers, calls)
+    # In eval mode nothing is drawn: graphed, and reset.
+    graph_causal_lm(starcoder.eval(), {"input_ids": tokens}).reset()
+    layers[1].mlp.act_fn.eval()
+    graph_decoder_layers(layers, calls).reset()
+
+
+def test_v32_refuses_capture_options_that_are_no_mapping_and_no_microbatches() -> None:
+    model = make_model()
+    tokens = token_batches(1)[0]
+    order = interleaved_1f1b(pp_size=2, vp_size=2, rank=0, num_microbatches=MICROBATCHES)
+    refuse(model, {"input_ids": tokens}, ValueError,
+           r"num_microbatches \(an integer >= 1\) is required with an order, got 0",
+           order=order, num_microbatches=0)
+    with pytest.raises(TypeError, match=r"capture_options must be a mapping of "
+                       r"leangraph.make_graphed_callables options .* or None, got list"):
+        graph_causal_lm(model, {"input_ids": tokens}, capture_options=[("backend", "cpu")])
+    # A misspelt option is named before the recording forward, with the closest one.
+    seen: list[Any] = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda *args: seen.append(args))
+    with pytest.raises(TypeError, match="has no option 'num_warmup_iter'; did you mean "
+                       "'num_warmup_iters'"):
+        graph_causal_lm(model, {"input_ids": tokens}, capture_options={"num_warmup_iter": 1})
+    hook.remove()
+    assert seen == []
+
+
 def load_example() -> Any:
     spec = importlib.util.spec_from_file_location("hf_llama_example", EXAMPLE)
     assert spec is not None and spec.loader is not None
@@ -522,6 +691,27 @@ def test_example_trains_bitwise_on_the_cpu(capsys: pytest.CaptureFixture[str]) -
     assert "ordered (sdpa attention, cpu, 8 graphs)" in printed
     assert "OK: largest difference 0, tolerance 0" in printed
 
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--mode", "ordered", "--layers", "3"], "--layers must be >= 1, and even with --mode "
+     "ordered (two chunks of equal size), got 3"),
+    (["--microbatches", "3"], "--microbatches must be even and >= 2 (interleaved 1F1B over 2 "
+     "ranks runs them in groups of 2), got 3"),
+    (["--tolerance", "-1"], "--tolerance must be >= 0, got -1.0"),
+])
+def test_example_answers_bad_arguments_in_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before anything is built: argparse's usage and one line, no traceback (it raised an
+    IndexError or leangraph's order error from deep inside before)."""
+    with pytest.raises(SystemExit) as info:
+        load_example().main(argv)
+    assert info.value.code == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err.splitlines()[-1] == f"hf_llama.py: error: {message}"
+    assert "Traceback" not in printed.err
 
 # --------------------------------------------------------------------------------------------
 # On a GPU

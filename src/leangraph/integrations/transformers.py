@@ -29,7 +29,9 @@ that need it, so ``import leangraph`` never needs it.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -60,6 +62,18 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 # Constants a graph may take in a layer call: they are compared with the captured value at
 # every replay. Anything else (a Cache, a BlockMask) is state a replay cannot honour.
 _PLAIN_CONSTANTS = (type(None), bool, int, float, str)
+
+# Modules that draw random numbers in training, and the names of rates a forward hands
+# nn.functional.dropout (or a random noise): matched within a submodule's attribute names.
+_DROPOUT_MODULES = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+_RANDOM_RATE = re.compile(r"dropout|pdrop|drop_prob|jitter", re.IGNORECASE)
 
 # Keyword arguments asking for outputs HF collects with hooks inside the layers.
 _HOOKED_OUTPUTS = ("output_attentions", "output_hidden_states")
@@ -118,7 +132,7 @@ class GraphedDecoderLayers:
         chunk: int,
         microbatch: int,
         hidden_states: torch.Tensor,
-        layer_kwargs: Mapping[str, Any] | None = None,
+        layer_kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
     ) -> torch.Tensor:
         """Run the layers of ``chunk`` on ``microbatch``'s graphs; return the hidden states.
 
@@ -126,17 +140,24 @@ class GraphedDecoderLayers:
             chunk: 1-based chunk of the order (1 without an order).
             microbatch: 0-based microbatch (0 without an order).
             hidden_states: The chunk's input, of the captured shape.
-            layer_kwargs: Keyword arguments for every layer of the chunk; default: each
+            layer_kwargs: The layers' keyword arguments for this microbatch; default: each
                 layer's recorded ones (right for every microbatch of the captured sequence
-                length without padding; pass the model's own for padded batches).
+                length without padding; pass the model's own for padded batches). One mapping
+                per layer of ``layers`` (``[call.kwargs for call in record_layer_calls(model,
+                inputs)]``), or one mapping for every layer of the chunk, where the model gave
+                those layers the same arguments at recording (not where layers attend
+                differently, as Gemma 2's sliding-window and full-attention layers do).
 
         Returns:
             The last layer's hidden states: a view of graph-owned memory, valid until the
             backward of that graph.
 
         Raises:
-            ValueError: for a chunk or microbatch outside the layout; what a replay raises
-                for arguments that differ from capture.
+            ValueError: for a chunk or microbatch outside the layout; for one mapping where
+                the chunk's layers were recorded with different arguments, or a sequence of
+                another length than ``layers``; what a replay raises for arguments that
+                differ from capture.
+            TypeError: for ``layer_kwargs`` that is neither a mapping nor a sequence of them.
         """
         layout = self.layout
         if not 1 <= chunk <= layout.num_chunks or not 0 <= microbatch < layout.num_microbatches:
@@ -145,13 +166,32 @@ class GraphedDecoderLayers:
                 f"{layout.num_chunks} chunks (1-based) and {layout.num_microbatches} "
                 "microbatches (0-based)"
             )
-        for layer in range(layout.layers_per_chunk[chunk - 1]):
-            call = self.calls[layout.callable_index(chunk, layer)]
-            kwargs = call.kwargs if layer_kwargs is None else layer_kwargs
+        indices = [
+            layout.callable_index(chunk, layer)
+            for layer in range(layout.layers_per_chunk[chunk - 1])
+        ]
+        if isinstance(layer_kwargs, Mapping):
+            _check_one_for_all(self._chunk_differences[chunk - 1], len(indices), chunk)
+        per_layer = _per_layer_kwargs(layer_kwargs, self.calls, indices)
+        for layer, (index, kwargs) in enumerate(zip(indices, per_layer)):
             run = self.graphed[layout.graph_index(chunk, microbatch, layer)]
-            output = run(hidden_states, *call.args[1:], **kwargs)
+            output = run(hidden_states, *self.calls[index].args[1:], **kwargs)
             hidden_states = output[0] if isinstance(output, (tuple, list)) else output
         return hidden_states
+
+    @functools.cached_property
+    def _chunk_differences(self) -> tuple[tuple[int, int, str] | None, ...]:
+        """Per chunk: two of its layers the model called with different keyword arguments at
+        recording and what differed, or None. Computed once (comparing the recorded tensors
+        reads them on the host), at the first ``run_chunk`` given one mapping."""
+        layout = self.layout
+        return tuple(
+            _first_difference(
+                self.calls,
+                [layout.callable_index(chunk, layer) for layer in range(count)],
+            )
+            for chunk, count in enumerate(layout.layers_per_chunk, start=1)
+        )
 
     def reset(self) -> None:
         """Release every graph of the capture; idempotent.
@@ -202,6 +242,7 @@ def graph_causal_lm(
     """
     _check_model_config(model)
     _check_inputs(type(model).__name__, sample_inputs)
+    _capture_options(capture_options)  # refused before the recording forward, not after
     return graph_decoder_layers(
         decoder_layers(model),
         record_layer_calls(model, sample_inputs),
@@ -224,7 +265,9 @@ def graph_decoder_layers(
     """Graph decoder layers for the given calls, in place or in a pipeline order.
 
     Each graph's samples are copies of its layer's call: the same shapes, dtypes and
-    ``requires_grad``, the same constants, which every replay must keep.
+    ``requires_grad`` (the hidden states always requiring grad, so that a replay on hidden
+    states that do gives them their gradient), the same constants, which every replay must
+    keep.
 
     Args:
         layers: The decoder layers, in the order the model runs them (the layers of all
@@ -244,6 +287,7 @@ def graph_decoder_layers(
         ValueError, TypeError: for what is not supported (see the module docstring) or
             arguments that do not fit together, before any warm-up.
     """
+    options = _capture_options(capture_options)
     layer_tuple = _checked_layers(layers)
     call_tuple = _checked_calls(calls, len(layer_tuple))
     _check_supported(layer_tuple, call_tuple)
@@ -251,11 +295,11 @@ def graph_decoder_layers(
     samples = [call_tuple[_callable_of(layout, index)] for index in range(layout.num_graphs)]
     graphed = make_graphed_callables(
         layer_tuple,
-        tuple(_fresh(call.args) for call in samples),
+        tuple(_sample_args(call) for call in samples),
         sample_kwargs=[_fresh(dict(call.kwargs)) for call in samples],
         order=order,
         num_layers_per_chunk=None if order is None else list(layout.layers_per_chunk),
-        **_capture_options(capture_options),
+        **options,
     )
     return GraphedDecoderLayers(
         layers=layer_tuple,
@@ -349,6 +393,21 @@ def _recorder(calls: list[LayerCall | None], index: int) -> Any:
             raise _Recorded
 
     return record
+
+
+def _sample_args(call: LayerCall) -> tuple[Any, ...]:
+    """A graph's positional samples: copies of the call's, the hidden states requiring grad.
+
+    A graph computes no gradient for an input that did not require grad at capture, so hidden
+    states recorded without one (``inputs_embeds`` that do not require grad) would leave the
+    embedding without its gradient whenever a later call's do (``input_ids`` through a trained
+    embedding). Captured requiring grad, the graph serves both: a replay whose input does not
+    require grad drops that gradient, and the parameters' gradients are the same kernels.
+    """
+    hidden, *rest = _fresh(call.args)
+    if hidden.is_floating_point():
+        hidden.requires_grad_(True)
+    return (hidden, *rest)
 
 
 def _fresh(tree: Any) -> Any:
@@ -449,10 +508,26 @@ def _check_supported(layers: Sequence[nn.Module], calls: Sequence[LayerCall]) ->
             raise ValueError(_checkpointing_message(where))
         for config in _configs(layer):
             _check_config(where, config, training=layer.training)
-        for module in layer.modules():
-            if isinstance(module, nn.Dropout) and module.p > 0 and layer.training:
-                raise ValueError(_dropout_message(where, f"nn.Dropout(p={module.p})"))
+        _check_dropout(where, layer)
         _check_call(where, call)
+
+
+def _check_dropout(where: str, layer: nn.Module) -> None:
+    """Refuse dropout in a training submodule: a dropout module, or a rate the forward hands
+    ``nn.functional.dropout`` (HF keeps those as attributes named after the config's:
+    ``attention_dropout``, Starcoder2's ``residual_dropout``, ``resid_pdrop``, and Mixtral's
+    ``jitter_noise``, router noise drawn at random)."""
+    for name, module in layer.named_modules():
+        if not module.training:
+            continue
+        at = f" in submodule {name!r}" if name else ""
+        if isinstance(module, _DROPOUT_MODULES) and module.p > 0:
+            what = f"nn.{type(module).__name__}(p={module.p}){at}"
+            raise ValueError(_dropout_message(where, what))
+        for attribute, value in vars(module).items():
+            rate = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            if rate and _RANDOM_RATE.search(attribute):
+                raise ValueError(_dropout_message(where, f"{attribute}={value}{at}"))
 
 
 def _configs(layer: nn.Module) -> Iterator[Any]:
@@ -537,6 +612,90 @@ def _transformers_or_none() -> ModuleType | None:
 
 
 # --------------------------------------------------------------------------------------------
+# run_chunk's keyword arguments
+# --------------------------------------------------------------------------------------------
+
+
+def _per_layer_kwargs(
+    layer_kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
+    calls: Sequence[LayerCall],
+    indices: Sequence[int],
+) -> list[Mapping[str, Any]]:
+    """The keyword arguments of each layer ``indices`` names (one chunk's), in order."""
+    if layer_kwargs is None:
+        return [calls[index].kwargs for index in indices]
+    if isinstance(layer_kwargs, Mapping):
+        return [layer_kwargs] * len(indices)
+    if isinstance(layer_kwargs, (str, bytes)) or not isinstance(layer_kwargs, Sequence):
+        raise TypeError(
+            "run_chunk: layer_kwargs must be a mapping of keyword arguments or a sequence of "
+            f"one per decoder layer ({len(calls)}), got {type(layer_kwargs).__name__}"
+        )
+    if len(layer_kwargs) != len(calls):
+        raise ValueError(
+            f"run_chunk: layer_kwargs must hold one mapping per decoder layer ({len(calls)}, "
+            f"indexed like calls), got {len(layer_kwargs)}"
+        )
+    for index in indices:
+        if not isinstance(layer_kwargs[index], Mapping):
+            raise TypeError(
+                f"run_chunk: layer_kwargs[{index}] must be a mapping of keyword arguments, got "
+                f"{type(layer_kwargs[index]).__name__}"
+            )
+    return [layer_kwargs[index] for index in indices]
+
+
+def _check_one_for_all(difference: tuple[int, int, str] | None, count: int, chunk: int) -> None:
+    """Refuse one mapping for layers the model called with different keyword arguments (a
+    sliding-window layer's mask is not a full-attention layer's): one would get the other's."""
+    if difference is not None:
+        first, other, what = difference
+        raise ValueError(
+            f"run_chunk: layer_kwargs is one mapping for the {count} layers of chunk {chunk}, "
+            f"but the model called decoder layers {first} and {other} with different {what} "
+            "at recording (layers that attend differently, e.g. sliding-window and full "
+            "attention); expected one mapping per decoder layer, e.g. "
+            "[call.kwargs for call in record_layer_calls(model, inputs)]"
+        )
+
+
+def _first_difference(
+    calls: Sequence[LayerCall], indices: Sequence[int]
+) -> tuple[int, int, str] | None:
+    """The first layer of ``indices`` called unlike the first one: both, and what differs."""
+    first = indices[0]
+    for index in indices[1:]:
+        differing = _differing_kwarg(calls[first].kwargs, calls[index].kwargs)
+        if differing is not None:
+            return first, index, differing
+    return None
+
+
+def _differing_kwarg(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
+    """How two recorded calls' keyword arguments differ (``'attention_mask'``, ...), or None."""
+    if set(a) != set(b):
+        return f"keywords ({sorted(set(a) ^ set(b))})"
+    for key in a:
+        leaves_a, spec_a = pytree.tree_flatten(a[key])
+        leaves_b, spec_b = pytree.tree_flatten(b[key])
+        if spec_a != spec_b or not all(map(_same_leaf, leaves_a, leaves_b)):
+            return repr(key)
+    return None
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a, b))
+        )
+    return type(a) is type(b) and bool(a == b)
+
+
+# --------------------------------------------------------------------------------------------
 # Layout and options
 # --------------------------------------------------------------------------------------------
 
@@ -555,7 +714,11 @@ def _layout(
                 "layers are graphed in place, once each"
             )
         return unordered_layout(num_layers), None
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
+    if (
+        isinstance(num_microbatches, bool)
+        or not isinstance(num_microbatches, int)
+        or num_microbatches < 1
+    ):
         raise ValueError(
             f"num_microbatches (an integer >= 1) is required with an order, got "
             f"{num_microbatches!r}"
@@ -584,4 +747,5 @@ def _capture_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     return capture_options(
         options,
         why=("graph_decoder_layers passes the order and the recorded calls itself"),
+        check=True,
     )
