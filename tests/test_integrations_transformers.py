@@ -424,6 +424,21 @@ def padded(batch: list[torch.Tensor]) -> list[torch.Tensor]:
     return masks
 
 
+def eager_masked_step(masks: list[torch.Tensor]) -> Step:
+    """An eager step over microbatches, each with its own attention mask: the model's own
+    forward and backward per microbatch, as the pipeline's losses are scaled."""
+
+    def step(net: nn.Module, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+        losses = []
+        for t, k in zip(tokens, masks):
+            loss = net(input_ids=t, attention_mask=k, labels=t).loss / len(tokens)
+            loss.backward()
+            losses.append(loss.detach())
+        return losses
+
+    return step
+
+
 def test_padded_batches_with_eager_attention(graphed_sets: list[Any]) -> None:
     """Eager attention always hands the layers a mask tensor, so padding that changes from
     batch to batch replays; in an order, run_chunk takes each microbatch's own arguments."""
@@ -453,16 +468,8 @@ def test_padded_batches_with_eager_attention(graphed_sets: list[Any]) -> None:
                     for t, k in zip(batch, masks)]
     assert not torch.equal(layer_kwargs[0]["attention_mask"], layer_kwargs[1]["attention_mask"])
 
-    def eager_masked(net: nn.Module, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
-        losses = []
-        for t, k in zip(tokens, masks):
-            loss = net(input_ids=t, attention_mask=k, labels=t).loss / len(tokens)
-            loss.backward()
-            losses.append(loss.detach())
-        return losses
-
     graphed_run = train(model, lambda m, b: pipeline_step(m, graphed, b, layer_kwargs), [batch])
-    assert_bitwise(graphed_run, train(eager, eager_masked, [batch]), model, eager)
+    assert_bitwise(graphed_run, train(eager, eager_masked_step(masks), [batch]), model, eager)
 
 
 def test_r27_run_chunk_takes_each_layers_own_kwargs_and_refuses_one_for_layers_called_unlike(
@@ -499,16 +506,8 @@ def test_r27_run_chunk_takes_each_layers_own_kwargs_and_refuses_one_for_layers_c
     # Nothing replayed: the order starts from its first step.
     layer_kwargs = [[call.kwargs for call in calls] for calls in recorded]
 
-    def eager_masked(net: nn.Module, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
-        losses = []
-        for t, k in zip(tokens, masks):
-            loss = net(input_ids=t, attention_mask=k, labels=t).loss / len(tokens)
-            loss.backward()
-            losses.append(loss.detach())
-        return losses
-
     graphed_run = train(model, lambda m, b: pipeline_step(m, graphed, b, layer_kwargs), [batch])
-    assert_bitwise(graphed_run, train(eager, eager_masked, [batch]), model, eager)
+    assert_bitwise(graphed_run, train(eager, eager_masked_step(masks), [batch]), model, eager)
 
 
 def test_ordered_replay_out_of_order_and_after_reset_raise(graphed_sets: list[Any]) -> None:
