@@ -445,16 +445,33 @@ def _layer_inputs(spec: StageModules, inputs: tuple[Any, ...]) -> list[tuple[Any
     """The input of each layer of a stage, from one eager pass over ``pre`` and the layers.
 
     Run with gradients, so each input's ``requires_grad`` is what it is in training; the RNG
-    state is put back, so dropout here does not shift the caller's random stream.
+    state and the modules' buffers are put back, so dropout here does not shift the caller's
+    random stream, nor a batch norm's running statistics count this pass (eager stages never
+    run it).
     """
     devices = [t.device for t in inputs if isinstance(t, torch.Tensor) and t.is_cuda]
+    modules = [m for m in (spec.pre, *spec.layers) if m is not None]
     per_layer = []
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+    with torch.random.fork_rng(devices=devices), torch.enable_grad(), _buffers_kept(modules):
         args = _as_args(spec.pre(*inputs)) if spec.pre is not None else inputs
         for layer in spec.layers:
             per_layer.append(tuple(_fresh(a) for a in args))
             args = _as_args(layer(*args))
     return per_layer
+
+
+@contextlib.contextmanager
+def _buffers_kept(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Put back the values of every buffer of ``modules`` on leaving (a forward in training
+    mode updates running statistics in place)."""
+    buffers = {id(b): b for m in modules for b in m.buffers()}.values()
+    saved = [(b, b.detach().clone()) for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
 
 
 def _graph_samples(
@@ -549,13 +566,18 @@ class _StageModule(nn.Module):
         self._graphs = tuple(tuple(per_microbatch) for per_microbatch in graphs)
         self._captured_training = _training_modes(spec.layers)
         self._microbatch: int | None = None
+        # Per microbatch, the graphs of its last forward replay whose outputs need a gradient:
+        # only they get a backward, and so a weight step (a frozen layer on model inputs
+        # gets neither).
+        self._differentiated: dict[int, tuple[GraphedCallable, ...]] = {}
         # Only the last stage's outputs outlive their backward (torch merges them at the end
         # of step()), and a later replay would overwrite those that alias graph memory.
         self._is_last = is_last
 
-    def graphs(self, microbatch: int) -> tuple[GraphedCallable, ...]:
-        """The graphs of ``microbatch``, one per layer."""
-        return self._graphs[microbatch]
+    def differentiated(self, microbatch: int) -> tuple[GraphedCallable, ...]:
+        """The graphs of ``microbatch``'s last forward replay whose outputs need a gradient,
+        in layer order."""
+        return self._differentiated.get(microbatch, ())
 
     def matches_capture(self) -> bool:
         """Whether every layer, and every module inside it, is in the training mode it was
@@ -580,11 +602,18 @@ class _StageModule(nn.Module):
         args = _as_args(self.pre(*inputs, **kwargs)) if self.pre is not None else inputs
         graphs = self._graphs[self._microbatch] if self._microbatch is not None else None
         graph_storages: set[int] = set()
+        differentiated = []
         for index, layer in enumerate(self.layers):
             run: Callable[..., Any] = layer if graphs is None else graphs[index]
             args = _as_args(run(*args))
             if graphs is not None and self._is_last:
                 graph_storages.update(_storages(args))
+            if graphs is not None and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args
+            ):
+                differentiated.append(graphs[index])
+        if self._microbatch is not None:
+            self._differentiated[self._microbatch] = tuple(differentiated)
         output = (
             self.post(*args) if self.post is not None else (args[0] if len(args) == 1 else args)
         )
@@ -674,7 +703,7 @@ class _GraphedStage(PipelineStage):
         microbatch = self._backward_microbatch
         if microbatch is None:
             return _no_weight_step
-        graphs = self._module.graphs(microbatch)
+        graphs = self._module.differentiated(microbatch)
 
         def run() -> None:
             self._cursor.advance(StepKind.WEIGHT, self._chunk, microbatch)
