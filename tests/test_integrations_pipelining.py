@@ -589,6 +589,72 @@ def test_argument_errors(changes: dict[str, Any], error: type, message: str,
         graph_pipeline_stages(**_args(**changes))
 
 
+def test_v30_graph_pipeline_stages_needs_a_process_group() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=(
+            r"graph_pipeline_stages needs torch.distributed's default process group .*got none: "
+            r"call torch.distributed.init_process_group\(\) on every rank first")):
+        graph_pipeline_stages(**_args())
+
+
+@pytest.mark.parametrize(("changes", "error", "message"), [
+    ({"schedule_class": "ScheduleGPipe"}, TypeError,
+     r"graph_pipeline_stages: schedule_class must be a torch.distributed.pipelining schedule "
+     r"class \(a subclass of PipelineScheduleSingle or PipelineScheduleMulti, e.g. "
+     r"ScheduleInterleaved1F1B\), got str 'ScheduleGPipe'"),
+    ({"schedule_class": nn.Linear}, TypeError, "schedule class .*, got class Linear"),
+    ({"stage_indices": 0}, TypeError,
+     "graph_pipeline_stages: stage_indices must be a sequence of ints, one global stage index "
+     "per entry of stages, got int 0"),
+    ({"stage_indices": "0"}, TypeError, "stage_indices must be a sequence of ints, .*got str '0'"),
+    ({"stage_indices": [0.0]}, TypeError, r"stage_indices must be .*got list \[0.0\]"),
+    ({"device": "meta"}, ValueError,
+     r"graph_pipeline_stages: device=meta but sample_args\[0\] input 0 is on cpu; the stages "
+     "receive activations on device and the graphs take them on the samples' device"),
+])
+def test_v30_graph_pipeline_stages_refuses_arguments_of_another_kind(
+        changes: dict[str, Any], error: type, message: str, one_rank: None) -> None:
+    with pytest.raises(error, match=message):
+        graph_pipeline_stages(**_args(**changes))
+
+
+@pytest.mark.parametrize("schedule_class", ["ScheduleGPipe", int])
+def test_v30_stage_placement_refuses_what_is_not_a_schedule_class(schedule_class: Any) -> None:
+    with pytest.raises(TypeError, match=(
+            "stage_placement: schedule_class must be a torch.distributed.pipelining schedule "
+            f"class .*, got {'str' if isinstance(schedule_class, str) else 'class'} ")):
+        stage_placement(schedule_class, 2, 0)
+
+
+@pytest.mark.parametrize("layers", [Block(WIDTH), nn.Sequential(Block(WIDTH)), "ab"])
+def test_v30_stage_modules_layers_must_be_a_sequence_of_layers(layers: Any) -> None:
+    with pytest.raises(TypeError, match=(
+            r"StageModules layers must be a sequence of layers \(a list, tuple or "
+            rf"nn.ModuleList\), got {type(layers).__name__}; pass \[module\] to graph a module "
+            "as one layer")):
+        StageModules(layers)
+    assert len(StageModules(nn.ModuleList([Block(WIDTH)])).layers) == 1
+
+
+@pytest.mark.parametrize(("options", "error", "message"), [
+    ([("num_warmup_iters", 2)], TypeError,
+     r"capture_options must be a mapping of make_graphed_callables option names to values "
+     r"\(a dict\), got list"),
+    ({"num_warmup_iter": 2}, TypeError,
+     "capture_options: leangraph.make_graphed_callables has no option 'num_warmup_iter'; did "
+     "you mean 'num_warmup_iters'?"),
+    ({"fuse_grad_accumulation": 1}, TypeError, "fuse_grad_accumulation must be a bool, got int 1"),
+])
+def test_v31_capture_options_are_checked_before_anything_runs(
+        options: Any, error: type, message: str, one_rank: None) -> None:
+    sampled: list[int] = []
+    layer = Block(WIDTH)
+    layer.register_forward_hook(lambda *_: sampled.append(1))
+    with pytest.raises(error, match=message):
+        graph_pipeline_stages(**_args(stages=[[layer]], capture_options=options))
+    assert sampled == []  # refused before the sampling pass ran the layer
+
+
 @pytest.mark.parametrize("case", [_present(case) for case in CASES])
 @pytest.mark.parametrize("pp_size", [1, 2, 3])
 def test_stage_placement_follows_the_schedule(case: Case, pp_size: int) -> None:

@@ -31,6 +31,11 @@ def capture_options(
         TypeError: with ``check``, for an option ``make_graphed_callables`` does not take,
             naming the closest one it does; and its own refusals of the values.
     """
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(
+            "capture_options must be a mapping of make_graphed_callables option names to "
+            f"values (a dict), got {type(options).__name__}"
+        )
     given = dict(options or {})
     own = {**dict.fromkeys(_OWN_OPTIONS, ""), **(sets or {})}
     refused = sorted(set(own).intersection(given))
