@@ -97,6 +97,30 @@ def test_outputs_are_valid_until_backward_without_debug_mode():
 
 
 
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_chain_after_a_frozen_layer_trains_like_eager(microbatches):
+    # Layer 0 trains nothing and its input needs no gradient, so its output needs none: the
+    # chained input of layer 1 must not require grad either (it did, and the backward replay
+    # handed autograd an input gradient where the first parameter's belonged).
+    torch.manual_seed(0)
+    layers = (Block(8), Block(8))
+    layers[0].requires_grad_(False)
+    reference = copy.deepcopy(layers)
+    order = [1] * microbatches + [-1] * microbatches
+    samples = tuple((torch.randn(4, 8),) for _ in range(2 * microbatches))
+    graphed = leangraph.make_graphed_callables(layers, samples, order=order,
+                                               num_layers_per_chunk=2)
+    inputs = [torch.randn(4, 8) for _ in range(microbatches)]
+    for run, pick in ((graphed, lambda m, l: graphed[2 * m + l]),
+                      (reference, lambda m, l: reference[l])):
+        outputs = [pick(m, 1)(pick(m, 0)(x)) for m, x in enumerate(inputs)]
+        for output in outputs:
+            output.square().sum().backward()
+    assert all(p.grad is None for p in layers[0].parameters())
+    for got, want in zip(layers[1].parameters(), reference[1].parameters()):
+        assert torch.equal(got.grad, want.grad)
+
+
 def test_a_dense_non_contiguous_sample_keeps_its_layout_in_the_static_input():
     """A transposed sample: kernels chosen for its layout may round differently from a
     contiguous copy's, so the static input keeps it and the replay equals eager bitwise."""

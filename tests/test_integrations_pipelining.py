@@ -65,11 +65,17 @@ class Case:
     microbatches: int = 4
     # With fuse_grad_accumulation: its accumulator_hooks (None: not fused).
     fused_hooks: bool | str | None = None
+    # The first stage's layers: "train" (Blocks), "batchnorm" (Blocks with a batch norm,
+    # whose running statistics must count what eager's count) or "frozen" (its first layer
+    # trains nothing: without glue its output needs no gradient, so its graph gets neither a
+    # backward nor a weight step).
+    first_stage: str = "train"
 
     @property
     def id(self) -> str:
         fused = "" if self.fused_hooks is None else f"-fused-{self.fused_hooks}".lower()
-        return f"{self.schedule}-{'glue' if self.glue else 'bare'}{fused}"
+        first = "" if self.first_stage == "train" else f"-{self.first_stage}"
+        return f"{self.schedule}-{'glue' if self.glue else 'bare'}{fused}{first}"
 
     @property
     def capture_options(self) -> dict[str, Any]:
@@ -92,6 +98,10 @@ CASES = [
     Case("ScheduleInterleavedZeroBubble", 2, 1, glue=False),
     Case("ScheduleZBVZeroBubble", 2, 1, glue=True),
     Case("ScheduleDualPipeV", 2, 1, glue=False),
+    # A frozen first layer on the model inputs: no backward for its graphs, and a chained next
+    # layer whose input needs no gradient (zero-bubble ones: test_zero_bubble_trains_...).
+    Case("Schedule1F1B", 1, 2, glue=False, first_stage="frozen"),
+    Case("ScheduleInterleaved1F1B", 2, 2, glue=True, first_stage="batchnorm"),
 ]
 
 
@@ -124,11 +134,31 @@ def build_model(case: Case, pp_size: int, device: str) -> list[StageModules]:
         pre = nn.Linear(IN_FEATURES, WIDTH) if case.glue and s == 0 else None
         post = nn.Linear(WIDTH, OUT_FEATURES) if case.glue and s == num_stages - 1 else None
         layers = [Block(WIDTH) for _ in range(case.layers)]
+        if s == 0 and case.first_stage == "batchnorm":
+            layers = [NormedBlock(WIDTH) for _ in range(case.layers)]
+        if s == 0 and case.first_stage == "frozen":
+            layers[0].requires_grad_(False)
         stages.append(StageModules(
             [layer.to(device) for layer in layers],
             None if pre is None else pre.to(device),
             None if post is None else post.to(device)))
     return stages
+
+
+class NormedBlock(nn.Module):
+    """A Block behind a batch norm, whose running statistics each training forward updates.
+
+    Only the first stage has them: torch's metadata inference on the first ``step()`` runs
+    every later stage's module on uninitialized tensors (``torch.empty``), eager or graphed.
+    """
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(width)
+        self.block = Block(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.norm(x))
 
 
 def modules_of(spec: StageModules) -> list[nn.Module]:
@@ -177,7 +207,9 @@ def train(case: Case, schedule: Any, specs: list[StageModules], device: str) -> 
         history.append({
             "output": None if output is None else [output.detach().clone()],
             "losses": [loss.detach().clone() for loss in losses],
-            "grads": [p.grad.clone() for p in params],
+            "grads": [None if p.grad is None else p.grad.clone() for p in params],
+            "buffers": [b.clone() for spec in specs for m in modules_of(spec)
+                        for b in m.buffers()],
         })
         optimizer.step()
         history[-1]["params"] = [p.detach().clone() for p in params]
@@ -207,7 +239,7 @@ def eval_runs_in_torch(case: Case, pp_size: int) -> bool:
 
 def compare(eager: list[dict], graphed: list[dict]) -> tuple[dict[str, int], list[str]]:
     """Count the tensors compared bitwise, by kind; and describe each difference."""
-    counts = {"output": 0, "losses": 0, "grads": 0, "params": 0}
+    counts = {"output": 0, "losses": 0, "grads": 0, "params": 0, "buffers": 0}
     mismatches = []
     for step, (e, g) in enumerate(zip(eager, graphed)):
         for kind in counts:
@@ -218,6 +250,10 @@ def compare(eager: list[dict], graphed: list[dict]) -> tuple[dict[str, int], lis
             if len(e.get(kind) or []) != len(g.get(kind) or []):
                 mismatches.append(f"step {step}: {kind} counts differ")
             for index, (a, b) in enumerate(pairs):
+                if a is None or b is None:  # a parameter without a gradient
+                    if (a is None) != (b is None):
+                        mismatches.append(f"step {step}: {kind}[{index}] is None in one run")
+                    continue
                 counts[kind] += 1
                 if not torch.equal(a, b):
                     diff = (a.double() - b.double()).abs().max().item()
@@ -246,7 +282,8 @@ def run_case(case: Case, pp_size: int, rank: int, device: str = "cpu") -> dict[s
     placed = list(graphed.stage_indices) == indices
     graphed.reset()
     return {"counts": counts, "mismatches": mismatches, "placed": placed,
-            "last_stage": pp_size * case.stages_per_rank - 1 in indices}
+            "last_stage": pp_size * case.stages_per_rank - 1 in indices,
+            "first_stage": 0 in indices}
 
 
 def check_case(case: Case, results: list[dict[str, Any]]) -> None:
@@ -255,6 +292,8 @@ def check_case(case: Case, results: list[dict[str, Any]]) -> None:
         assert result["mismatches"] == [], f"rank {rank}: {result['mismatches']}"
         assert result["placed"], f"rank {rank}: stages placed elsewhere than torch places them"
         assert result["counts"]["grads"] > 0 and result["counts"]["params"] > 0, result
+        if case.first_stage == "batchnorm" and result["first_stage"]:
+            assert result["counts"]["buffers"] >= STEPS * 3 * case.layers, result
     last = [r for r in results if r["last_stage"]]
     assert len(last) == 1, results
     assert last[0]["counts"]["output"] == STEPS, last[0]
@@ -376,6 +415,8 @@ def one_rank(tmp_path: Path) -> Iterator[None]:
 # Fused too: torch's runtime runs the backwards, and in-graph accumulation must train as eager.
 ONE_RANK_CASES = [Case("ScheduleInterleaved1F1B", 2, 2, glue=True),
                   Case("ScheduleZBVZeroBubble", 2, 1, glue=False),
+                  Case("ScheduleGPipe", 1, 2, glue=False, first_stage="batchnorm"),
+                  Case("ScheduleInterleaved1F1B", 2, 2, glue=False, first_stage="frozen"),
                   *(Case(schedule, 2, layers, glue=False, fused_hooks=hooks)
                     for schedule, layers in (("ScheduleInterleaved1F1B", 2),
                                              ("ScheduleZBVZeroBubble", 1))
@@ -386,6 +427,48 @@ ONE_RANK_CASES = [Case("ScheduleInterleaved1F1B", 2, 2, glue=True),
 @pytest.mark.parametrize("case", [_present(case) for case in ONE_RANK_CASES])
 def test_one_rank_trains_bitwise_like_eager(case: Case, device: str, one_rank: None) -> None:
     check_case(case, [run_case(case, pp_size=1, rank=0, device=device)])
+
+
+def autograd_reference(case: Case, pp_size: int) -> list[list[torch.Tensor | None]]:
+    """The whole model trained by plain autograd, microbatch by microbatch (each loss divided
+    by the microbatch count, as torch's schedules scale the gradients): every parameter's
+    gradient at each step."""
+    modules = [m for spec in build_model(case, pp_size, "cpu") for m in modules_of(spec)]
+    params = [p for m in modules for p in m.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    history = []
+    for step in range(STEPS):
+        x, y = batch(case, step, "cpu")
+        optimizer.zero_grad(set_to_none=True)
+        for rows, target in zip(x.split(ROWS), y.split(ROWS)):
+            for module in modules:
+                rows = module(rows)
+            (mse(rows, target) / case.microbatches).backward()
+        history.append([None if p.grad is None else p.grad.clone() for p in params])
+        optimizer.step()
+    return history
+
+
+@pytest.mark.parametrize("schedule", ["ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"])
+def test_zero_bubble_trains_a_stage_on_inputs_without_gradients_like_autograd(
+        schedule: str, one_rank: None) -> None:
+    # The first stage's only layer is frozen, so neither its graphs' outputs nor the second
+    # stage's inputs need a gradient: the first stage's graphs get no backward and no weight
+    # step (its weight step replayed backward_dw() and raised), and the second stage still
+    # trains. torch's eager stages do not compare here: their weight step finds its
+    # parameters through the stage inputs' autograd graph and, with none, leaves them without
+    # gradients; plain autograd is the reference.
+    if not hasattr(pipelining, schedule):
+        pytest.skip(f"this torch has no {schedule}")
+    case = Case(schedule, 2, 1, glue=False, first_stage="frozen")
+    specs = build_model(case, 1, "cpu")
+    graphed = graph(case, specs, [0, 1], "cpu", 1)
+    history = train(case, graphed.schedule(mse), specs, "cpu")
+    graphed.reset()
+    for step, (got, want) in enumerate(zip(history, autograd_reference(case, 1))):
+        assert [g is None for g in got["grads"]] == [w is None for w in want], step
+        assert sum(g is not None for g in want) == 6, step  # the second stage's Block
+        assert all(g is None or torch.equal(g, w) for g, w in zip(got["grads"], want)), step
 
 
 def _interleaved(microbatches: int = 2) -> tuple[GraphedPipeline, list[StageModules]]:
@@ -504,6 +587,72 @@ def test_argument_errors(changes: dict[str, Any], error: type, message: str,
                          one_rank: None) -> None:
     with pytest.raises(error, match=message):
         graph_pipeline_stages(**_args(**changes))
+
+
+def test_v33_graph_pipeline_stages_needs_a_process_group() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=(
+            r"graph_pipeline_stages needs torch.distributed's default process group .*got none: "
+            r"call torch.distributed.init_process_group\(\) on every rank first")):
+        graph_pipeline_stages(**_args())
+
+
+@pytest.mark.parametrize(("changes", "error", "message"), [
+    ({"schedule_class": "ScheduleGPipe"}, TypeError,
+     r"graph_pipeline_stages: schedule_class must be a torch.distributed.pipelining schedule "
+     r"class \(a subclass of PipelineScheduleSingle or PipelineScheduleMulti, e.g. "
+     r"ScheduleInterleaved1F1B\), got str 'ScheduleGPipe'"),
+    ({"schedule_class": nn.Linear}, TypeError, "schedule class .*, got class Linear"),
+    ({"stage_indices": 0}, TypeError,
+     "graph_pipeline_stages: stage_indices must be a sequence of ints, one global stage index "
+     "per entry of stages, got int 0"),
+    ({"stage_indices": "0"}, TypeError, "stage_indices must be a sequence of ints, .*got str '0'"),
+    ({"stage_indices": [0.0]}, TypeError, r"stage_indices must be .*got list \[0.0\]"),
+    ({"device": "meta"}, ValueError,
+     r"graph_pipeline_stages: device=meta but sample_args\[0\] input 0 is on cpu; the stages "
+     "receive activations on device and the graphs take them on the samples' device"),
+])
+def test_v33_graph_pipeline_stages_refuses_arguments_of_another_kind(
+        changes: dict[str, Any], error: type, message: str, one_rank: None) -> None:
+    with pytest.raises(error, match=message):
+        graph_pipeline_stages(**_args(**changes))
+
+
+@pytest.mark.parametrize("schedule_class", ["ScheduleGPipe", int])
+def test_v33_stage_placement_refuses_what_is_not_a_schedule_class(schedule_class: Any) -> None:
+    with pytest.raises(TypeError, match=(
+            "stage_placement: schedule_class must be a torch.distributed.pipelining schedule "
+            f"class .*, got {'str' if isinstance(schedule_class, str) else 'class'} ")):
+        stage_placement(schedule_class, 2, 0)
+
+
+@pytest.mark.parametrize("layers", [Block(WIDTH), nn.Sequential(Block(WIDTH)), "ab"])
+def test_v33_stage_modules_layers_must_be_a_sequence_of_layers(layers: Any) -> None:
+    with pytest.raises(TypeError, match=(
+            r"StageModules layers must be a sequence of layers \(a list, tuple or "
+            rf"nn.ModuleList\), got {type(layers).__name__}; pass \[module\] to graph a module "
+            "as one layer")):
+        StageModules(layers)
+    assert len(StageModules(nn.ModuleList([Block(WIDTH)])).layers) == 1
+
+
+@pytest.mark.parametrize(("options", "error", "message"), [
+    ([("num_warmup_iters", 2)], TypeError,
+     r"capture_options must be a mapping of leangraph.make_graphed_callables options "
+     r"\(e.g. \{'num_warmup_iters': 2\}\) or None, got list"),
+    ({"num_warmup_iter": 2}, TypeError,
+     "capture_options: leangraph.make_graphed_callables has no option 'num_warmup_iter'; did "
+     "you mean 'num_warmup_iters'?"),
+    ({"fuse_grad_accumulation": 1}, TypeError, "fuse_grad_accumulation must be a bool, got int 1"),
+])
+def test_v34_capture_options_are_checked_before_anything_runs(
+        options: Any, error: type, message: str, one_rank: None) -> None:
+    sampled: list[int] = []
+    layer = Block(WIDTH)
+    layer.register_forward_hook(lambda *_: sampled.append(1))
+    with pytest.raises(error, match=message):
+        graph_pipeline_stages(**_args(stages=[[layer]], capture_options=options))
+    assert sampled == []  # refused before the sampling pass ran the layer
 
 
 @pytest.mark.parametrize("case", [_present(case) for case in CASES])

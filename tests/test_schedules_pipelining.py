@@ -465,6 +465,20 @@ def test_actions_without_an_order_entry_are_refused_naming_them() -> None:
         order_from_actions([forward, Mystery()], schedule_name="custom", rank=1)
 
 
+@pytest.mark.parametrize(("actions", "message"), [
+    (5, "order_from_actions: actions must be a sequence of torch.distributed.pipelining _Action "
+        r"records \(one rank's pipeline_order\), got int"),
+    ("0F0", "actions must be a sequence of .*, got str"),
+    ([None, "0F0"], r"order_from_actions: actions\[1\] must be a torch.distributed.pipelining "
+                    r"_Action \(with stage_index, computation_type and microbatch_index\) or None "
+                    r"for an idle step, got str '0F0'; parse action text with torch's "
+                    r"_Action.from_str"),
+])
+def test_v35_order_from_actions_refuses_what_is_not_an_action_list(actions, message) -> None:
+    with pytest.raises(TypeError, match=message):
+        order_from_actions(actions, schedule_name="custom", rank=0)
+
+
 # --------------------------------------------------------------------------------------------
 # torch 2.4 / 2.5 action lists (those torches are not installed here: their actions are
 # restated with torch 2.4's field order and the kind names of torch 2.4 / 2.5)

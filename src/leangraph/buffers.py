@@ -76,9 +76,15 @@ def same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Chained:
-    """A static input that is output 0 of graph ``source`` (the previous layer)."""
+    """A static input that is output 0 of graph ``source`` (the previous layer).
+
+    ``requires_grad`` is the input's as the probe saw it (the key it and the output share): a
+    frozen previous layer's output does not require grad, and the backward graph must not
+    differentiate with respect to it then.
+    """
 
     source: int
+    requires_grad: bool
 
 
 InputSource = int | Chained
@@ -174,7 +180,9 @@ def plan_buffers(
                 else None
             )
             inputs[g] = tuple(
-                Chained(chain) if (chain is not None and i == 0) else slots.take(key)
+                Chained(chain, key.requires_grad)
+                if (chain is not None and i == 0)
+                else slots.take(key)
                 for i, key in enumerate(input_keys[g])
             )
         if lifetimes[g][1] == index:  # the graph's last step: its input slots come free
@@ -263,7 +271,8 @@ class StaticBuffers:
         result = []
         for source in self.plan.inputs[graph]:
             if isinstance(source, Chained):
-                result.append(outputs_of(source.source)[0].detach().requires_grad_(True))
+                output = outputs_of(source.source)[0]
+                result.append(output.detach().requires_grad_(source.requires_grad))
             else:
                 result.append(self.slots[source])
         return result

@@ -87,6 +87,16 @@ class StageModules:
     post: nn.Module | None = None
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.layers, (str, bytes))
+            or not isinstance(self.layers, Iterable)
+            or (isinstance(self.layers, nn.Module) and not isinstance(self.layers, nn.ModuleList))
+        ):
+            raise TypeError(
+                "StageModules layers must be a sequence of layers (a list, tuple or "
+                f"nn.ModuleList), got {type(self.layers).__name__}; pass [module] to graph a "
+                "module as one layer"
+            )
         layers = tuple(self.layers)
         if not layers:
             raise ValueError("StageModules needs at least one layer to graph, got none")
@@ -170,7 +180,7 @@ def _capture(
     order: Sequence[Any],
     inputs: Sequence[Any],
     num_microbatches: int,
-    capture_options: Mapping[str, Any] | None,
+    capture_options: Mapping[str, Any],
 ) -> tuple[Any, Layout, tuple[Step, ...]]:
     """Graph every local stage's layers in one call, in ``order``."""
     layers = tuple(layer for spec in specs for layer in spec.layers)
@@ -186,7 +196,7 @@ def _capture(
         _graph_samples(specs, inputs, layout),
         order=order,
         num_layers_per_chunk=layers_per_chunk,
-        **_capture_options(capture_options),
+        **capture_options,
     )
     return graphed, layout, tuple(steps)
 
@@ -235,6 +245,9 @@ def graph_pipeline_stages(
             torch's schedule or ``make_graphed_callables`` refuses, or a torch it cannot run.
     """
     _check_torch_runtime()
+    _check_process_group()
+    options = _capture_options(capture_options)  # refused before anything runs
+    _check_schedule_class("graph_pipeline_stages", schedule_class)
     specs = _stage_specs(stages)
     pp_size = _group_value("pp_size", pp_size, dist.get_world_size(group))
     rank = _group_value("rank", rank, dist.get_rank(group))
@@ -247,7 +260,8 @@ def graph_pipeline_stages(
         schedule_class, pp_size, num_microbatches, rank, len(specs), explicit=True
     )
     inputs = _stage_inputs(sample_args, indices)
-    graphed, layout, steps = _capture(specs, order, inputs, num_microbatches, capture_options)
+    stage_device = _device(device, inputs)
+    graphed, layout, steps = _capture(specs, order, inputs, num_microbatches, options)
     cursor = _StepCursor(steps, schedule_class.__name__, rank, indices)
     built = _build_stages(
         specs,
@@ -257,7 +271,7 @@ def graph_pipeline_stages(
         layout,
         cursor,
         split=any(step.kind is StepKind.WEIGHT for step in steps),
-        device=_device(device, inputs),
+        device=stage_device,
         group=group,
     )
     return GraphedPipeline(
@@ -276,6 +290,42 @@ def graph_pipeline_stages(
 # --------------------------------------------------------------------------------------------
 # Arguments
 # --------------------------------------------------------------------------------------------
+
+
+def _check_process_group() -> None:
+    """Refuse a call before ``init_process_group``: torch's stages take sizes from the group.
+
+    Raises:
+        RuntimeError: naming what to call first.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "graph_pipeline_stages needs torch.distributed's default process group (torch's "
+            "PipelineStage takes the pipeline's size and this rank from it), got none: call "
+            "torch.distributed.init_process_group() on every rank first"
+        )
+
+
+def _check_schedule_class(caller: str, schedule_class: object) -> None:
+    """Refuse anything but a ``torch.distributed.pipelining`` schedule class.
+
+    Raises:
+        TypeError: naming ``caller`` and what was given.
+    """
+    if isinstance(schedule_class, type) and issubclass(
+        schedule_class, (PipelineScheduleSingle, PipelineScheduleMulti)
+    ):
+        return
+    got = (
+        f"class {schedule_class.__name__}"
+        if isinstance(schedule_class, type)
+        else f"{type(schedule_class).__name__} {schedule_class!r}"
+    )
+    raise TypeError(
+        f"{caller}: schedule_class must be a torch.distributed.pipelining schedule class (a "
+        f"subclass of PipelineScheduleSingle or PipelineScheduleMulti, e.g. "
+        f"ScheduleInterleaved1F1B), got {got}"
+    )
 
 
 def _check_torch_runtime() -> None:
@@ -338,8 +388,10 @@ def stage_placement(
     :func:`graph_pipeline_stages`, which places them the same way by default.
 
     Raises:
+        TypeError: if ``schedule_class`` is not a torch schedule class.
         ValueError: if a size is not a positive integer or ``rank`` is out of range.
     """
+    _check_schedule_class("stage_placement", schedule_class)
     for name, value in (("pp_size", pp_size), ("stages_per_rank", stages_per_rank)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -360,7 +412,16 @@ def stage_placement(
 
 def _checked_indices(given: Sequence[int], pp_size: int, count: int) -> tuple[int, ...]:
     """Stage indices given by the caller: one per stage, distinct, ascending, in range."""
-    indices = tuple(int(i) for i in given)
+    if (
+        isinstance(given, (str, bytes))
+        or not isinstance(given, Sequence)
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in given)
+    ):
+        raise TypeError(
+            "graph_pipeline_stages: stage_indices must be a sequence of ints, one global "
+            f"stage index per entry of stages, got {type(given).__name__} {given!r}"
+        )
+    indices = tuple(given)
     if len(indices) != count or list(indices) != sorted(set(indices)):
         raise ValueError(
             f"stage_indices {list(given)} must be {count} distinct ascending indices, one "
@@ -382,17 +443,35 @@ def _capture_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
             "graph_pipeline_stages computes the order and layout from the schedule and the stages, "
             "and calls layers with positional arguments only"
         ),
+        check=True,
     )
 
 
 def _device(device: torch.device | str | None, inputs: Sequence[tuple[Any, ...]]) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    for args in inputs:
-        for value in args:
-            if isinstance(value, torch.Tensor):
-                return value.device
-    return torch.device("cpu")
+    """The stages' device: ``device``, which must be the samples', or the samples'.
+
+    Raises:
+        ValueError: if ``device`` is another device than a sample tensor's (torch's stages
+            allocate their receive buffers on it, and the graphs take inputs on the samples').
+    """
+    found = [v.device for args in inputs for v in args if isinstance(v, torch.Tensor)]
+    if device is None:
+        return found[0] if found else torch.device("cpu")
+    given = torch.device(device)
+    for stage, args in enumerate(inputs):
+        for position, value in enumerate(args):
+            if isinstance(value, torch.Tensor) and not _same_device(given, value.device):
+                raise ValueError(
+                    f"graph_pipeline_stages: device={given} but sample_args[{stage}] input "
+                    f"{position} is on {value.device}; the stages receive activations on "
+                    "device and the graphs take them on the samples' device: make them one"
+                )
+    return given
+
+
+def _same_device(given: torch.device, actual: torch.device) -> bool:
+    """Whether ``given`` names ``actual`` (a device without an index names any of its type)."""
+    return given.type == actual.type and given.index in (None, actual.index)
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,16 +524,33 @@ def _layer_inputs(spec: StageModules, inputs: tuple[Any, ...]) -> list[tuple[Any
     """The input of each layer of a stage, from one eager pass over ``pre`` and the layers.
 
     Run with gradients, so each input's ``requires_grad`` is what it is in training; the RNG
-    state is put back, so dropout here does not shift the caller's random stream.
+    state and the modules' buffers are put back, so dropout here does not shift the caller's
+    random stream, nor a batch norm's running statistics count this pass (eager stages never
+    run it).
     """
     devices = [t.device for t in inputs if isinstance(t, torch.Tensor) and t.is_cuda]
+    modules = [m for m in (spec.pre, *spec.layers) if m is not None]
     per_layer = []
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+    with torch.random.fork_rng(devices=devices), torch.enable_grad(), _buffers_kept(modules):
         args = _as_args(spec.pre(*inputs)) if spec.pre is not None else inputs
         for layer in spec.layers:
             per_layer.append(tuple(_fresh(a) for a in args))
             args = _as_args(layer(*args))
     return per_layer
+
+
+@contextlib.contextmanager
+def _buffers_kept(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Put back the values of every buffer of ``modules`` on leaving (a forward in training
+    mode updates running statistics in place)."""
+    buffers = {id(b): b for m in modules for b in m.buffers()}.values()
+    saved = [(b, b.detach().clone()) for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
 
 
 def _graph_samples(
@@ -549,13 +645,18 @@ class _StageModule(nn.Module):
         self._graphs = tuple(tuple(per_microbatch) for per_microbatch in graphs)
         self._captured_training = _training_modes(spec.layers)
         self._microbatch: int | None = None
+        # Per microbatch, the graphs of its last forward replay whose outputs need a gradient:
+        # only they get a backward, and so a weight step (a frozen layer on model inputs
+        # gets neither).
+        self._differentiated: dict[int, tuple[GraphedCallable, ...]] = {}
         # Only the last stage's outputs outlive their backward (torch merges them at the end
         # of step()), and a later replay would overwrite those that alias graph memory.
         self._is_last = is_last
 
-    def graphs(self, microbatch: int) -> tuple[GraphedCallable, ...]:
-        """The graphs of ``microbatch``, one per layer."""
-        return self._graphs[microbatch]
+    def differentiated(self, microbatch: int) -> tuple[GraphedCallable, ...]:
+        """The graphs of ``microbatch``'s last forward replay whose outputs need a gradient,
+        in layer order."""
+        return self._differentiated.get(microbatch, ())
 
     def matches_capture(self) -> bool:
         """Whether every layer, and every module inside it, is in the training mode it was
@@ -580,11 +681,18 @@ class _StageModule(nn.Module):
         args = _as_args(self.pre(*inputs, **kwargs)) if self.pre is not None else inputs
         graphs = self._graphs[self._microbatch] if self._microbatch is not None else None
         graph_storages: set[int] = set()
+        differentiated = []
         for index, layer in enumerate(self.layers):
             run: Callable[..., Any] = layer if graphs is None else graphs[index]
             args = _as_args(run(*args))
             if graphs is not None and self._is_last:
                 graph_storages.update(_storages(args))
+            if graphs is not None and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args
+            ):
+                differentiated.append(graphs[index])
+        if self._microbatch is not None:
+            self._differentiated[self._microbatch] = tuple(differentiated)
         output = (
             self.post(*args) if self.post is not None else (args[0] if len(args) == 1 else args)
         )
@@ -674,7 +782,7 @@ class _GraphedStage(PipelineStage):
         microbatch = self._backward_microbatch
         if microbatch is None:
             return _no_weight_step
-        graphs = self._module.graphs(microbatch)
+        graphs = self._module.differentiated(microbatch)
 
         def run() -> None:
             self._cursor.advance(StepKind.WEIGHT, self._chunk, microbatch)

@@ -101,10 +101,12 @@ def order_from_actions(
         The order with chunk ids ``1..`` (number of stages in ``actions``), or the steps.
 
     Raises:
+        TypeError: if ``actions`` is not a sequence of actions (and None).
         ValueError: for an action an order cannot express, or (without ``explicit``)
             backwards that are not first in, first out per stage; the message names the
             schedule, the rank, the action and its step.
     """
+    _check_actions(actions)
     leaves = [(pos, leaf) for pos, action in enumerate(actions) for leaf in _leaf_actions(action)]
     stage_ids = sorted({leaf.stage_index for _, leaf in leaves})
     local_chunks = {stage: chunk for chunk, stage in enumerate(stage_ids, start=1)}
@@ -126,6 +128,29 @@ def order_from_actions(
         return _explicit_order(keys, runs)
     _check_fifo(runs, schedule_name, rank)
     return order
+
+
+def _check_actions(actions: Any) -> None:
+    """Refuse anything but a sequence of torch actions (or None for idle steps).
+
+    Raises:
+        TypeError: naming the entry and what it is.
+    """
+    if isinstance(actions, (str, bytes)) or not isinstance(actions, Sequence):
+        raise TypeError(
+            "order_from_actions: actions must be a sequence of torch.distributed.pipelining "
+            f"_Action records (one rank's pipeline_order), got {type(actions).__name__}"
+        )
+    for position, action in enumerate(actions):
+        if action is not None and not (
+            hasattr(action, "computation_type") and hasattr(action, "stage_index")
+        ):
+            raise TypeError(
+                f"order_from_actions: actions[{position}] must be a torch.distributed."
+                "pipelining _Action (with stage_index, computation_type and microbatch_index) "
+                f"or None for an idle step, got {type(action).__name__} {action!r}; parse "
+                "action text with torch's _Action.from_str"
+            )
 
 
 def _explicit_order(
