@@ -95,7 +95,8 @@ class StageModules:
             raise TypeError(
                 "StageModules layers must be a sequence of layers (a list, tuple or "
                 f"nn.ModuleList), got {type(self.layers).__name__}; pass [module] to graph a "
-                "module as one layer"
+                "module as one layer, or list(module) to graph each child of an nn.Sequential "
+                "as a layer of its own"
             )
         layers = tuple(self.layers)
         if not layers:
