@@ -126,7 +126,8 @@ class ReplaySequence:
         """Whether ``kind`` is a weight step that may run out of order: one that is due, of a
         pass abandoned with nothing else in flight (no forward's backward can still come),
         where nothing it could overwrite is alive; so an abandoned pass can be drained and a
-        new one started."""
+        new one started. The due weight steps drain in capture order: one captured after
+        another reuses the activations that one freed, which are still alive until it runs."""
         return (
             kind is StepKind.WEIGHT
             and graph in self._weight_due
@@ -134,7 +135,18 @@ class ReplaySequence:
                 self._awaits(g) and g not in self._no_backward and g not in self._weight_due
                 for g in self._in_flight
             )
+            and self._first_due_weight() == graph
         )
+
+    def _first_due_weight(self) -> int | None:
+        """The graph of the first due weight step from where the replays are (the next due
+        one in capture order), or None."""
+        count = len(self._steps)
+        for offset in range(count):
+            graph, kind = self._steps[(self._next + offset) % count]
+            if kind is StepKind.WEIGHT and graph in self._weight_due:
+                return graph
+        return None
 
     def _may_start_over(self, graph: int, kind: StepKind) -> bool:
         return (graph, kind) == self._steps[0] and not any(
