@@ -172,3 +172,18 @@ def test_r12_due_weight_steps_run_in_capture_order_even_when_drained():
     graphed[0].backward_dw()  # drained in capture order
     graphed[1].backward_dw()
     graphed[0](sample()).sum().backward()  # a new pass
+
+
+def test_r12_the_usual_ways_out_of_order_say_what_went_wrong():
+    graphed = mgc(blocks(1), tuple((sample(),) for _ in range(2)), order=[1, 1, -1, -1])
+    outputs = [graphed[m](sample()) for m in range(2)]
+    with raises(RuntimeError, "microbatch 1, layer 0): backward replayed out of capture order",
+                "summed losses runs their backwards newest first", "leangraph.order.Step"):
+        sum(o.sum() for o in outputs).backward()  # autograd runs microbatch 1's first
+    del outputs
+    graphed = mgc(blocks(1), tuple((sample(),) for _ in range(3)), order=[1, 1, -1, 1, -1, -1])
+    first, second = graphed[0](sample()), graphed[1](sample())  # a step of 2 microbatches
+    first.sum().backward()
+    with raises(RuntimeError, "graph (chunk 1, microbatch 1, layer 0): backward replayed out",
+                "every pass runs every step of the order, for all the microbatches"):
+        second.sum().backward()

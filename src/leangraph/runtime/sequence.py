@@ -89,9 +89,25 @@ class ReplaySequence:
                     f"next replay must be the {_WHAT[expected[1]]} of {self._labels[expected[0]]}. "
                     "Graphs that share a memory pool are safe only replayed in the order they "
                     "were captured in (the order you gave, or torch's: forwards in order, then "
-                    "backwards in reverse)"
+                    f"backwards in reverse){self._hint(graph, kind, expected)}"
                 )
             self._advance()
+
+    def _hint(self, graph: int, kind: StepKind, expected: tuple[int, StepKind]) -> str:
+        """What most likely went wrong, for the two usual ways out of order (error path)."""
+        if kind is not StepKind.FORWARD and expected[1] is StepKind.FORWARD:
+            return (
+                "; every pass runs every step of the order, for all the microbatches it was "
+                "captured with"
+            )
+        both_backwards = kind is expected[1] is StepKind.BACKWARD
+        if both_backwards and graph in self._in_flight and expected[0] in self._in_flight:
+            return (
+                "; a backward pass over several microbatches' summed losses runs their "
+                "backwards newest first: give such an order as leangraph.order.Step records "
+                "in that sequence (docs/pipelines.md)"
+            )
+        return ""
 
     def without_backward(self, graph: int) -> None:
         """The latest forward replay of ``graph`` needs no backward (nothing required grad)."""
