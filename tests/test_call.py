@@ -15,6 +15,7 @@ import leangraph
 from helpers import Opaque, blocks, raises, sample, scale
 from leangraph import GraphedCallable
 from leangraph._call import CaptureOptions, check_capturable, validate_call
+from leangraph.order import Step, StepKind
 from models import Block
 
 # Two chunks of one layer, two microbatches: graph (chunk c, microbatch m) is at 2 (c-1) + m.
@@ -156,6 +157,13 @@ def test_v10_sample_args_count_with_an_order():
         ([1, 3, -3, -1], [1, 1], ["order[1] = 3: unknown chunk 3, the model has 2 chunks"]),
         ([1.0, -1, 2, -2], None, ["order[0] = 1.0", "non-zero integers", "got float"]),
         ([True, -1, 2, -2], None, ["order[0] = True", "got bool"]),
+        ([1, -1, 2, float("-inf")], None, ["order[3] = -inf", "non-zero integers", "got float"]),
+        ([Step(StepKind.FORWARD, 1.0, 0), Step(StepKind.BACKWARD, 1.0, 0)], [2],
+         ["order[0] = Step(", "chunk must be an int, got float 1.0"]),
+        ([Step("F", 1, 0), Step("B", 1, 0)], [2],
+         ["order[0] = Step(", "kind must be a leangraph.order.StepKind", "got str 'F'"]),
+        ([Step(StepKind.FORWARD, 1, False), Step(StepKind.BACKWARD, 1, False)], [2],
+         ["order[0] = Step(", "microbatch must be an int, got bool False"]),
         ([1, 2, -2], None, ["order runs 1 forwards but 0 backwards of chunk 1"]),
         ([1, 2, -2, -1, 2, -2], None, ["order runs 2 forwards of chunk 2 but 1 of chunk 1"]),
         ([1, 2, -2, -1], [1, 2], ["num_layers_per_chunk [1, 2] sums to 3 layers but 2 callables"]),

@@ -5,6 +5,8 @@ over (CPU backend)."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from helpers import blocks, graphed_blocks, mgc, raises, sample
@@ -84,3 +86,104 @@ def test_r12_a_weight_step_may_not_run_early_while_another_forward_awaits_its_ba
     pending.sum().backward()
     graphed[0].backward_dw()
     graphed[1].backward_dw()
+
+
+def _eager_grads(layer, inputs):
+    for x in inputs:
+        layer(x).sum().backward()
+    return [p.grad for p in layer.parameters()]
+
+
+def test_r12_a_refused_backward_keeps_its_place_in_the_order():
+    """A backward refused by a check of its own (R14 here) has not run: the order still waits
+    for it, so the next forward may not overwrite its activations, and once the cause is gone
+    the same backward runs and trains as eager's."""
+    layers = blocks(1)
+    eager = copy.deepcopy(layers[0])
+    graphed = mgc(layers, tuple((sample(),) for _ in range(2)), order=[1, -1, 1, -1],
+                  fuse_grad_accumulation=True)
+    inputs = [sample() for _ in range(2)]
+    loss = graphed[0](inputs[0]).sum()
+    hook = layers[0].up.weight.register_hook(lambda grad: grad)
+    with raises(RuntimeError, "parameter 'up.weight' got a tensor hook"):
+        loss.backward()
+    with raises(RuntimeError, "graph (chunk 1, microbatch 1, layer 0): forward replayed out of",
+                "must be the backward of graph (chunk 1, microbatch 0, layer 0)"):
+        graphed[1](inputs[1])
+    hook.remove()
+    loss.backward()
+    graphed[1](inputs[1]).sum().backward()
+    for got, want in zip(layers[0].parameters(), _eager_grads(eager, inputs)):
+        assert torch.equal(got.grad, want)
+
+
+def test_r12_a_refused_weight_step_keeps_its_place_in_the_order():
+    """A weight step refused by a check of its own (R14 here) has not run: it stays due, and
+    runs once the cause is gone; every microbatch's weight gradient is added once, as eager's."""
+    layers = blocks(1)
+    eager = copy.deepcopy(layers[0])
+    graphed = mgc(layers, tuple((sample(),) for _ in range(2)), order=[1, -1, 1, -1, -1.5, -1.5],
+                  fuse_grad_accumulation=True)
+    inputs = [sample() for _ in range(2)]
+    graphed[0](inputs[0]).sum().backward()
+    graphed[1](inputs[1]).sum().backward()
+    hook = layers[0].up.weight.register_hook(lambda grad: grad)
+    with raises(RuntimeError, "parameter 'up.weight' got a tensor hook"):
+        graphed[0].backward_dw()
+    hook.remove()
+    with raises(RuntimeError, "graph (chunk 1, microbatch 1, layer 0): weight step replayed out of",
+                "must be the weight step of graph (chunk 1, microbatch 0, layer 0)"):
+        graphed[1].backward_dw()
+    graphed[0].backward_dw()
+    graphed[1].backward_dw()
+    for got, want in zip(layers[0].parameters(), _eager_grads(eager, inputs)):
+        assert torch.equal(got.grad, want)
+    graphed[0](inputs[0]).sum().backward()  # the next pass starts as usual
+
+
+def test_r12_due_weight_steps_run_in_capture_order_even_when_drained():
+    """Weight step 1 was captured after weight step 0 freed its activations, so replayed
+    first it could overwrite them (the CPU backend reuses that memory as CUDA's pool does):
+    refused, in a full pass and in an abandoned one drained before a new pass; in capture
+    order every weight gradient is eager's."""
+    layers = blocks(1)
+    eager = copy.deepcopy(layers[0])
+    order = [1, -1, 1, -1, -1.5, -1.5]
+    graphed = mgc(layers, tuple((sample(),) for _ in range(2)), order=order)
+    inputs = [sample() for _ in range(2)]
+    for _ in range(2):
+        graphed[0](inputs[0]).sum().backward()
+        graphed[1](inputs[1]).sum().backward()
+        with raises(RuntimeError, "graph (chunk 1, microbatch 1, layer 0): weight step replayed "
+                    "out of capture order", "must be the weight step of graph (chunk 1, "
+                    "microbatch 0, layer 0)"):
+            graphed[1].backward_dw()
+        graphed[0].backward_dw()
+        graphed[1].backward_dw()
+    for got, want in zip(layers[0].parameters(), _eager_grads(eager, inputs * 2)):
+        assert torch.equal(got.grad, want)
+    graphed = mgc(blocks(1), tuple((sample(),) for _ in range(3)),
+                  order=[1, -1, 1, -1, 1, -1, -1.5, -1.5, -1.5])
+    graphed[0](sample()).sum().backward()
+    graphed[1](sample()).sum().backward()  # abandoned: microbatch 2 never comes
+    with raises(RuntimeError, "graph (chunk 1, microbatch 1, layer 0): weight step replayed out",
+                "must be the forward of graph (chunk 1, microbatch 2, layer 0)"):
+        graphed[1].backward_dw()
+    graphed[0].backward_dw()  # drained in capture order
+    graphed[1].backward_dw()
+    graphed[0](sample()).sum().backward()  # a new pass
+
+
+def test_r12_the_usual_ways_out_of_order_say_what_went_wrong():
+    graphed = mgc(blocks(1), tuple((sample(),) for _ in range(2)), order=[1, 1, -1, -1])
+    outputs = [graphed[m](sample()) for m in range(2)]
+    with raises(RuntimeError, "microbatch 1, layer 0): backward replayed out of capture order",
+                "summed losses runs their backwards newest first", "leangraph.order.Step"):
+        sum(o.sum() for o in outputs).backward()  # autograd runs microbatch 1's first
+    del outputs
+    graphed = mgc(blocks(1), tuple((sample(),) for _ in range(3)), order=[1, 1, -1, 1, -1, -1])
+    first, second = graphed[0](sample()), graphed[1](sample())  # a step of 2 microbatches
+    first.sum().backward()
+    with raises(RuntimeError, "graph (chunk 1, microbatch 1, layer 0): backward replayed out",
+                "every pass runs every step of the order, for all the microbatches"):
+        second.sum().backward()

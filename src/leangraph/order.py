@@ -15,6 +15,7 @@ and in the tuple :func:`leangraph.make_graphed_callables` returns.
 from __future__ import annotations
 
 import enum
+import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -138,7 +139,13 @@ def _entry(position: int, entry: object) -> tuple[StepKind, int]:
             raise ValueError(f"order[{position}] = 0: chunk ids are 1-based, 0 is not a chunk")
         return (StepKind.FORWARD if value > 0 else StepKind.BACKWARD), abs(value)
     twice = float(entry) * 2
-    if entry < 0 and twice == int(twice) and int(twice) % 2 and entry <= -1.5:
+    if (
+        math.isfinite(twice)
+        and entry < 0
+        and twice == int(twice)
+        and int(twice) % 2
+        and entry <= -1.5
+    ):
         return StepKind.WEIGHT, int(-float(entry) - 0.5)
     raise ValueError(
         f"order[{position}] = {entry!r}: entries must be non-zero integers (+c forward, -c "
@@ -221,6 +228,7 @@ def _explicit_steps(order: Sequence[Step]) -> list[Step]:
     done: set[tuple[StepKind, int, int]] = set()
     steps = []
     for position, step in enumerate(order):
+        _check_step_fields(position, step)
         if step.chunk < 1 or step.microbatch < 0:
             raise ValueError(
                 f"order[{position}] = {step}: chunks count from 1, microbatches from 0"
@@ -242,6 +250,22 @@ def _explicit_steps(order: Sequence[Step]) -> list[Step]:
         if seen != list(range(len(seen))):
             raise ValueError(f"chunk {chunk} runs microbatches {seen}; they must be 0 .. M - 1")
     return steps
+
+
+def _check_step_fields(position: int, step: Step) -> None:
+    """A :class:`Step` record's fields: a :class:`StepKind` and two ints (not bools)."""
+    if not isinstance(step.kind, StepKind):
+        raise ValueError(
+            f"order[{position}] = {step!r}: kind must be a leangraph.order.StepKind "
+            f"(FORWARD, BACKWARD or WEIGHT), got {type(step.kind).__name__} {step.kind!r}"
+        )
+    for field in ("chunk", "microbatch"):
+        value = getattr(step, field)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(
+                f"order[{position}] = {step!r}: {field} must be an int, got "
+                f"{type(value).__name__} {value!r}"
+            )
 
 
 def _check_weight_steps(

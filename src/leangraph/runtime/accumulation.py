@@ -88,8 +88,9 @@ class InGraphAccumulation:
         if self._ddp_refusal is not None and _active_torch_ddp() is not None:
             raise RuntimeError(self._ddp_refusal)
 
-    def before_replay(self) -> None:
-        """Make every target the parameter's gradient again; raise for a replaced one.
+    def check_targets(self) -> bool:
+        """Refuse, before a replay changes anything (the replay order included), a target the
+        graph can no longer add into; return whether :meth:`before_replay` has work to do.
 
         Raises:
             RuntimeError: for a parameter frozen since capture, with a tensor hook added
@@ -98,34 +99,49 @@ class InGraphAccumulation:
                 for one that got a post-accumulate-grad hook since.
         """
         if self._as_captured():
+            return False
+        for target in self._targets:
+            self._check_target(target)
+        return True
+
+    def _check_target(self, target: AccumulationTarget) -> None:
+        param = target.param
+        if _TENSOR_HOOKS(param):
+            raise RuntimeError(
+                f"{self._label} parameter {target.name!r} got a tensor hook (register_hook) "
+                "since capture; with fuse_grad_accumulation=True the backward graph adds its "
+                "gradient itself, so no hook could see or change it first, as eager's "
+                "would. Remove the hook, or capture without fuse_grad_accumulation"
+            )
+        if not self._hooks and has_post_accumulate_hooks(param):
+            raise RuntimeError(post_accumulate_hook_refusal(self._label, target.name))
+        if not param.requires_grad:
+            raise RuntimeError(
+                f"{self._label} parameter {target.name!r} must require grad as at capture: "
+                "with fuse_grad_accumulation=True its backward graph adds its gradient "
+                "whatever it requires; capture again to freeze it"
+            )
+        if target.into_main_grad:
+            if getattr(param, "main_grad", None) is not target.buffer:
+                raise RuntimeError(self._replaced(target, "main_grad"))
             return
+        grad = param.grad
+        # A new .grad is adopted by before_replay only where nothing else holds it.
+        replaced = grad is not None and grad is not target.buffer
+        del grad  # not a reference of its own while _adoptable counts them
+        if replaced and not _adoptable(param, target.buffer):
+            raise RuntimeError(self._replaced(target, ".grad"))
+
+    def before_replay(self) -> None:
+        """Make every target the parameter's gradient again (after :meth:`check_targets`
+        returned True): a cleared ``.grad`` becomes its zeroed buffer, a new one nothing else
+        holds gives the buffer its values and its place."""
         cleared: list[AccumulationTarget] = []
         for target in self._targets:
             param = target.param
-            if _TENSOR_HOOKS(param):
-                raise RuntimeError(
-                    f"{self._label} parameter {target.name!r} got a tensor hook (register_hook) "
-                    "since capture; with fuse_grad_accumulation=True the backward graph adds its "
-                    "gradient itself, so no hook could see or change it first, as eager's "
-                    "would. Remove the hook, or capture without fuse_grad_accumulation"
-                )
-            if not self._hooks and has_post_accumulate_hooks(param):
-                raise RuntimeError(post_accumulate_hook_refusal(self._label, target.name))
-            if not param.requires_grad:
-                raise RuntimeError(
-                    f"{self._label} parameter {target.name!r} must require grad as at capture: "
-                    "with fuse_grad_accumulation=True its backward graph adds its gradient "
-                    "whatever it requires; capture again to freeze it"
-                )
-            if target.into_main_grad:
-                if getattr(param, "main_grad", None) is not target.buffer:
-                    raise RuntimeError(self._replaced(target, "main_grad"))
-                continue
-            if param.grad is target.buffer:
+            if target.into_main_grad or param.grad is target.buffer:
                 continue
             if param.grad is not None:
-                if not _adoptable(param, target.buffer):
-                    raise RuntimeError(self._replaced(target, ".grad"))
                 target.buffer.copy_(param.grad)  # values kept: accumulation goes on from them
                 param.grad = target.buffer
                 continue
@@ -151,7 +167,7 @@ class InGraphAccumulation:
         if all(map(_WILL_ENGINE_EXECUTE, self._watched)):
             return
         if not all(map(_REQUIRES_GRAD, self._params)):
-            return  # a parameter frozen since capture has no edge: before_replay names it
+            return  # a parameter frozen since capture has no edge: check_targets names it
         raise RuntimeError(
             f"{self._label}: this backward pass accumulates no gradient into some or all of its "
             "parameters (torch.autograd.grad, or backward(inputs=...)), but with "

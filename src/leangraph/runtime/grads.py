@@ -11,10 +11,12 @@ tensor and its memory, and leangraph holds one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..build.record import GraphRecord
 from .pending import PendingBackwards
@@ -70,13 +72,25 @@ class GradRouting:
         # Shared parameters matter only where this replay hands their gradients to autograd.
         self._shared_param_ids = record.sharing.shared_param_ids if delivers else frozenset()
         self._pending = pending
+        # Parameters graphs of another live call train too (the same layers graphed twice,
+        # a weight tied across calls): their peers are not this call's, so whenever such a
+        # parameter's gradient is handed, it is a copy (see _CallsTraining).
+        _TRAINING.add(record.trained_params(), pending)
+        self._delivered = tuple(p for _, p in self._params_with_grad)
+        self._seen_version = -1
+        self._other_calls_ids: frozenset[int] = frozenset()
 
     def scatter(self) -> tuple[torch.Tensor | None, ...]:
         """One gradient per tensor passed to the replay (inputs, then parameters)."""
         grads = self._grads
         copy_at = list(self._inputs_copied)
+        if _TRAINING.version != self._seen_version:
+            self._seen_version = _TRAINING.version
+            self._other_calls_ids = _TRAINING.by_other_calls(self._delivered, self._pending)
+        shared = self._other_calls_ids
         if self._shared_param_ids and self._pending.reached_now(self._peers):
-            shared = self._shared_param_ids
+            shared = shared | self._shared_param_ids
+        if shared:
             copy_at += [i for i, p in self._params_with_grad if p.grad is None or id(p) in shared]
         else:
             copy_at += [i for i, p in self._params_with_grad if p.grad is None]
@@ -96,6 +110,46 @@ class GradRouting:
             *(reach for reach, got in zip(self._reach, used) if got)
         )
         return tuple(g if i in reached else None for i, g in enumerate(handed))
+
+
+class _CallsTraining:
+    """Per parameter, the live ``make_graphed_callables`` calls (their
+    :class:`PendingBackwards`, one per call) whose graphs train it.
+
+    A parameter's gradient handed as the static buffer is safe only while autograd adds it at
+    once. With another call's graph also training it in the same backward pass, autograd
+    waits for that contribution too, and meanwhile this call's later backward replays may
+    reuse the buffer's pool memory: the gradient would be silently wrong. Calls do not know
+    each other, so this registry, process-wide, is what tells them; ``version`` changes
+    whenever a parameter gets a second live call, so a replay checks one integer on its way.
+    A call that is gone drops out (weakly held); one only reset still counts, which costs
+    copies, never correctness.
+    """
+
+    def __init__(self) -> None:
+        self._calls: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.version = 0
+
+    def add(self, params: Iterable[torch.Tensor], call: PendingBackwards) -> None:
+        for param in params:
+            calls = self._calls.get(param)
+            if calls is None:
+                calls = self._calls[param] = weakref.WeakSet()
+            if call not in calls:
+                calls.add(call)
+                if len(calls) > 1:
+                    self.version += 1
+
+    def by_other_calls(
+        self, params: Iterable[torch.Tensor], call: PendingBackwards
+    ) -> frozenset[int]:
+        """The ids of ``params`` that graphs of a live call other than ``call`` train."""
+        return frozenset(
+            id(p) for p in params if any(c is not call for c in self._calls.get(p, ()))
+        )
+
+
+_TRAINING = _CallsTraining()
 
 
 def copies(tensors: list[Any]) -> list[torch.Tensor]:

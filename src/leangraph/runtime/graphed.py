@@ -257,9 +257,9 @@ class GraphedCallable:
                     f"{self._label}: backward_dw() needs an order with -(c + 0.5) weight "
                     "steps; this callable's backward computes weight gradients itself"
                 )
-            self._weight.require_due()
+            attach = self._weight.check()  # before the order moves past this step
             self._sequence.expect(self._index, StepKind.WEIGHT)
-            self._weight.run()
+            self._weight.run(attach=attach)
             if self._guard is not None:
                 self._guard.invalidate(f"the weight step of {self._label} ran")
 
@@ -354,15 +354,20 @@ class GraphedCallable:
                     "forward, capture with retain_graph_in_backward=True"
                 )
             fused = self._fused if self._weight is None else None  # else: at the weight step
+            # Every refusal comes before the replay order moves past this step: a refused
+            # backward has not run, and may run once its cause is fixed.
+            attach = False
             if fused is not None:
                 fused.check_backward_pass()
-            self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
+                attach = fused.check_targets()
             if self._saved_outputs:
                 _refuse_modified_outputs(
                     self._label, record, self._saved_outputs, self._saved_versions
                 )
+            self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
             _fill_seeds(record.static_grad_outputs, grads)
-            if fused is not None:
+            if attach:
+                assert fused is not None
                 fused.before_replay()
             if record.static_grads:
                 record.pair.replay_backward()

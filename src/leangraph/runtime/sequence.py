@@ -89,9 +89,25 @@ class ReplaySequence:
                     f"next replay must be the {_WHAT[expected[1]]} of {self._labels[expected[0]]}. "
                     "Graphs that share a memory pool are safe only replayed in the order they "
                     "were captured in (the order you gave, or torch's: forwards in order, then "
-                    "backwards in reverse)"
+                    f"backwards in reverse){self._hint(graph, kind, expected)}"
                 )
             self._advance()
+
+    def _hint(self, graph: int, kind: StepKind, expected: tuple[int, StepKind]) -> str:
+        """What most likely went wrong, for the two usual ways out of order (error path)."""
+        if kind is not StepKind.FORWARD and expected[1] is StepKind.FORWARD:
+            return (
+                "; every pass runs every step of the order, for all the microbatches it was "
+                "captured with"
+            )
+        both_backwards = kind is expected[1] is StepKind.BACKWARD
+        if both_backwards and graph in self._in_flight and expected[0] in self._in_flight:
+            return (
+                "; a backward pass over several microbatches' summed losses runs their "
+                "backwards newest first: give such an order as leangraph.order.Step records "
+                "in that sequence (docs/pipelines.md)"
+            )
+        return ""
 
     def without_backward(self, graph: int) -> None:
         """The latest forward replay of ``graph`` needs no backward (nothing required grad)."""
@@ -126,7 +142,8 @@ class ReplaySequence:
         """Whether ``kind`` is a weight step that may run out of order: one that is due, of a
         pass abandoned with nothing else in flight (no forward's backward can still come),
         where nothing it could overwrite is alive; so an abandoned pass can be drained and a
-        new one started."""
+        new one started. The due weight steps drain in capture order: one captured after
+        another reuses the activations that one freed, which are still alive until it runs."""
         return (
             kind is StepKind.WEIGHT
             and graph in self._weight_due
@@ -134,7 +151,18 @@ class ReplaySequence:
                 self._awaits(g) and g not in self._no_backward and g not in self._weight_due
                 for g in self._in_flight
             )
+            and self._first_due_weight() == graph
         )
+
+    def _first_due_weight(self) -> int | None:
+        """The graph of the first due weight step from where the replays are (the next due
+        one in capture order), or None."""
+        count = len(self._steps)
+        for offset in range(count):
+            graph, kind = self._steps[(self._next + offset) % count]
+            if kind is StepKind.WEIGHT and graph in self._weight_due:
+                return graph
+        return None
 
     def _may_start_over(self, graph: int, kind: StepKind) -> bool:
         return (graph, kind) == self._steps[0] and not any(

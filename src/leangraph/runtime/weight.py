@@ -50,15 +50,24 @@ class WeightStep:
                 "step; run the backward through this callable's outputs first"
             )
 
-    def run(self) -> None:
-        """Replay the weight-gradient graph and accumulate into each parameter's ``.grad``.
+    def check(self) -> bool:
+        """Refuse, before anything changes (the replay order included), a weight step the
+        graph cannot run as captured; return whether :meth:`run` must attach gradient
+        targets first (``attach``).
 
         Raises:
-            RuntimeError: if no backward awaits its weight step.
+            RuntimeError: if no backward awaits its weight step; with in-graph accumulation,
+                for a parameter the graph can no longer add into (R14, R15).
         """
         self.require_due()
+        return self._fused is not None and self._fused.check_targets()
+
+    def run(self, *, attach: bool) -> None:
+        """Replay the weight-gradient graph and accumulate into each parameter's ``.grad``
+        (after :meth:`check`, whose result ``attach`` is)."""
         fused = self._fused
-        if fused is not None:
+        if attach:
+            assert fused is not None  # only in-graph accumulation attaches targets
             fused.before_replay()
         if self._grads:
             self._pair.replay_weight()
