@@ -88,8 +88,14 @@ class InGraphAccumulation:
         if self._ddp_refusal is not None and _active_torch_ddp() is not None:
             raise RuntimeError(self._ddp_refusal)
 
-    def before_replay(self) -> None:
+    def before_replay(self, unreached: frozenset[int] = frozenset()) -> None:
         """Make every target the parameter's gradient again; raise for a replaced one.
+
+        A cleared ``.grad`` (None) of a parameter in ``unreached`` (ids of the parameters no
+        output with a gradient reaches in this backward) stays None, as eager leaves it: the
+        graph adds zeros for it into its detached buffer, which is zeroed again when attached.
+        An optimizer then skips it as it skips eager's (AdamW would decay it, Adam and SGD
+        with momentum step it, on a zero gradient).
 
         Raises:
             RuntimeError: for a parameter frozen since capture, with a tensor hook added
@@ -129,7 +135,8 @@ class InGraphAccumulation:
                 target.buffer.copy_(param.grad)  # values kept: accumulation goes on from them
                 param.grad = target.buffer
                 continue
-            cleared.append(target)
+            if id(param) not in unreached:
+                cleared.append(target)
         if cleared:
             buffers = [t.buffer for t in cleared]
             torch._foreach_zero_(buffers)
@@ -196,16 +203,17 @@ class InGraphAccumulation:
         for param, _ in self._megatron:
             param.grad_added_to_main_grad = False
 
-    def call_hooks(self) -> None:
+    def call_hooks(self, unreached: frozenset[int] = frozenset()) -> None:
         """With ``accumulator_hooks="python"``, call the hooks registered from Python on the
         parameters' accumulators (after :meth:`after_replay`, outside the callable's lock, as
-        autograd runs the relay's after the replay's node); else nothing.
+        autograd runs the relay's after the replay's node), but not those of the parameters in
+        ``unreached`` (ids), whose accumulators eager's backward never reaches; else nothing.
 
         Raises:
             RuntimeError: for a hook that returns a value; whatever a hook raises.
         """
         if self._python_hooks is not None:
-            call_python_hooks(self._label, self._python_hooks)
+            call_python_hooks(self._label, self._python_hooks, skip=unreached)
 
     def _replaced(self, target: AccumulationTarget, what: str) -> str:
         if what == ".grad":

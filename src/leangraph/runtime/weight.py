@@ -28,10 +28,15 @@ class WeightStep:
         self._params = record.trained_params()
         self._grads = record.static_weight_grads
         self._pending: int | None = None
+        # The ids of the parameters no output with a gradient reached in that backward.
+        self._unreached: frozenset[int] = frozenset()
 
-    def defer(self, generation: int) -> None:
-        """The backward of forward replay ``generation`` ran; its weight step is now due."""
+    def defer(self, generation: int, unreached: frozenset[int] = frozenset()) -> None:
+        """The backward of forward replay ``generation`` ran; its weight step is now due.
+        ``unreached``: the ids of the parameters no output with a gradient reached in it,
+        which the weight step leaves without a gradient, as eager's does."""
         self._pending = generation
+        self._unreached = unreached
 
     def check_not_due(self) -> None:
         """Refuse a forward replay while the weight step still needs the activations."""
@@ -57,9 +62,9 @@ class WeightStep:
             RuntimeError: if no backward awaits its weight step.
         """
         self.require_due()
-        fused = self._fused
+        fused, unreached = self._fused, self._unreached
         if fused is not None:
-            fused.before_replay()
+            fused.before_replay(unreached)
         if self._grads:
             self._pair.replay_weight()
         self._pending = None
@@ -68,12 +73,16 @@ class WeightStep:
             # with grad mode off, as in the relay's backward (and in eager's).
             fused.after_replay()
             with torch.no_grad():
-                fused.call_hooks()
+                fused.call_hooks(unreached)
             if fused.relay is not None:
                 fire_relay(fused.relay)
             fused.megatron_hooks_ran()  # outside a backward pass: the hooks ran above
             return
-        pairs = [(p, g) for p, g in zip(self._params, self._grads) if g is not None]
+        pairs = [
+            (p, g)
+            for p, g in zip(self._params, self._grads)
+            if g is not None and id(p) not in unreached
+        ]
         if not pairs:
             return
         # Hand the gradients to autograd, which accumulates them as it does in eager's weight
