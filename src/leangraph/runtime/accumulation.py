@@ -235,9 +235,11 @@ class InGraphAccumulation:
 def _adoptable(param: torch.Tensor, buffer: torch.Tensor) -> bool:
     """Whether ``param``'s ``.grad``, another tensor than ``buffer``, is one nothing but the
     parameter refers to (as autograd makes one when a backward outside the graphs, an eager
-    forward in eval mode say, reaches a parameter whose ``.grad`` is None), of the buffer's
-    layout: the buffer may then take its values and its place, which no one can tell apart.
-    One held elsewhere (a user's reference, a view into a bucket, a shared storage) may not."""
+    forward in eval mode say, reaches a parameter whose ``.grad`` is None, or one assigned and
+    not kept), dense, of the buffer's shape, dtype and device: the buffer may then take its
+    values and its place, as capture adopts a ``.grad`` of another layout (its strides are
+    the buffer's after; values are all the optimizer reads). One held elsewhere (a user's
+    reference, a view into a bucket, a shared storage) may not."""
     # Python references: the argument and the getter's own (nothing else holds it).
     if sys.getrefcount(param.grad) > 2 or _STORAGE_USE_COUNT is None:
         return False
@@ -249,7 +251,6 @@ def _adoptable(param: torch.Tensor, buffer: torch.Tensor) -> bool:
         and grad.shape == buffer.shape
         and grad.dtype == buffer.dtype
         and grad.device == buffer.device
-        and grad.stride() == buffer.stride()
         # The tensor's own reference and the Python storage object's (made here).
         and _STORAGE_USE_COUNT(grad.untyped_storage()._cdata) <= 2
     )
