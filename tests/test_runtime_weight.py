@@ -4,6 +4,8 @@ None, else added in place); misuse raises (CPU backend)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -170,3 +172,40 @@ def test_a_weight_step_is_due_per_graph():
         twin(x.detach()).square().sum().backward()
     for p, q in zip(layer.parameters(), twin.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+class _TwoOutputs(torch.nn.Module):
+    """``(y, head(y))``: a loss may leave ``head(y)`` out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor):
+        y = self.body(x)
+        return y, self.head(y)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["autograd", "fused"])
+def test_the_weight_step_leaves_what_only_an_output_without_gradient_reaches_without_one(fuse):
+    """As eager's weight step: ``head`` gets no gradient (None, not zeros) when the loss
+    leaves ``head(y)`` out, so an optimizer skips it."""
+    torch.manual_seed(0)
+    eager = _TwoOutputs()
+    module = copy.deepcopy(eager)
+    graphed = leangraph.make_graphed_callables(
+        (module,), tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(2)),
+        order=[1, 1, -1, -1.5, -1, -1.5], fuse_grad_accumulation=fuse)
+    inputs = [torch.randn(4, 8) for _ in range(2)]
+    outputs = [graphed[m](x) for m, x in enumerate(inputs)]
+    for m, (y, h) in enumerate(outputs):
+        (y.sum() + (h.sum() if m == 1 else 0)).backward()
+        graphed[m].backward_dw()
+        y, h = eager(inputs[m])
+        (y.sum() + (h.sum() if m == 1 else 0)).backward()
+        for (name, a), b in zip(module.named_parameters(), eager.parameters()):
+            assert (a.grad is None) == (b.grad is None), (m, name)
+            assert b.grad is None or torch.equal(a.grad, b.grad), (m, name)
+    assert module.head.weight.grad is not None  # microbatch 1's loss used the head
+    leangraph.reset_all(graphed)

@@ -348,11 +348,15 @@ def check_python_hooks_alone(label: str, hooks: PythonHooks) -> None:
 _WILL_ENGINE_EXECUTE = torch._C._will_engine_execute_node
 
 
-def call_python_hooks(label: str, hooks: PythonHooks) -> None:
+def call_python_hooks(
+    label: str, hooks: PythonHooks, *, skip: frozenset[int] = frozenset()
+) -> None:
     """Call the hooks of ``hooks``' parameters' accumulators as autograd calls them when an
     accumulator gets no gradient: per parameter, in eager's order, its node's pre-hooks with
     ``(None,)``, its post-accumulate-grad hooks with the parameter, its node's hooks with
-    ``((), (None,))``; in the caller's grad mode.
+    ``((), (None,))``; in the caller's grad mode. Parameters whose ids are in ``skip`` (no
+    output with a gradient reaches them: eager's backward runs no accumulator for them) are
+    passed over.
 
     Raises:
         RuntimeError: naming the parameter, for a hook that returns something (a gradient
@@ -367,10 +371,12 @@ def call_python_hooks(label: str, hooks: PythonHooks) -> None:
         return  # checked in C-level loops: the common case, no hook at all
     task = _GRAPH_TASK_ID()
     if task != -1:
-        _claim_pass(label, hooks, task)
+        _claim_pass(label, hooks, task, skip)
     for name, param, pre_hooks, post_hooks in zip(
         hooks.names, hooks.params, hooks.pre_hooks, hooks.post_hooks
     ):
+        if skip and id(param) in skip:
+            continue
         if pre_hooks:
             _call_each(label, name, "accumulator pre-hook", pre_hooks.values(), (None,))
         accumulate_hooks = post_accumulate_hooks(param)
@@ -387,8 +393,9 @@ _CALLED_IN: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _GRAPH_TASK_ID = torch._C._current_graph_task_id
 
 
-def _claim_pass(label: str, hooks: PythonHooks, task: int) -> None:
-    """Note that ``hooks`` call their parameters' hooks in backward pass ``task``.
+def _claim_pass(label: str, hooks: PythonHooks, task: int, skip: frozenset[int]) -> None:
+    """Note that ``hooks`` call their parameters' hooks (but those in ``skip``) in backward
+    pass ``task``.
 
     Raises:
         RuntimeError: naming the parameter, if another graph's replay called its hooks in
@@ -396,6 +403,8 @@ def _claim_pass(label: str, hooks: PythonHooks, task: int) -> None:
     """
     mine = (task, id(hooks))
     for name, param in zip(hooks.names, hooks.params):
+        if skip and id(param) in skip:
+            continue
         called = _CALLED_IN.get(param)
         if called is not None and called[0] == task and called != mine:
             raise RuntimeError(
@@ -406,7 +415,8 @@ def _claim_pass(label: str, hooks: PythonHooks, task: int) -> None:
                 "when all of them arrived). Capture with accumulator_hooks=True"
             )
     for param in hooks.params:
-        _CALLED_IN[param] = mine
+        if not (skip and id(param) in skip):
+            _CALLED_IN[param] = mine
 
 
 def _call_each(label: str, name: str, kind: str, hooks: Any, *args: Any) -> None:

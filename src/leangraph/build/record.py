@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,6 +167,18 @@ class GraphRecord:
         in-graph accumulation (the graphs add them) nor weight steps (they come at
         ``backward_dw()``)."""
         return self.fused is None and not self.split_backward
+
+    def params_unreached(self, got_grad: Sequence[bool]) -> frozenset[int]:
+        """The positions among ``params`` of the trained parameters that no output with a
+        gradient (``got_grad[o]``) reaches: eager's backward gives them none, not zeros. Only
+        for a graph with several outputs that need a gradient (``output_reach``)."""
+        offset = len(self.signature.specs)
+        reached = frozenset().union(
+            *(reach for reach, got in zip(self.output_reach, got_grad) if got)
+        )
+        return frozenset(
+            i for i, trains in enumerate(self.param_trains) if trains and i + offset not in reached
+        )
 
     def trained_params(self) -> tuple[torch.nn.Parameter, ...]:
         """The parameters the graphs differentiate, in gradient order."""

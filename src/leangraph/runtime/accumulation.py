@@ -132,10 +132,17 @@ class InGraphAccumulation:
         if replaced and not _adoptable(param, target.buffer):
             raise RuntimeError(self._replaced(target, ".grad"))
 
-    def before_replay(self) -> None:
+    def before_replay(self, unreached: frozenset[int] = frozenset()) -> None:
         """Make every target the parameter's gradient again (after :meth:`check_targets`
         returned True): a cleared ``.grad`` becomes its zeroed buffer, a new one nothing else
-        holds gives the buffer its values and its place."""
+        holds gives the buffer its values and its place.
+
+        A cleared ``.grad`` (None) of a parameter in ``unreached`` (ids of the parameters no
+        output with a gradient reaches in this backward) stays None, as eager leaves it: the
+        graph adds zeros for it into its detached buffer, which is zeroed again when attached.
+        An optimizer then skips it as it skips eager's (AdamW would decay it, Adam and SGD
+        with momentum step it, on a zero gradient).
+        """
         cleared: list[AccumulationTarget] = []
         for target in self._targets:
             param = target.param
@@ -145,7 +152,8 @@ class InGraphAccumulation:
                 target.buffer.copy_(param.grad)  # values kept: accumulation goes on from them
                 param.grad = target.buffer
                 continue
-            cleared.append(target)
+            if id(param) not in unreached:
+                cleared.append(target)
         if cleared:
             buffers = [t.buffer for t in cleared]
             torch._foreach_zero_(buffers)
@@ -212,16 +220,17 @@ class InGraphAccumulation:
         for param, _ in self._megatron:
             param.grad_added_to_main_grad = False
 
-    def call_hooks(self) -> None:
+    def call_hooks(self, unreached: frozenset[int] = frozenset()) -> None:
         """With ``accumulator_hooks="python"``, call the hooks registered from Python on the
         parameters' accumulators (after :meth:`after_replay`, outside the callable's lock, as
-        autograd runs the relay's after the replay's node); else nothing.
+        autograd runs the relay's after the replay's node), but not those of the parameters in
+        ``unreached`` (ids), whose accumulators eager's backward never reaches; else nothing.
 
         Raises:
             RuntimeError: for a hook that returns a value; whatever a hook raises.
         """
         if self._python_hooks is not None:
-            call_python_hooks(self._label, self._python_hooks)
+            call_python_hooks(self._label, self._python_hooks, skip=unreached)
 
     def _replaced(self, target: AccumulationTarget, what: str) -> str:
         if what == ".grad":
@@ -243,9 +252,11 @@ class InGraphAccumulation:
 def _adoptable(param: torch.Tensor, buffer: torch.Tensor) -> bool:
     """Whether ``param``'s ``.grad``, another tensor than ``buffer``, is one nothing but the
     parameter refers to (as autograd makes one when a backward outside the graphs, an eager
-    forward in eval mode say, reaches a parameter whose ``.grad`` is None), of the buffer's
-    layout: the buffer may then take its values and its place, which no one can tell apart.
-    One held elsewhere (a user's reference, a view into a bucket, a shared storage) may not."""
+    forward in eval mode say, reaches a parameter whose ``.grad`` is None, or one assigned and
+    not kept), dense, of the buffer's shape, dtype and device: the buffer may then take its
+    values and its place, as capture adopts a ``.grad`` of another layout (its strides are
+    the buffer's after; values are all the optimizer reads). One held elsewhere (a user's
+    reference, a view into a bucket, a shared storage) may not."""
     # Python references: the argument and the getter's own (nothing else holds it).
     if sys.getrefcount(param.grad) > 2 or _STORAGE_USE_COUNT is None:
         return False
@@ -257,7 +268,6 @@ def _adoptable(param: torch.Tensor, buffer: torch.Tensor) -> bool:
         and grad.shape == buffer.shape
         and grad.dtype == buffer.dtype
         and grad.device == buffer.device
-        and grad.stride() == buffer.stride()
         # The tensor's own reference and the Python storage object's (made here).
         and _STORAGE_USE_COUNT(grad.untyped_storage()._cdata) <= 2
     )

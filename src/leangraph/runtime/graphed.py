@@ -366,9 +366,11 @@ class GraphedCallable:
                 )
             self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
             _fill_seeds(record.static_grad_outputs, grads)
+            lacking = self._outputs_may_lack_grads and any(map(operator.is_, grads, _NONES))
+            unreached = _unreached_params(record, grads) if lacking else _NOTHING
             if attach:
                 assert fused is not None
-                fused.before_replay()
+                fused.before_replay(unreached)
             if record.static_grads:
                 record.pair.replay_backward()
             if fused is not None:
@@ -376,20 +378,33 @@ class GraphedCallable:
             self._backward_generation = generation
             self._pending.clear(self._index)
             if self._weight is not None:
-                self._weight.defer(generation)
+                self._weight.defer(generation, unreached)
             elif self._guard is not None:
                 self._guard.invalidate(f"the backward of {self._label} ran")
             assert self._grads is not None
             handed = self._grads.scatter()
-            if self._outputs_may_lack_grads and any(map(operator.is_, grads, _NONES)):
+            if lacking:
                 handed = self._grads.without_unreached(handed, [g is not None for g in grads])
             return handed
 
-    def _call_accumulator_hooks(self) -> None:
-        """After a backward replay, outside the lock: the Python hooks it calls itself
-        (``accumulator_hooks="python"``; at the weight step for a split backward)."""
-        if self._fused is not None and self._weight is None:
-            self._fused.call_hooks()
+    def _call_accumulator_hooks(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """After a backward replay on ``grads``, outside the lock: the Python hooks it calls
+        itself (``accumulator_hooks="python"``; at the weight step for a split backward), but
+        not those of parameters that no output with a gradient reaches."""
+        fused, record = self._fused, self._record
+        if fused is None or record is None or self._weight is not None:
+            return
+        if self._outputs_may_lack_grads and any(map(operator.is_, grads, _NONES)):
+            fused.call_hooks(_unreached_params(record, grads))
+        else:
+            fused.call_hooks()
+
+
+def _unreached_params(record: GraphRecord, grads: Sequence[torch.Tensor | None]) -> frozenset[int]:
+    """The ids of the trained parameters that no output with a gradient (not None in
+    ``grads``) reaches: eager's backward gives them no gradient and runs no accumulator."""
+    positions = record.params_unreached([g is not None for g in grads])
+    return frozenset(id(record.params[i]) for i in positions)
 
 
 def _eager_in_another_mode(
@@ -571,6 +586,7 @@ def _params_for_autograd(
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _NONES = itertools.repeat(None)
+_NOTHING: frozenset[int] = frozenset()
 
 
 def _inputs_to_copy(
@@ -633,7 +649,7 @@ class _Replay(torch.autograd.Function):
 def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     owner: GraphedCallable = ctx.owner
     grad_inputs = owner._replay_backward(grads, ctx.generation)
-    owner._call_accumulator_hooks()
+    owner._call_accumulator_hooks(grads)
     return _node_grads(ctx, grad_inputs)
 
 
@@ -654,7 +670,7 @@ def _backward_once(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None,
     owner: GraphedCallable = ctx.owner
     with torch.no_grad():
         grad_inputs = owner._replay_backward(grads, ctx.generation)
-    owner._call_accumulator_hooks()  # in the pass's grad mode, as autograd runs accumulators
+    owner._call_accumulator_hooks(grads)  # in the pass's grad mode, as autograd runs accumulators
     outputs = _node_grads(ctx, grad_inputs)
     if not any(g is not None and g.requires_grad for g in grads):
         return outputs

@@ -28,10 +28,15 @@ class WeightStep:
         self._params = record.trained_params()
         self._grads = record.static_weight_grads
         self._pending: int | None = None
+        # The ids of the parameters no output with a gradient reached in that backward.
+        self._unreached: frozenset[int] = frozenset()
 
-    def defer(self, generation: int) -> None:
-        """The backward of forward replay ``generation`` ran; its weight step is now due."""
+    def defer(self, generation: int, unreached: frozenset[int] = frozenset()) -> None:
+        """The backward of forward replay ``generation`` ran; its weight step is now due.
+        ``unreached``: the ids of the parameters no output with a gradient reached in it,
+        which the weight step leaves without a gradient, as eager's does."""
         self._pending = generation
+        self._unreached = unreached
 
     def check_not_due(self) -> None:
         """Refuse a forward replay while the weight step still needs the activations."""
@@ -64,11 +69,12 @@ class WeightStep:
 
     def run(self, *, attach: bool) -> None:
         """Replay the weight-gradient graph and accumulate into each parameter's ``.grad``
-        (after :meth:`check`, whose result ``attach`` is)."""
-        fused = self._fused
+        (after :meth:`check`, whose result ``attach`` is), leaving the parameters its
+        backward's outputs with a gradient did not reach without one."""
+        fused, unreached = self._fused, self._unreached
         if attach:
             assert fused is not None  # only in-graph accumulation attaches targets
-            fused.before_replay()
+            fused.before_replay(unreached)
         if self._grads:
             self._pair.replay_weight()
         self._pending = None
@@ -77,12 +83,16 @@ class WeightStep:
             # with grad mode off, as in the relay's backward (and in eager's).
             fused.after_replay()
             with torch.no_grad():
-                fused.call_hooks()
+                fused.call_hooks(unreached)
             if fused.relay is not None:
                 fire_relay(fused.relay)
             fused.megatron_hooks_ran()  # outside a backward pass: the hooks ran above
             return
-        pairs = [(p, g) for p, g in zip(self._params, self._grads) if g is not None]
+        pairs = [
+            (p, g)
+            for p, g in zip(self._params, self._grads)
+            if g is not None and id(p) not in unreached
+        ]
         if not pairs:
             return
         # Hand the gradients to autograd, which accumulates them as it does in eager's weight
