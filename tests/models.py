@@ -38,6 +38,19 @@ class Block(torch.nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
 
 
+class TwoOutputs(torch.nn.Module):
+    """``(y, head(y))``: a loss may leave ``head(y)`` out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor):
+        y = self.body(x)
+        return y, self.head(y)
+
+
 def make_layers(count: int, width: int, device: str = "cpu", seed: int = 0) -> list[Block]:
     torch.manual_seed(seed)
     return [Block(width).to(device) for _ in range(count)]

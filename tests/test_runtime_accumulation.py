@@ -16,7 +16,7 @@ import torch
 import leangraph
 import leangraph.schedules
 from helpers import raises
-from models import Block, assert_histories_equal, train_both
+from models import Block, TwoOutputs, assert_histories_equal, train_both
 
 ZB = [1, 2, 1, -2, 2, -1, -2.5, -2, -1.5, -1, -2.5, -1.5]
 # The two ways a fused replay fires the accumulators' hooks: autograd's relay, or leangraph
@@ -518,19 +518,6 @@ def test_r14_a_tensor_hook_added_to_a_parameter_after_capture_is_refused(hooks):
     graphed(torch.randn(4, 8)).sum().backward()
 
 
-class _TwoOutputs(torch.nn.Module):
-    """``(y, head(y))``: a loss may leave ``head(y)`` out."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = torch.nn.Linear(8, 8)
-        self.head = torch.nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor):
-        y = self.body(x)
-        return y, self.head(y)
-
-
 @pytest.mark.parametrize("hooks", [True, "python", False], ids=["relay", "python", "none"])
 @pytest.mark.parametrize("optimizer", [
     functools.partial(torch.optim.AdamW, lr=0.01, weight_decay=0.1),
@@ -541,7 +528,7 @@ def test_parameters_only_an_output_without_gradient_reaches_keep_no_grad(hooks, 
     optimizer skips it; the graph adds zeros into its buffer, which stays detached. Were it
     attached, AdamW would decay ``head`` and SGD's momentum move it."""
     torch.manual_seed(0)
-    eager = _TwoOutputs()
+    eager = TwoOutputs()
     module = copy.deepcopy(eager)
     logs: dict[str, list[str]] = {"eager": [], "graphed": []}
     if hooks == "python":  # the hooks replays call themselves fire as eager's

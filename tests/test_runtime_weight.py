@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import leangraph
-from models import Block
+from models import Block, TwoOutputs
 
 def _zb_graphs():
     """One layer, one microbatch: forward, input-gradient backward, weight step."""
@@ -174,25 +174,12 @@ def test_a_weight_step_is_due_per_graph():
         assert torch.equal(p.grad, q.grad)
 
 
-class _TwoOutputs(torch.nn.Module):
-    """``(y, head(y))``: a loss may leave ``head(y)`` out."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = torch.nn.Linear(8, 8)
-        self.head = torch.nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor):
-        y = self.body(x)
-        return y, self.head(y)
-
-
 @pytest.mark.parametrize("fuse", [False, True], ids=["autograd", "fused"])
 def test_the_weight_step_leaves_what_only_an_output_without_gradient_reaches_without_one(fuse):
     """As eager's weight step: ``head`` gets no gradient (None, not zeros) when the loss
     leaves ``head(y)`` out, so an optimizer skips it."""
     torch.manual_seed(0)
-    eager = _TwoOutputs()
+    eager = TwoOutputs()
     module = copy.deepcopy(eager)
     graphed = leangraph.make_graphed_callables(
         (module,), tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(2)),
