@@ -336,23 +336,14 @@ class GraphedCallable:
 
     def _replay_backward(
         self, grads: Sequence[torch.Tensor], generation: int
-    ) -> tuple[torch.Tensor | None, ...]:
+    ) -> tuple[tuple[torch.Tensor | None, ...], frozenset[int]]:
+        """The gradients to hand autograd, and the ids of the trained parameters no output
+        with a gradient reached (whose hooks :meth:`_call_accumulator_hooks` leaves out)."""
         with self._lock:
             record = self._require_ready("run a backward")
-            if generation != self._forward_generation:
-                raise RuntimeError(
-                    f"{self._label}: backward of forward replay {generation} requested, but the "
-                    f"graph was replayed again since (replay {self._forward_generation}) and "
-                    "its saved activations were overwritten; run each backward before the "
-                    "next forward replay of the same graph"
-                )
-            if generation == self._backward_generation and not record.retain_graph:
-                raise RuntimeError(
-                    f"{self._label}: second backward through forward replay {generation}: "
-                    "each forward replay's backward runs once, as eager autograd's does unless "
-                    "asked to retain the graph; to replay a backward more than once per "
-                    "forward, capture with retain_graph_in_backward=True"
-                )
+            _refuse_stale_backward(
+                self._label, record, generation, self._forward_generation, self._backward_generation
+            )
             fused = self._fused if self._weight is None else None  # else: at the weight step
             # Every refusal comes before the replay order moves past this step: a refused
             # backward has not run, and may run once its cause is fixed.
@@ -385,19 +376,35 @@ class GraphedCallable:
             handed = self._grads.scatter()
             if lacking:
                 handed = self._grads.without_unreached(handed, [g is not None for g in grads])
-            return handed
+            return handed, unreached
 
-    def _call_accumulator_hooks(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """After a backward replay on ``grads``, outside the lock: the Python hooks it calls
-        itself (``accumulator_hooks="python"``; at the weight step for a split backward), but
-        not those of parameters that no output with a gradient reaches."""
-        fused, record = self._fused, self._record
-        if fused is None or record is None or self._weight is not None:
-            return
-        if self._outputs_may_lack_grads and any(map(operator.is_, grads, _NONES)):
-            fused.call_hooks(_unreached_params(record, grads))
-        else:
-            fused.call_hooks()
+    def _call_accumulator_hooks(self, unreached: frozenset[int]) -> None:
+        """After a backward replay, outside the lock: the Python hooks it calls itself
+        (``accumulator_hooks="python"``; at the weight step for a split backward), but not
+        those of the parameters in ``unreached`` (ids), which no output with a gradient
+        reached."""
+        if self._fused is not None and self._weight is None:
+            self._fused.call_hooks(unreached)
+
+
+def _refuse_stale_backward(
+    label: str, record: GraphRecord, generation: int, forward: int, backward: int
+) -> None:
+    """Refuse the backward of forward replay ``generation`` once the graph replayed its
+    forward again (``forward``: the latest), or a second one (``backward``: the latest run)."""
+    if generation != forward:
+        raise RuntimeError(
+            f"{label}: backward of forward replay {generation} requested, but the graph was "
+            f"replayed again since (replay {forward}) and its saved activations were "
+            "overwritten; run each backward before the next forward replay of the same graph"
+        )
+    if generation == backward and not record.retain_graph:
+        raise RuntimeError(
+            f"{label}: second backward through forward replay {generation}: each forward "
+            "replay's backward runs once, as eager autograd's does unless asked to retain the "
+            "graph; to replay a backward more than once per forward, capture with "
+            "retain_graph_in_backward=True"
+        )
 
 
 def _unreached_params(record: GraphRecord, grads: Sequence[torch.Tensor | None]) -> frozenset[int]:
@@ -648,8 +655,8 @@ class _Replay(torch.autograd.Function):
 
 def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     owner: GraphedCallable = ctx.owner
-    grad_inputs = owner._replay_backward(grads, ctx.generation)
-    owner._call_accumulator_hooks(grads)
+    grad_inputs, unreached = owner._replay_backward(grads, ctx.generation)
+    owner._call_accumulator_hooks(unreached)
     return _node_grads(ctx, grad_inputs)
 
 
@@ -669,8 +676,8 @@ def _backward_once(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None,
     grad mode off, goes around this."""
     owner: GraphedCallable = ctx.owner
     with torch.no_grad():
-        grad_inputs = owner._replay_backward(grads, ctx.generation)
-    owner._call_accumulator_hooks(grads)  # in the pass's grad mode, as autograd runs accumulators
+        grad_inputs, unreached = owner._replay_backward(grads, ctx.generation)
+    owner._call_accumulator_hooks(unreached)  # in the pass's grad mode, as autograd runs them
     outputs = _node_grads(ctx, grad_inputs)
     if not any(g is not None and g.requires_grad for g in grads):
         return outputs
