@@ -323,7 +323,7 @@ def test_indexing_with_integer_indices_is_captured_and_replays_exactly():
 
 
 def _spd(h: torch.Tensor) -> torch.Tensor:
-    return h @ h.mT + torch.eye(4)
+    return h @ h.mT + torch.eye(4, device=h.device)
 
 
 # What CUDA runs with a host sync that the CPU kernel hides inside (torch documents each as
