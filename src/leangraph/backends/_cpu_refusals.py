@@ -9,6 +9,7 @@ than let a replay silently keep what the capture read.
 
 from __future__ import annotations
 
+import functools
 import sysconfig
 import traceback
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_host_read", "host_read_error", "may_read_host", "refusal"]
+__all__ = ["check_host_read", "host_read_error", "may_read_host", "refusal", "unsited_refusal"]
 
 _aten = torch.ops.aten
 
@@ -27,6 +28,27 @@ _MASK_INDEXING = frozenset(
     {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default}
     | {_aten._index_put_impl_.default}
 )
+
+# Operators whose CUDA kernels read a result on the host, where the CPU kernels read nothing a
+# dispatch mode sees: cuSOLVER's error codes (the checks torch.linalg's functions without
+# "_ex" make, and the convergence checks of the SVD and eigh), MAGMA's eig (which copies the
+# matrix to the host). torch documents each as synchronizing a CUDA device with the CPU.
+_CUDA_SYNCS: dict[Any, str] = {
+    _aten._linalg_check_errors.default: (
+        "the error check of torch.linalg.cholesky, inv, solve, lu_factor or ldl_factor "
+        "(aten._linalg_check_errors)"
+    ),
+    _aten._linalg_svd.default: (
+        "torch.linalg.svd, svdvals, matrix_rank, cond or a matrix norm of order 2 or 'nuc' "
+        "(aten._linalg_svd, which checks its convergence)"
+    ),
+    _aten._linalg_eigh.default: (
+        "torch.linalg.eigh or eigvalsh (aten._linalg_eigh, which checks its convergence)"
+    ),
+    _aten.linalg_eig.default: "torch.linalg.eig or eigvals (aten.linalg_eig)",
+    _aten.cholesky.default: "torch.cholesky (aten.cholesky, which checks its result)",
+}
+_CUDA_SYNC_PACKETS: dict[Any, str] = {_aten.linalg_pinv: "torch.linalg.pinv (aten.linalg_pinv)"}
 
 _SYNC = (
     "CUDA stream capture refuses the host sync it needs too ('operation not permitted when "
@@ -41,12 +63,20 @@ _HOST_METHODS: dict[Any, str] = {
     torch.Tensor.tolist: "Tensor.tolist()",
     torch.Tensor.numpy: "Tensor.numpy()",
     torch.Tensor.__array__: "converting a tensor to a NumPy array",
+    # A synchronous copy to the host: CUDA stream capture refuses it (autograd's save_on_cpu
+    # makes one for every saved tensor).
+    torch.Tensor.cpu: "Tensor.cpu() (a copy to the host)",
 }
 
 
 def refusal(what: str, why: str) -> RuntimeError:
     """The error for something a capture on the CPU backend cannot record faithfully."""
-    return RuntimeError(f"the CPU backend cannot capture {what}{user_site()}: {why}")
+    return unsited_refusal(f"{what}{user_site()}", why)
+
+
+def unsited_refusal(what: str, why: str) -> RuntimeError:
+    """:func:`refusal` for what no line of the callable names (found once it has returned)."""
+    return RuntimeError(f"the CPU backend cannot capture {what}: {why}")
 
 
 def _value_read(what: str) -> RuntimeError:
@@ -65,6 +95,10 @@ def may_read_host(func: torch._ops.OpOverload) -> bool:
     return (
         func in _SCALAR_READS
         or func in _MASK_INDEXING
+        or func in _CUDA_SYNCS
+        or func.overloadpacket in _CUDA_SYNC_PACKETS
+        or func is _aten.histc.default
+        or _CHECK_ERRORS in _argument_names(func)
         or torch.Tag.data_dependent_output in tags
         or torch.Tag.dynamic_output_shape in tags
     )
@@ -85,6 +119,58 @@ def check_host_read(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: 
         return
     if torch.Tag.dynamic_output_shape in tags and not _sized_by_argument(func, args, kwargs):
         raise _shape_read(f"{func}")
+    _check_cuda_sync(func, args, kwargs)
+
+
+_CHECK_ERRORS = "check_errors"
+
+
+@functools.cache
+def _argument_names(func: torch._ops.OpOverload) -> tuple[str, ...]:
+    return tuple(argument.name for argument in func._schema.arguments)
+
+
+def _argument(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: Any, name: str) -> Any:
+    """The value ``func`` got for its argument ``name`` (its default where not passed)."""
+    if name in kwargs:
+        return kwargs[name]
+    index = _argument_names(func).index(name)
+    if index < len(args):
+        return args[index]
+    return func._schema.arguments[index].default_value
+
+
+def _check_cuda_sync(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: Any) -> None:
+    """Raise for an operator whose CUDA kernel reads results on the host (its CPU kernel
+    reads them inside, where the recorder cannot see it)."""
+    what = _CUDA_SYNCS.get(func) or _CUDA_SYNC_PACKETS.get(func.overloadpacket)
+    if what is not None:
+        raise _cuda_sync(
+            what,
+            "Compute it outside the graphed callable, or use a form that stays on the device "
+            "where torch has one (torch.linalg.cholesky_ex, inv_ex, solve_ex, lu_factor_ex "
+            "and ldl_factor_ex return their error codes as a tensor)",
+        )
+    if _CHECK_ERRORS in _argument_names(func) and _argument(func, args, kwargs, _CHECK_ERRORS):
+        raise _cuda_sync(
+            f"{func} with check_errors=True",
+            "Pass check_errors=False and check the returned info outside the graphed callable",
+        )
+    if func is _aten.histc.default:
+        low, high = _argument(func, args, kwargs, "min"), _argument(func, args, kwargs, "max")
+        if low == high:
+            raise _cuda_sync(
+                f"torch.histc with min == max == {low} (the input's own range)",
+                "Pass the range as min and max",
+            )
+
+
+def _cuda_sync(what: str, instead: str) -> RuntimeError:
+    return refusal(
+        what,
+        "on CUDA it reads a result on the host (error codes, a range) before it returns, "
+        f"where the CPU kernel reads it inside, out of the trace's sight; {_SYNC}. {instead}",
+    )
 
 
 def _shape_read(what: str) -> RuntimeError:

@@ -33,7 +33,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._cpu_refusals import check_host_read, host_read_error, may_read_host, refusal
+from ._cpu_refusals import (
+    check_host_read,
+    host_read_error,
+    may_read_host,
+    refusal,
+    unsited_refusal,
+)
 
 __all__ = ["StorageTable", "Trace", "record"]
 
@@ -320,10 +326,19 @@ class _Builder:
                 f"{func} drawing from a CPU generator that was re-seeded or restored during the "
                 "capture (torch.manual_seed, torch.set_rng_state, torch.utils.checkpoint "
                 "recomputing its forward)",
-                "a replay draws on from the generator as it is then and cannot repeat that "
-                "reset; CUDA refuses to seed or restore a generator during capture too. Seed "
-                "before the capture; checkpoint around the graphed callable, not inside it "
-                "(preserve_rng_state=False would recompute other dropout masks)",
+                _RESET_WHY,
+            )
+
+    def check_generator_left(self) -> None:
+        """Raise if the body left the CPU generator other than its last draw did (or than it
+        found it): a reset no draw followed, which a replay would not repeat either, so the
+        generator after a replay would differ from eager's."""
+        if not torch.equal(torch.default_generator.get_state(), self._rng):
+            raise unsited_refusal(
+                "a re-seeded or restored CPU generator: the callable (or its backward) left it "
+                "in another state than its last draw, or the capture's start, left it "
+                "(torch.manual_seed, torch.set_rng_state, torch.random.fork_rng around a draw)",
+                _RESET_WHY,
             )
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Binding:
@@ -481,6 +496,14 @@ class _Builder:
         return trace, StorageTable(trace, dict(self._created), views)
 
 
+_RESET_WHY = (
+    "a replay draws on from the generator as it is then and cannot repeat that reset; CUDA "
+    "refuses to seed or restore a generator during capture too. Seed before the capture; "
+    "checkpoint around the graphed callable, not inside it (preserve_rng_state=False would "
+    "recompute other dropout masks)"
+)
+
+
 def _default_generator(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
     """Whether a random op draws from the default CPU generator (no other one passed)."""
     generators = [v for v in [*args, *kwargs.values()] if isinstance(v, torch.Generator)]
@@ -551,5 +574,6 @@ def record(
     builder = _Builder(earlier, foreign)
     with _HostReadGuard(), _Recorder(builder):
         values = tuple(run())
+    builder.check_generator_left()
     trace, table = builder.finish(values)
     return values, trace, table
