@@ -76,6 +76,34 @@ class Layout:
     layers_per_chunk: tuple[int, ...]
     num_microbatches: int
 
+    def __post_init__(self) -> None:
+        """Refuse a layout no order can have, so that no index it gives is silently wrong.
+
+        Raises:
+            TypeError: for ``layers_per_chunk`` that is not a tuple or list of ints, or a
+                ``num_microbatches`` that is not an int.
+            ValueError: for no chunk, a chunk of no layer, or fewer than one microbatch.
+        """
+        chunks = self.layers_per_chunk
+        if not isinstance(chunks, (tuple, list)) or not all(map(_is_int, chunks)):
+            raise TypeError(
+                "Layout: layers_per_chunk must be a tuple of ints (layers per chunk), got "
+                f"{_described(chunks)}"
+            )
+        if not chunks or min(chunks) < 1:
+            raise ValueError(
+                "Layout: layers_per_chunk must hold at least one chunk, each of at least one "
+                f"layer, got {tuple(chunks)}"
+            )
+        if not _is_int(self.num_microbatches):
+            raise TypeError(
+                f"Layout: num_microbatches must be an int, got {_described(self.num_microbatches)}"
+            )
+        if self.num_microbatches < 1:
+            raise ValueError(f"Layout: num_microbatches must be >= 1, got {self.num_microbatches}")
+        # A list would make the frozen record unhashable and mutable from outside.
+        object.__setattr__(self, "layers_per_chunk", tuple(int(n) for n in chunks))
+
     @property
     def num_chunks(self) -> int:
         return len(self.layers_per_chunk)
@@ -93,13 +121,44 @@ class Layout:
         return sum(self.layers_per_chunk[: chunk - 1])
 
     def graph_index(self, chunk: int, microbatch: int, layer: int) -> int:
-        """Position of graph (chunk, microbatch, layer) in ``sample_args`` and the result."""
+        """Position of graph (chunk, microbatch, layer) in ``sample_args`` and the result.
+
+        Raises:
+            IndexError: for a chunk, microbatch or layer outside the layout (``chunk`` is
+                1-based), which would name another graph's position.
+        """
+        self._check_chunk_layer("graph_index", chunk, layer)
+        if not (_is_int(microbatch) and 0 <= microbatch < self.num_microbatches):
+            raise IndexError(
+                f"Layout.graph_index: microbatch must be in [0, {self.num_microbatches}) "
+                f"(0-based), got {microbatch!r}"
+            )
         layers = self.layers_per_chunk[chunk - 1]
         return self.layer_prefix(chunk) * self.num_microbatches + microbatch * layers + layer
 
     def callable_index(self, chunk: int, layer: int) -> int:
-        """Position of layer ``layer`` of ``chunk`` in ``callables``."""
+        """Position of layer ``layer`` of ``chunk`` in ``callables``.
+
+        Raises:
+            IndexError: for a chunk or layer outside the layout (``chunk`` is 1-based).
+        """
+        self._check_chunk_layer("callable_index", chunk, layer)
         return self.layer_prefix(chunk) + layer
+
+    def _check_chunk_layer(self, method: str, chunk: int, layer: int) -> None:
+        # Unchecked, chunk 0 read the last chunk's size and a layer past the chunk's end the
+        # next microbatch's or chunk's graph: a valid-looking index of another graph.
+        if not (_is_int(chunk) and 1 <= chunk <= self.num_chunks):
+            raise IndexError(
+                f"Layout.{method}: chunk must be in [1, {self.num_chunks}] (chunk ids are "
+                f"1-based), got {chunk!r}"
+            )
+        layers = self.layers_per_chunk[chunk - 1]
+        if not (_is_int(layer) and 0 <= layer < layers):
+            raise IndexError(
+                f"Layout.{method}: layer must be in [0, {layers}) (0-based; chunk {chunk} has "
+                f"{layers} layer(s)), got {layer!r}"
+            )
 
     def callable_of_graph(self, index: int) -> int:
         """Position in ``callables`` of the callable graph ``index`` runs."""
@@ -118,6 +177,16 @@ class Layout:
                 return GraphId(chunk, microbatch, layer)
             start += size
         raise AssertionError("unreachable")
+
+
+def _is_int(value: object) -> bool:
+    """An integer that is not a bool (``True`` is 1 to Python, never a count here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _described(value: object) -> str:
+    """``float 2.0``, ``list [2, 2.0]``: a value's type and value, for messages."""
+    return f"{type(value).__name__} {value!r}"
 
 
 def unordered_layout(num_callables: int) -> Layout:
