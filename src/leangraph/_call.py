@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from .build.accumulation import HookDelivery
 from .leaves import is_constant, not_dense
-from .order import parse_order
+from .order import OrderEntry, parse_order
 from .plan import Plan, build_plan, build_unordered_plan
 
 __all__ = ["Call", "CaptureOptions", "Sample", "check_capturable", "check_options", "validate_call"]
@@ -86,7 +86,7 @@ def validate_call(
     callables: Any,
     sample_args: Any,
     sample_kwargs: Any,
-    order: Sequence[int] | None,
+    order: Sequence[OrderEntry] | None,
     num_layers_per_chunk: int | Sequence[int] | None,
 ) -> Call:
     """Check the shared argument forms and return the :class:`Call` they describe.
@@ -133,7 +133,7 @@ def validate_call(
 def _make_plan(
     num_callables: int,
     sample_args: Any,
-    order: Sequence[int] | None,
+    order: Sequence[OrderEntry] | None,
     num_layers_per_chunk: int | Sequence[int] | None,
 ) -> Plan:
     if not isinstance(sample_args, (tuple, list)):

@@ -33,7 +33,7 @@ from .build.builder import Built, build_graphs
 from .build.record import GraphRecord
 from .hooks import CaptureHooks, normalize_hooks
 from .memory import available_bytes, check_fits, memory_plan_of, shared_buffers
-from .order import StepKind
+from .order import OrderEntry, StepKind
 from .probe import probe
 from .progress import ProgressCallback
 from .result import GraphedSet
@@ -56,7 +56,7 @@ class CaptureKeywords(TypedDict, total=False):
     num_warmup_iters: int
     allow_unused_input: bool
     pool: Any | None
-    order: Sequence[int] | None
+    order: Sequence[OrderEntry] | None
     num_layers_per_chunk: int | Sequence[int] | None
     retain_graph_in_backward: bool
     backend: str | None
@@ -103,7 +103,7 @@ def make_graphed_callables(
     num_warmup_iters: int = 3,
     allow_unused_input: bool = False,
     pool: Any | None = None,
-    order: Sequence[int] | None = None,
+    order: Sequence[OrderEntry] | None = None,
     num_layers_per_chunk: int | Sequence[int] | None = None,
     retain_graph_in_backward: bool = False,
     backend: str | None = None,
@@ -148,7 +148,9 @@ def make_graphed_callables(
             run the same kernels), so its cost does not grow with the microbatches.
         allow_unused_input: Allow inputs and parameters the outputs do not depend on.
         pool: A graph memory pool handle (``torch.cuda.graph_pool_handle()``) to share.
-        order: The pipeline order; None for the torch drop-in behaviour.
+        order: The pipeline order: chunk ids (``+c``, ``-c``, ``-(c + 0.5)``) or
+            :class:`leangraph.Step` records naming each step's microbatch; None for the
+            torch drop-in behaviour.
         num_layers_per_chunk: Layers of each chunk with ``order`` (default: equal split).
         retain_graph_in_backward: Let a backward replay more than once per forward.
         backend: ``"cuda"``, ``"cpu"`` or None (by the samples' device).

@@ -19,8 +19,17 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
-__all__ = ["GraphId", "Layout", "Step", "StepKind", "parse_order", "unordered_layout"]
+__all__ = [
+    "GraphId",
+    "Layout",
+    "OrderEntry",
+    "Step",
+    "StepKind",
+    "parse_order",
+    "unordered_layout",
+]
 
 
 class StepKind(enum.Enum):
@@ -62,6 +71,11 @@ class Step:
 
     def __str__(self) -> str:
         return f"{self.kind.value} c{self.chunk} m{self.microbatch}"
+
+
+# An entry of an order as callers write it: a chunk id (``+c`` forward, ``-c`` backward), a
+# weight step ``-(c + 0.5)`` (a float), or a :class:`Step` record naming its microbatch.
+OrderEntry: TypeAlias = int | float | Step
 
 
 @dataclass(frozen=True, slots=True)
