@@ -11,7 +11,7 @@ modules); :class:`CaptureOptions` holds the options of ``make_graphed_callables`
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -380,6 +380,27 @@ def global_module_hooks() -> tuple[dict[int, Any], ...]:
     return tuple(getattr(torch.nn.modules.module, f"_global{kind}", {}) for kind in MODULE_HOOKS)
 
 
+def inert_hook(hook: object) -> bool:
+    """Whether ``hook`` does nothing now, known by where it comes from: transformers installs
+    its output-capturing hooks for good at the first ``output_attentions`` or
+    ``output_hidden_states`` call, and they act only while its collector records. Capture
+    and replay both let them be while they do nothing (a model that once ran eagerly with
+    ``output_attentions=True`` stays graphable), and refuse them while they record."""
+    if getattr(hook, "__module__", None) != _TRANSFORMERS_CAPTURING:
+        return False
+    collector = getattr(sys.modules.get(_TRANSFORMERS_CAPTURING), "_active_collector", None)
+    get = getattr(collector, "get", None)
+    return get is not None and not get()
+
+
+_TRANSFORMERS_CAPTURING = "transformers.utils.output_capturing"
+
+
+def _active_hooks(hooks: Mapping[Any, Any] | None) -> bool:
+    """Whether a module's (or torch's global) dict of hooks holds one that acts."""
+    return hooks is not None and not all(map(inert_hook, hooks.values()))
+
+
 def check_capturable(call: Call, already_graphed: Callable[[Any], bool]) -> None:
     """What capture alone requires of a valid call, checked before any work.
 
@@ -442,7 +463,9 @@ def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[An
             "forward stays the graphed callable); capture a fresh module: copy modules before "
             "graphing them"
         )
-    global_hooks = [kind for kind, hooks in zip(MODULE_HOOKS, global_module_hooks()) if hooks]
+    global_hooks = [
+        kind for kind, hooks in zip(MODULE_HOOKS, global_module_hooks()) if _active_hooks(hooks)
+    ]
     if global_hooks:
         raise ValueError(
             f"callables[{index}] ({type(fn).__name__}): global module hooks are registered "
@@ -466,7 +489,7 @@ def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[An
                 "forward and backward; graphs cannot replay them, and FSDP2 does not compose "
                 "with graphed layers (docs/composition.md)"
             )
-        hooks = [kind for kind in MODULE_HOOKS if getattr(module, kind, None)]
+        hooks = [kind for kind in MODULE_HOOKS if _active_hooks(getattr(module, kind, None))]
         if hooks:
             raise ValueError(
                 f"callables[{index}] ({type(fn).__name__}): {where} has {', '.join(hooks)}, "
