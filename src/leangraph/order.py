@@ -120,14 +120,17 @@ class Layout:
 
     @property
     def num_chunks(self) -> int:
+        """Number of chunks (model chunks of the rank)."""
         return len(self.layers_per_chunk)
 
     @property
     def num_callables(self) -> int:
+        """Number of callables (layers over all chunks)."""
         return sum(self.layers_per_chunk)
 
     @property
     def num_graphs(self) -> int:
+        """Number of graphs: one per (chunk, microbatch, layer)."""
         return self.num_callables * self.num_microbatches
 
     def layer_prefix(self, chunk: int) -> int:
