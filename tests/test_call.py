@@ -135,6 +135,25 @@ def test_v8_sample_args_must_be_a_tuple():
         mgc((Block(4),), sample())
 
 
+@pytest.mark.parametrize(
+    ("sample_args", "sample_kwargs", "kind", "message"),
+    [
+        # A single callable's samples are its own tuple and dict; they were named as the
+        # sample_args[0] and sample_kwargs[0] leangraph wraps them into, which the caller
+        # never wrote.
+        (sample(), None, TypeError, r"sample_args of a single callable must be its tuple of "
+         r"arguments, got Tensor \(wrap a single tensor as \(tensor,\)\)"),
+        ({"x": sample()}, None, TypeError, r"sample_args of a single callable .*, got dict"),
+        ((sample(),), [{}], TypeError, r"sample_kwargs of a single callable must be its dict "
+         r"of keyword arguments or None, got list"),
+    ],
+)
+def test_v8_a_single_callables_samples_are_named_as_given(sample_args, sample_kwargs, kind,
+                                                          message):
+    with pytest.raises(kind, match=message):
+        mgc(Block(4), sample_args, sample_kwargs=sample_kwargs)
+
+
 def test_v9_sample_args_count_without_an_order():
     with raises(ValueError, "sample_args has 1 entries for 2 callables"):
         mgc(blocks(2), ((sample(),),))

@@ -109,6 +109,7 @@ def validate_call(
         raise ValueError("callables is empty; pass at least one callable to graph")
     single = not isinstance(callables, tuple)
     if single:
+        _check_single_sample(sample_args, sample_kwargs)
         callables = (callables,)
         sample_args = (sample_args,)
         sample_kwargs = None if sample_kwargs is None else (sample_kwargs,)
@@ -128,6 +129,27 @@ def validate_call(
         alike,
         grad_enabled=torch.is_grad_enabled(),
     )
+
+
+def _check_single_sample(sample_args: Any, sample_kwargs: Any) -> None:
+    """A single callable's ``sample_args`` is its one tuple of arguments (and
+    ``sample_kwargs`` its one dict): named as such, not as the ``sample_args[0]`` leangraph
+    wraps them into.
+
+    Raises:
+        TypeError: for a ``sample_args`` that is not a tuple (or list), a ``sample_kwargs``
+            that is not a dict or None.
+    """
+    if not isinstance(sample_args, (tuple, list)):
+        raise TypeError(
+            "sample_args of a single callable must be its tuple of arguments, got "
+            f"{type(sample_args).__name__} (wrap a single tensor as (tensor,))"
+        )
+    if sample_kwargs is not None and not isinstance(sample_kwargs, dict):
+        raise TypeError(
+            "sample_kwargs of a single callable must be its dict of keyword arguments or None, "
+            f"got {type(sample_kwargs).__name__}"
+        )
 
 
 def _make_plan(
