@@ -154,6 +154,23 @@ def test_v8_a_single_callables_samples_are_named_as_given(sample_args, sample_kw
         mgc(Block(4), sample_args, sample_kwargs=sample_kwargs)
 
 
+def test_v10_a_single_callable_with_an_order_of_several_microbatches_is_named_as_such():
+    # The samples of a single callable are one tuple; this counted "1 entries" where the
+    # caller had passed two.
+    with raises(ValueError, "a single callable (not a tuple) has one tuple of sample arguments",
+                "the order runs 2 microbatches", "pass callables as a tuple, (callable,)"):
+        mgc(Block(4), ((sample(),), (sample(),)), order=[1, -1, 1, -1])
+
+
+def test_a_single_module_with_an_order_of_one_microbatch_comes_back_as_its_graph():
+    block = Block(4)
+    graphed = mgc(block, (sample(),), order=[1, -1])
+    assert isinstance(graphed, GraphedCallable) and "forward" not in block.__dict__
+    x = sample()
+    assert torch.equal(graphed(x), block(x))
+    graphed.reset()
+
+
 def test_v9_sample_args_count_without_an_order():
     with raises(ValueError, "sample_args has 1 entries for 2 callables"):
         mgc(blocks(2), ((sample(),),))

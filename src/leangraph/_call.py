@@ -116,7 +116,7 @@ def validate_call(
     for index, fn in enumerate(callables):
         if not callable(fn):
             raise TypeError(f"callables[{index}] is a {type(fn).__name__}, which is not callable")
-    plan = _make_plan(len(callables), sample_args, order, num_layers_per_chunk)
+    plan = _make_plan(len(callables), sample_args, order, num_layers_per_chunk, single=single)
     samples = _normalize_samples(sample_args, sample_kwargs, plan.layout.num_graphs)
     device = _common_device(samples, callables)
     alike = _first_alike(plan, callables, samples)
@@ -157,6 +157,8 @@ def _make_plan(
     sample_args: Any,
     order: Sequence[OrderEntry] | None,
     num_layers_per_chunk: int | Sequence[int] | None,
+    *,
+    single: bool = False,
 ) -> Plan:
     if not isinstance(sample_args, (tuple, list)):
         raise TypeError(f"sample_args must be a tuple, got {type(sample_args).__name__}")
@@ -172,9 +174,17 @@ def _make_plan(
     layout, steps = parse_order(
         order,
         num_callables=num_callables,
-        num_samples=len(sample_args),
+        num_samples=None if single else len(sample_args),
         num_layers_per_chunk=num_layers_per_chunk,
     )
+    if single and layout.num_graphs != 1:
+        # sample_args is the one callable's own tuple of arguments, wrapped as one entry:
+        # "has 1 entries" would count what the caller did not write.
+        raise ValueError(
+            f"a single callable (not a tuple) has one tuple of sample arguments, so one graph, "
+            f"but the order runs {layout.num_microbatches} microbatches; pass callables as a "
+            f"tuple, (callable,), and sample_args as one tuple of arguments per microbatch"
+        )
     return build_plan(layout, steps)
 
 

@@ -442,7 +442,7 @@ def parse_order(
     order: Sequence[object],
     *,
     num_callables: int,
-    num_samples: int,
+    num_samples: int | None,
     num_layers_per_chunk: int | Sequence[int] | None = None,
 ) -> tuple[Layout, tuple[Step, ...]]:
     """Validate an order and expand it into steps.
@@ -453,7 +453,8 @@ def parse_order(
             (for schedules whose backwards are not first in, first out, such as
             ``ScheduleLoopedBFS``; see ``leangraph.schedules.from_pipelining(explicit=True)``).
         num_callables: ``len(callables)``: the layers of all chunks, chunk by chunk.
-        num_samples: ``len(sample_args)``; must be ``num_callables * num_microbatches``.
+        num_samples: ``len(sample_args)``; must be ``num_callables * num_microbatches``
+            (None: the caller checks the count itself).
         num_layers_per_chunk: Layers of each chunk (an int for all, or one per chunk);
             default: an equal split.
 
@@ -472,7 +473,7 @@ def parse_order(
     if any(s.kind is StepKind.WEIGHT for s in steps):
         _check_weight_steps(steps, backwards, layers)
     layout = Layout(layers_per_chunk=layers, num_microbatches=forwards[0])
-    if num_samples != layout.num_graphs:
+    if num_samples is not None and num_samples != layout.num_graphs:
         raise ValueError(
             f"sample_args has {num_samples} entries but the order needs {layout.num_graphs} "
             f"({layout.num_callables} layers x {layout.num_microbatches} microbatches)"
