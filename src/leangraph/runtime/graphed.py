@@ -253,7 +253,11 @@ class GraphedCallable:
         Replays the weight-gradient graph and accumulates into each parameter's ``.grad``
         through autograd (``.grad`` set to a fresh tensor when None, else added to in place),
         so parameter ``post_accumulate_grad`` hooks run once each, as in eager's weight step
-        (DDP-style gradient-ready hooks among them). Call it at the schedule's W step,
+        (DDP-style gradient-ready hooks among them); with ``fuse_grad_accumulation`` the graph
+        adds them into ``main_grad`` or ``.grad`` itself, and the hooks run as after a fused
+        backward replay. The ``.grad`` it sets is a fresh tensor, not graph-owned memory
+        (with ``fuse_grad_accumulation``, the buffer the graphs add into until reset). Call
+        it at the schedule's W step,
         after the backward through this callable's outputs (which computed input gradients
         only) and before its next forward replay.
 
