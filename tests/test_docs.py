@@ -193,5 +193,5 @@ def test_the_readme_lists_every_docs_page() -> None:
     # The README says its list holds every page (it missed the pipelining integration's).
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     missing = [page.name for page in PAGES
-               if page.parent.name == "docs" and f"(docs/{page.name})" not in readme]
+               if page.parent.name == "docs" and f"](docs/{page.name})" not in readme]
     assert not missing, f"README.md's documentation list does not link {missing}"
