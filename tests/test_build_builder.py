@@ -4,6 +4,7 @@ train shared parameters, and a failed build releasing every graph it made."""
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -230,3 +231,55 @@ def test_a_build_hands_on_the_calls_capture_record():
         ("warm-up", "B c1 m0 l1"), ("capture", "F c1 m0 l0"), ("capture", "F c1 m0 l1"),
         ("capture", "B c1 m0 l1"), ("capture", "B c1 m0 l0")]
     assert record.device == "cpu" and record.warmup_seconds >= 0 and record.capture_seconds >= 0
+
+
+class _Counting(torch.nn.Module):
+    """A step counter kept by assignment: a new tensor at every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count = self.count + 1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("order", [None, [1, -1]])
+def test_w13_a_forward_that_assigns_its_buffer_anew_is_refused_before_capture(order):
+    # Refused only at the first replay before (R23), the module keeping the count warm-up
+    # and capture had left bound (5 for 0): its eval-mode eager fallback went on from there.
+    module = _Counting()
+    count = module.count
+    callables, samples = (module, (sample(),)) if order is None else ((module,), ((sample(),),))
+    label = "callable 0 (_Counting)" if order is None else "graph (chunk 1, microbatch 0, layer 0)"
+    with pytest.raises(ValueError, match=re.escape(
+        f"{label}: its forward assigns a new tensor to buffer 'count' at every call (seen in "
+        "warm-up); a replay runs only the captured kernels, so the buffer would never change, "
+        "where eager's forward replaces it. Expected a forward that updates its buffers in "
+        "place"
+    )):
+        leangraph.make_graphed_callables(callables, samples, order=order)
+    assert module.count is count and float(count) == 0.0  # the caller's tensor, as it was
+    assert "forward" not in module.__dict__
+
+
+def test_a_buffer_made_lazily_at_the_first_forward_is_graphed():
+    class LazyCache(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("cache", None)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.cache is None:  # made once (at the probe), then read
+                self.cache = torch.full((4,), 2.0)
+            return self.lin(x) * self.cache
+
+    module = LazyCache()
+    eager = copy.deepcopy(module)
+    leangraph.make_graphed_callables(module, (sample(),))
+    x = sample()
+    assert torch.equal(module(x), eager(x))
+    leangraph.reset_all(module)

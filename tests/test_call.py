@@ -135,6 +135,42 @@ def test_v8_sample_args_must_be_a_tuple():
         mgc((Block(4),), sample())
 
 
+@pytest.mark.parametrize(
+    ("sample_args", "sample_kwargs", "kind", "message"),
+    [
+        # A single callable's samples are its own tuple and dict; they were named as the
+        # sample_args[0] and sample_kwargs[0] leangraph wraps them into, which the caller
+        # never wrote.
+        (sample(), None, TypeError, r"sample_args of a single callable must be its tuple of "
+         r"arguments, got Tensor \(wrap a single tensor as \(tensor,\)\)"),
+        ({"x": sample()}, None, TypeError, r"sample_args of a single callable .*, got dict"),
+        ((sample(),), [{}], TypeError, r"sample_kwargs of a single callable must be its dict "
+         r"of keyword arguments or None, got list"),
+    ],
+)
+def test_v8_a_single_callables_samples_are_named_as_given(sample_args, sample_kwargs, kind,
+                                                          message):
+    with pytest.raises(kind, match=message):
+        mgc(Block(4), sample_args, sample_kwargs=sample_kwargs)
+
+
+def test_v10_a_single_callable_with_an_order_of_several_microbatches_is_named_as_such():
+    # The samples of a single callable are one tuple; this counted "1 entries" where the
+    # caller had passed two.
+    with raises(ValueError, "a single callable (not a tuple) has one tuple of sample arguments",
+                "the order runs 2 microbatches", "pass callables as a tuple, (callable,)"):
+        mgc(Block(4), ((sample(),), (sample(),)), order=[1, -1, 1, -1])
+
+
+def test_a_single_module_with_an_order_of_one_microbatch_comes_back_as_its_graph():
+    block = Block(4)
+    graphed = mgc(block, (sample(),), order=[1, -1])
+    assert isinstance(graphed, GraphedCallable) and "forward" not in block.__dict__
+    x = sample()
+    assert torch.equal(graphed(x), block(x))
+    graphed.reset()
+
+
 def test_v9_sample_args_count_without_an_order():
     with raises(ValueError, "sample_args has 1 entries for 2 callables"):
         mgc(blocks(2), ((sample(),),))

@@ -468,6 +468,31 @@ def test_v21_a_module_sharded_by_fully_shard_is_refused_at_capture(gloo_world_of
         leangraph.make_graphed_callables(model, (leaf(4, 8),))
 
 
+@pytest.mark.parametrize("sharded", ["the layer", "a module holding the layers"])
+def test_graphs_of_an_order_whose_layers_are_sharded_after_capture_are_refused(
+    gloo_world_of_one, sharded
+):
+    # docs/composition.md said these are called directly and not checked; the replays check
+    # their layers' hooks (R21) and parameters (R13) with an order too.
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("this torch has no torch.distributed.fsdp.fully_shard")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    layers = (Block(8), Block(8))
+    graphed = leangraph.make_graphed_callables(layers, (((leaf(4, 8),),) * 2), order=[1, -1])
+    mesh = init_device_mesh("cpu", (1,))
+    fsdp.fully_shard(layers[0] if sharded == "the layer" else nn.Sequential(*layers), mesh=mesh)
+    expected = ("graph (chunk 1, microbatch 0, layer 0): the module got _forward_hooks"
+                if sharded == "the layer" else
+                "graph (chunk 1, microbatch 0, layer 0) parameter 'norm.weight' must be the "
+                "tensor it was captured with, got another DTensor")
+    with raises(RuntimeError, expected):
+        graphed[0](leaf(4, 8))
+    leangraph.reset_all(graphed)
+
+
 def test_r13_a_parameter_replaced_after_capture_is_refused_at_replay():
     torch.manual_seed(0)
     layer = Block(8)

@@ -187,3 +187,11 @@ def test_every_docs_page_parses_and_is_in_the_index() -> None:
         code_blocks(page.read_text(encoding="utf-8"))  # raises on an unclosed fence
         if page.parent.name == "docs" and page.name != "index.md":
             assert f"({page.name})" in index, f"docs/index.md does not link {page.name}"
+
+
+def test_the_readme_lists_every_docs_page() -> None:
+    # The README says its list holds every page (it missed the pipelining integration's).
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    missing = [page.name for page in PAGES
+               if page.parent.name == "docs" and f"](docs/{page.name})" not in readme]
+    assert not missing, f"README.md's documentation list does not link {missing}"

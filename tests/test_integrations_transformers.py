@@ -364,6 +364,28 @@ def test_drop_in_replay_refuses_other_shapes_and_constants(graphed_sets: list[An
                    model, eager)
 
 
+def test_a_model_that_ran_with_output_attentions_before_graphing_graphs_and_trains_like_eager(
+    graphed_sets: list[Any],
+) -> None:
+    # transformers (5.24) installs its output-capturing hooks for good at the first
+    # output_attentions call, eval included; idle, they do nothing. Capture refused them as
+    # module hooks (V5), so such a model could never be graphed, where a replay lets them be.
+    model = make_model()
+    (tokens,) = token_batches(1)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=tokens, output_attentions=True)
+    model.train()
+    eager = copy.deepcopy(model)
+    hooked = [name for name, m in model.named_modules() if m._forward_hooks]
+    graphed_sets.append(graph_causal_lm(model, {"input_ids": tokens}))
+    assert_bitwise(train(model, drop_in_step, [[tokens]] * 2),
+                   train(eager, drop_in_step, [[tokens]] * 2), model, eager)
+    if hooked:  # transformers 5.24; earlier 5.x passed the flag on, installing nothing
+        with pytest.raises(RuntimeError, match="'self_attn' got _forward_hooks since capture"):
+            model(input_ids=tokens, output_attentions=True)
+
+
 def test_reset_gives_the_layers_their_eager_forward_back() -> None:
     model = make_model()
     eager = copy.deepcopy(model)

@@ -87,3 +87,51 @@ def test_malformed_explicit_steps(texts, message):
 def test_orders_cannot_mix_chunk_ids_and_steps():
     with pytest.raises(ValueError, match=r"order\[1\]: an order is either all chunk ids or all"):
         parse_order([1, _step("B c1 m0")], num_callables=1, num_samples=1)
+
+
+@pytest.mark.parametrize(
+    ("method", "args", "message"),
+    [
+        # Each of these named another graph's valid position before (chunk 0 read the last
+        # chunk's size; a microbatch or layer past its end ran into the next one).
+        ("graph_index", (0, 0, 0), r"Layout.graph_index: chunk must be in \[1, 2\] \(chunk ids "
+         r"are 1-based\), got 0"),
+        ("graph_index", (3, 0, 0), r"chunk must be in \[1, 2\].*got 3"),
+        ("graph_index", (1, 4, 0), r"Layout.graph_index: microbatch must be in \[0, 4\) "
+         r"\(0-based\), got 4"),
+        ("graph_index", (1, -1, 0), r"microbatch must be in \[0, 4\).*got -1"),
+        ("graph_index", (1, 0, 2), r"Layout.graph_index: layer must be in \[0, 2\) \(0-based; "
+         r"chunk 1 has 2 layer\(s\)\), got 2"),
+        ("graph_index", (1.0, 0, 0), r"chunk must be in \[1, 2\].*got 1.0"),
+        ("callable_index", (0, 0), r"Layout.callable_index: chunk must be in \[1, 2\]"),
+        ("callable_index", (2, 3), r"Layout.callable_index: layer must be in \[0, 3\).*got 3"),
+    ],
+)
+def test_v36_a_layout_index_outside_the_layout_is_refused(method, args, message):
+    layout = Layout((2, 3), 4)
+    with pytest.raises(IndexError, match=message):
+        getattr(layout, method)(*args)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "microbatches", "kind", "message"),
+    [
+        ((), 4, ValueError, r"Layout: layers_per_chunk must hold at least one chunk, each of at "
+         r"least one layer, got \(\)"),
+        ((2, 0), 4, ValueError, r"at least one layer, got \(2, 0\)"),
+        ((2,), 0, ValueError, r"Layout: num_microbatches must be >= 1, got 0"),
+        (2, 4, TypeError, r"Layout: layers_per_chunk must be a tuple of ints \(layers per "
+         r"chunk\), got int 2"),
+        ((2.0,), 4, TypeError, r"layers_per_chunk must be a tuple of ints.*got tuple \(2.0,\)"),
+        ((2,), 4.0, TypeError, r"Layout: num_microbatches must be an int, got float 4.0"),
+    ],
+)
+def test_v36_a_layout_no_order_can_have_is_refused(chunks, microbatches, kind, message):
+    with pytest.raises(kind, match=message):
+        Layout(chunks, microbatches)
+
+
+def test_a_layout_given_a_list_holds_a_tuple_and_hashes():
+    layout = Layout([2, 3], 4)
+    assert layout.layers_per_chunk == (2, 3) and layout == Layout((2, 3), 4)
+    assert hash(layout) == hash(Layout((2, 3), 4))

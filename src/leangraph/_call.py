@@ -11,7 +11,7 @@ modules); :class:`CaptureOptions` holds the options of ``make_graphed_callables`
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from .build.accumulation import HookDelivery
 from .leaves import is_constant, not_dense
-from .order import parse_order
+from .order import OrderEntry, parse_order
 from .plan import Plan, build_plan, build_unordered_plan
 
 __all__ = ["Call", "CaptureOptions", "Sample", "check_capturable", "check_options", "validate_call"]
@@ -86,7 +86,7 @@ def validate_call(
     callables: Any,
     sample_args: Any,
     sample_kwargs: Any,
-    order: Sequence[int] | None,
+    order: Sequence[OrderEntry] | None,
     num_layers_per_chunk: int | Sequence[int] | None,
 ) -> Call:
     """Check the shared argument forms and return the :class:`Call` they describe.
@@ -109,13 +109,14 @@ def validate_call(
         raise ValueError("callables is empty; pass at least one callable to graph")
     single = not isinstance(callables, tuple)
     if single:
+        _check_single_sample(sample_args, sample_kwargs)
         callables = (callables,)
         sample_args = (sample_args,)
         sample_kwargs = None if sample_kwargs is None else (sample_kwargs,)
     for index, fn in enumerate(callables):
         if not callable(fn):
             raise TypeError(f"callables[{index}] is a {type(fn).__name__}, which is not callable")
-    plan = _make_plan(len(callables), sample_args, order, num_layers_per_chunk)
+    plan = _make_plan(len(callables), sample_args, order, num_layers_per_chunk, single=single)
     samples = _normalize_samples(sample_args, sample_kwargs, plan.layout.num_graphs)
     device = _common_device(samples, callables)
     alike = _first_alike(plan, callables, samples)
@@ -130,11 +131,34 @@ def validate_call(
     )
 
 
+def _check_single_sample(sample_args: Any, sample_kwargs: Any) -> None:
+    """A single callable's ``sample_args`` is its one tuple of arguments (and
+    ``sample_kwargs`` its one dict): named as such, not as the ``sample_args[0]`` leangraph
+    wraps them into.
+
+    Raises:
+        TypeError: for a ``sample_args`` that is not a tuple (or list), a ``sample_kwargs``
+            that is not a dict or None.
+    """
+    if not isinstance(sample_args, (tuple, list)):
+        raise TypeError(
+            "sample_args of a single callable must be its tuple of arguments, got "
+            f"{type(sample_args).__name__} (wrap a single tensor as (tensor,))"
+        )
+    if sample_kwargs is not None and not isinstance(sample_kwargs, dict):
+        raise TypeError(
+            "sample_kwargs of a single callable must be its dict of keyword arguments or None, "
+            f"got {type(sample_kwargs).__name__}"
+        )
+
+
 def _make_plan(
     num_callables: int,
     sample_args: Any,
-    order: Sequence[int] | None,
+    order: Sequence[OrderEntry] | None,
     num_layers_per_chunk: int | Sequence[int] | None,
+    *,
+    single: bool = False,
 ) -> Plan:
     if not isinstance(sample_args, (tuple, list)):
         raise TypeError(f"sample_args must be a tuple, got {type(sample_args).__name__}")
@@ -150,9 +174,17 @@ def _make_plan(
     layout, steps = parse_order(
         order,
         num_callables=num_callables,
-        num_samples=len(sample_args),
+        num_samples=None if single else len(sample_args),
         num_layers_per_chunk=num_layers_per_chunk,
     )
+    if single and layout.num_graphs != 1:
+        # sample_args is the one callable's own tuple of arguments, wrapped as one entry:
+        # "has 1 entries" would count what the caller did not write.
+        raise ValueError(
+            f"a single callable (not a tuple) has one tuple of sample arguments, so one graph, "
+            f"but the order runs {layout.num_microbatches} microbatches; pass callables as a "
+            f"tuple, (callable,), and sample_args as one tuple of arguments per microbatch"
+        )
     return build_plan(layout, steps)
 
 
@@ -380,6 +412,27 @@ def global_module_hooks() -> tuple[dict[int, Any], ...]:
     return tuple(getattr(torch.nn.modules.module, f"_global{kind}", {}) for kind in MODULE_HOOKS)
 
 
+def inert_hook(hook: object) -> bool:
+    """Whether ``hook`` does nothing now, known by where it comes from: transformers installs
+    its output-capturing hooks for good at the first ``output_attentions`` or
+    ``output_hidden_states`` call, and they act only while its collector records. Capture
+    and replay both let them be while they do nothing (a model that once ran eagerly with
+    ``output_attentions=True`` stays graphable), and refuse them while they record."""
+    if getattr(hook, "__module__", None) != _TRANSFORMERS_CAPTURING:
+        return False
+    collector = getattr(sys.modules.get(_TRANSFORMERS_CAPTURING), "_active_collector", None)
+    get = getattr(collector, "get", None)
+    return get is not None and not get()
+
+
+_TRANSFORMERS_CAPTURING = "transformers.utils.output_capturing"
+
+
+def _active_hooks(hooks: Mapping[Any, Any] | None) -> bool:
+    """Whether a module's (or torch's global) dict of hooks holds one that acts."""
+    return hooks is not None and not all(map(inert_hook, hooks.values()))
+
+
 def check_capturable(call: Call, already_graphed: Callable[[Any], bool]) -> None:
     """What capture alone requires of a valid call, checked before any work.
 
@@ -442,7 +495,9 @@ def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[An
             "forward stays the graphed callable); capture a fresh module: copy modules before "
             "graphing them"
         )
-    global_hooks = [kind for kind, hooks in zip(MODULE_HOOKS, global_module_hooks()) if hooks]
+    global_hooks = [
+        kind for kind, hooks in zip(MODULE_HOOKS, global_module_hooks()) if _active_hooks(hooks)
+    ]
     if global_hooks:
         raise ValueError(
             f"callables[{index}] ({type(fn).__name__}): global module hooks are registered "
@@ -466,7 +521,7 @@ def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[An
                 "forward and backward; graphs cannot replay them, and FSDP2 does not compose "
                 "with graphed layers (docs/composition.md)"
             )
-        hooks = [kind for kind in MODULE_HOOKS if getattr(module, kind, None)]
+        hooks = [kind for kind in MODULE_HOOKS if _active_hooks(getattr(module, kind, None))]
         if hooks:
             raise ValueError(
                 f"callables[{index}] ({type(fn).__name__}): {where} has {', '.join(hooks)}, "

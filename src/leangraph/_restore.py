@@ -10,12 +10,20 @@ that runs its work write into are put back whether the call fails or not (:func:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["SavedState", "module_buffers", "note_out_of_memory", "values_kept"]
+__all__ = [
+    "BufferBinding",
+    "SavedState",
+    "buffer_bindings",
+    "module_buffers",
+    "note_out_of_memory",
+    "values_kept",
+]
 
 
 class SavedState:
@@ -47,6 +55,9 @@ class SavedState:
             if isinstance(fn, torch.nn.Module)
             for param in fn.parameters()
         ]
+        # A forward that assigns a new tensor to its own buffer rebinds it at every run; the
+        # values the failed phases wrote are put back in place, the tensors here too.
+        self.buffers = buffer_bindings(callables)
 
     def restore(self, exc: BaseException) -> None:
         """Put everything back; a step that fails is noted on ``exc``, which stays the error."""
@@ -66,6 +77,47 @@ class SavedState:
         for param, grad in self.grads:
             if param.grad is not grad:
                 param.grad = grad
+        for binding in self.buffers:
+            binding.rebind()
+
+
+@dataclass(frozen=True)
+class BufferBinding:
+    """Which tensor one module buffer is, as found: ``owner._buffers[local] is tensor``.
+
+    Attributes:
+        callable_index: The position of the module among the callables.
+        name: The buffer's qualified name in that module, as ``named_buffers()`` gives it.
+        owner: The (sub)module whose ``_buffers`` holds it.
+        local: Its name there.
+        tensor: The tensor (or None, a buffer registered as None).
+    """
+
+    callable_index: int
+    name: str
+    owner: torch.nn.Module
+    local: str
+    tensor: torch.Tensor | None
+
+    def holds(self) -> bool:
+        """Whether the owner still holds this tensor under the name."""
+        return self.local in self.owner._buffers and self.owner._buffers[self.local] is self.tensor
+
+    def rebind(self) -> None:
+        """Register the tensor under the name again, if anything replaced or removed it."""
+        if not self.holds():
+            self.owner._buffers[self.local] = self.tensor
+
+
+def buffer_bindings(callables: Sequence[Any]) -> tuple[BufferBinding, ...]:
+    """Every buffer binding of the modules among ``callables``, as they are now."""
+    return tuple(
+        BufferBinding(index, f"{path}.{local}" if path else local, owner, local, tensor)
+        for index, fn in enumerate(callables)
+        if isinstance(fn, torch.nn.Module)
+        for path, owner in fn.named_modules(remove_duplicate=False)
+        for local, tensor in list(owner._buffers.items())
+    )
 
 
 def _add_note(exc: BaseException, note: str) -> None:

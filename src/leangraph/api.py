@@ -33,7 +33,7 @@ from .build.builder import Built, build_graphs
 from .build.record import GraphRecord
 from .hooks import CaptureHooks, normalize_hooks
 from .memory import available_bytes, check_fits, memory_plan_of, shared_buffers
-from .order import StepKind
+from .order import OrderEntry, StepKind
 from .probe import probe
 from .progress import ProgressCallback
 from .result import GraphedSet
@@ -49,14 +49,14 @@ SampleArgs = tuple[Any, ...]
 _Module = TypeVar("_Module", bound=torch.nn.Module)
 
 
-class CaptureKeywords(TypedDict, total=False):
-    """The keyword options of :func:`make_graphed_callables` (see its docstring)."""
+class _OptionsButOrder(TypedDict, total=False):
+    """The keyword options of :func:`make_graphed_callables` but ``order`` (see its
+    docstring): the overloads tell apart a single callable with and without an order."""
 
     sample_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None
     num_warmup_iters: int
     allow_unused_input: bool
     pool: Any | None
-    order: Sequence[int] | None
     num_layers_per_chunk: int | Sequence[int] | None
     retain_graph_in_backward: bool
     backend: str | None
@@ -73,11 +73,32 @@ class CaptureKeywords(TypedDict, total=False):
     generator_states: Sequence[torch.Generator]
 
 
-# A module comes back as itself, a plain function as a GraphedCallable: a module is also
-# callable, so the first overload overlaps the second, and mypy must be told it is meant.
+class CaptureKeywords(_OptionsButOrder, total=False):
+    """The keyword options of :func:`make_graphed_callables` (see its docstring)."""
+
+    order: Sequence[OrderEntry] | None
+
+
+# A single callable with an order comes back as a GraphedCallable, module or not; without
+# one, a module comes back as itself and a plain function as a GraphedCallable. A module is
+# also callable, so the Module overload overlaps the next, and mypy must be told it is meant.
+@overload
+def make_graphed_callables(
+    callables: Callable[..., Any],
+    sample_args: SampleArgs,
+    *,
+    order: Sequence[OrderEntry],
+    **options: Unpack[_OptionsButOrder],
+) -> GraphedCallable: ...
+
+
 @overload
 def make_graphed_callables(  # type: ignore[overload-overlap]
-    callables: _Module, sample_args: SampleArgs, **options: Unpack[CaptureKeywords]
+    callables: _Module,
+    sample_args: SampleArgs,
+    *,
+    order: None = None,
+    **options: Unpack[_OptionsButOrder],
 ) -> _Module: ...
 
 
@@ -103,7 +124,7 @@ def make_graphed_callables(
     num_warmup_iters: int = 3,
     allow_unused_input: bool = False,
     pool: Any | None = None,
-    order: Sequence[int] | None = None,
+    order: Sequence[OrderEntry] | None = None,
     num_layers_per_chunk: int | Sequence[int] | None = None,
     retain_graph_in_backward: bool = False,
     backend: str | None = None,
@@ -128,9 +149,11 @@ def make_graphed_callables(
     With ``order`` (``+c`` forward of chunk ``c``'s next microbatch, ``-c`` backward of its
     oldest, ``-(c + 0.5)`` its weight step), ``callables`` are the layers chunk by chunk,
     ``sample_args`` has one entry per graph laid out chunk -> microbatch -> layer
-    (:class:`leangraph.Layout`), a :class:`GraphedCallable` comes back at each position, and
-    replays follow the order. The call's :class:`GraphedSet` (``.graphed_set`` of any
-    returned callable, or of a graphed module's ``forward``) owns the record and the pool.
+    (:class:`leangraph.Layout`), a :class:`GraphedCallable` comes back at each position (a
+    single callable with a one-microbatch order: that graph alone, a module's ``forward``
+    untouched), and replays follow the order. The call's :class:`GraphedSet`
+    (``.graphed_set`` of any returned callable, or of a graphed module's ``forward``) owns the
+    record and the pool.
 
     Memory aliasing: replay outputs are views of graph-owned buffers. With ``share_buffers``
     they stay valid until their graph's backward replay (or, without a backward, its next
@@ -148,7 +171,9 @@ def make_graphed_callables(
             run the same kernels), so its cost does not grow with the microbatches.
         allow_unused_input: Allow inputs and parameters the outputs do not depend on.
         pool: A graph memory pool handle (``torch.cuda.graph_pool_handle()``) to share.
-        order: The pipeline order; None for the torch drop-in behaviour.
+        order: The pipeline order: chunk ids (``+c``, ``-c``, ``-(c + 0.5)``) or
+            :class:`leangraph.Step` records naming each step's microbatch; None for the
+            torch drop-in behaviour.
         num_layers_per_chunk: Layers of each chunk with ``order`` (default: equal split).
         retain_graph_in_backward: Let a backward replay more than once per forward.
         backend: ``"cuda"``, ``"cpu"`` or None (by the samples' device).

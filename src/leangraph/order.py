@@ -19,8 +19,17 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
-__all__ = ["GraphId", "Layout", "Step", "StepKind", "parse_order", "unordered_layout"]
+__all__ = [
+    "GraphId",
+    "Layout",
+    "OrderEntry",
+    "Step",
+    "StepKind",
+    "parse_order",
+    "unordered_layout",
+]
 
 
 class StepKind(enum.Enum):
@@ -64,6 +73,11 @@ class Step:
         return f"{self.kind.value} c{self.chunk} m{self.microbatch}"
 
 
+# An entry of an order as callers write it: a chunk id (``+c`` forward, ``-c`` backward), a
+# weight step ``-(c + 0.5)`` (a float), or a :class:`Step` record naming its microbatch.
+OrderEntry: TypeAlias = int | float | Step
+
+
 @dataclass(frozen=True, slots=True)
 class Layout:
     """How graphs are laid out: chunk -> microbatch -> layer.
@@ -76,16 +90,47 @@ class Layout:
     layers_per_chunk: tuple[int, ...]
     num_microbatches: int
 
+    def __post_init__(self) -> None:
+        """Refuse a layout no order can have, so that no index it gives is silently wrong.
+
+        Raises:
+            TypeError: for ``layers_per_chunk`` that is not a tuple or list of ints, or a
+                ``num_microbatches`` that is not an int.
+            ValueError: for no chunk, a chunk of no layer, or fewer than one microbatch.
+        """
+        chunks = self.layers_per_chunk
+        if not isinstance(chunks, (tuple, list)) or not all(map(_is_int, chunks)):
+            raise TypeError(
+                "Layout: layers_per_chunk must be a tuple of ints (layers per chunk), got "
+                f"{_described(chunks)}"
+            )
+        if not chunks or min(chunks) < 1:
+            raise ValueError(
+                "Layout: layers_per_chunk must hold at least one chunk, each of at least one "
+                f"layer, got {tuple(chunks)}"
+            )
+        if not _is_int(self.num_microbatches):
+            raise TypeError(
+                f"Layout: num_microbatches must be an int, got {_described(self.num_microbatches)}"
+            )
+        if self.num_microbatches < 1:
+            raise ValueError(f"Layout: num_microbatches must be >= 1, got {self.num_microbatches}")
+        # A list would make the frozen record unhashable and mutable from outside.
+        object.__setattr__(self, "layers_per_chunk", tuple(int(n) for n in chunks))
+
     @property
     def num_chunks(self) -> int:
+        """Number of chunks (model chunks of the rank)."""
         return len(self.layers_per_chunk)
 
     @property
     def num_callables(self) -> int:
+        """Number of callables (layers over all chunks)."""
         return sum(self.layers_per_chunk)
 
     @property
     def num_graphs(self) -> int:
+        """Number of graphs: one per (chunk, microbatch, layer)."""
         return self.num_callables * self.num_microbatches
 
     def layer_prefix(self, chunk: int) -> int:
@@ -93,13 +138,44 @@ class Layout:
         return sum(self.layers_per_chunk[: chunk - 1])
 
     def graph_index(self, chunk: int, microbatch: int, layer: int) -> int:
-        """Position of graph (chunk, microbatch, layer) in ``sample_args`` and the result."""
+        """Position of graph (chunk, microbatch, layer) in ``sample_args`` and the result.
+
+        Raises:
+            IndexError: for a chunk, microbatch or layer outside the layout (``chunk`` is
+                1-based), which would name another graph's position.
+        """
+        self._check_chunk_layer("graph_index", chunk, layer)
+        if not (_is_int(microbatch) and 0 <= microbatch < self.num_microbatches):
+            raise IndexError(
+                f"Layout.graph_index: microbatch must be in [0, {self.num_microbatches}) "
+                f"(0-based), got {microbatch!r}"
+            )
         layers = self.layers_per_chunk[chunk - 1]
         return self.layer_prefix(chunk) * self.num_microbatches + microbatch * layers + layer
 
     def callable_index(self, chunk: int, layer: int) -> int:
-        """Position of layer ``layer`` of ``chunk`` in ``callables``."""
+        """Position of layer ``layer`` of ``chunk`` in ``callables``.
+
+        Raises:
+            IndexError: for a chunk or layer outside the layout (``chunk`` is 1-based).
+        """
+        self._check_chunk_layer("callable_index", chunk, layer)
         return self.layer_prefix(chunk) + layer
+
+    def _check_chunk_layer(self, method: str, chunk: int, layer: int) -> None:
+        # Unchecked, chunk 0 read the last chunk's size and a layer past the chunk's end the
+        # next microbatch's or chunk's graph: a valid-looking index of another graph.
+        if not (_is_int(chunk) and 1 <= chunk <= self.num_chunks):
+            raise IndexError(
+                f"Layout.{method}: chunk must be in [1, {self.num_chunks}] (chunk ids are "
+                f"1-based), got {chunk!r}"
+            )
+        layers = self.layers_per_chunk[chunk - 1]
+        if not (_is_int(layer) and 0 <= layer < layers):
+            raise IndexError(
+                f"Layout.{method}: layer must be in [0, {layers}) (0-based; chunk {chunk} has "
+                f"{layers} layer(s)), got {layer!r}"
+            )
 
     def callable_of_graph(self, index: int) -> int:
         """Position in ``callables`` of the callable graph ``index`` runs."""
@@ -118,6 +194,16 @@ class Layout:
                 return GraphId(chunk, microbatch, layer)
             start += size
         raise AssertionError("unreachable")
+
+
+def _is_int(value: object) -> bool:
+    """An integer that is not a bool (``True`` is 1 to Python, never a count here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _described(value: object) -> str:
+    """``float 2.0``, ``list [2, 2.0]``: a value's type and value, for messages."""
+    return f"{type(value).__name__} {value!r}"
 
 
 def unordered_layout(num_callables: int) -> Layout:
@@ -356,7 +442,7 @@ def parse_order(
     order: Sequence[object],
     *,
     num_callables: int,
-    num_samples: int,
+    num_samples: int | None,
     num_layers_per_chunk: int | Sequence[int] | None = None,
 ) -> tuple[Layout, tuple[Step, ...]]:
     """Validate an order and expand it into steps.
@@ -367,7 +453,8 @@ def parse_order(
             (for schedules whose backwards are not first in, first out, such as
             ``ScheduleLoopedBFS``; see ``leangraph.schedules.from_pipelining(explicit=True)``).
         num_callables: ``len(callables)``: the layers of all chunks, chunk by chunk.
-        num_samples: ``len(sample_args)``; must be ``num_callables * num_microbatches``.
+        num_samples: ``len(sample_args)``; must be ``num_callables * num_microbatches``
+            (None: the caller checks the count itself).
         num_layers_per_chunk: Layers of each chunk (an int for all, or one per chunk);
             default: an equal split.
 
@@ -386,7 +473,7 @@ def parse_order(
     if any(s.kind is StepKind.WEIGHT for s in steps):
         _check_weight_steps(steps, backwards, layers)
     layout = Layout(layers_per_chunk=layers, num_microbatches=forwards[0])
-    if num_samples != layout.num_graphs:
+    if num_samples is not None and num_samples != layout.num_graphs:
         raise ValueError(
             f"sample_args has {num_samples} entries but the order needs {layout.num_graphs} "
             f"({layout.num_callables} layers x {layout.num_microbatches} microbatches)"

@@ -138,6 +138,10 @@ def reset_all(graphed: Any) -> None:
     whose ``forward`` is one, or a tuple of those, or the call's :class:`GraphedSet`.
     Idempotent, like each ``reset()``.
 
+    Memory aliasing: outputs of earlier replays that are still referenced keep their buffers'
+    memory, which goes back to the pool once they are dropped; nothing replays into it again.
+    Modules keep their graphed ``forward``, which raises :class:`GraphResetError` from then on.
+
     Raises:
         TypeError: for anything that is not such a result.
     """

@@ -20,7 +20,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .._call import Call, CaptureOptions
-from .._restore import module_buffers, note_out_of_memory, values_kept
+from .._restore import buffer_bindings, module_buffers, note_out_of_memory, values_kept
 from ..backends.base import GraphBackend
 from ..buffers import BufferKey, BufferPlan, StaticBuffers, allocate
 from ..hooks import CaptureHooks
@@ -111,6 +111,7 @@ def _warm_up_and_capture(
     # step counter) is put back in place, as the probe and a CUDA capture leave them. Entered
     # outside the backend's warm-up context, so that on CUDA the copies are taken before the
     # warm-up stream starts and put back once it is joined, before any capture begins.
+    bindings = buffer_bindings(call.callables)  # after the probe: a lazy cache is made
     with values_kept(module_buffers(call.callables)):
         run_warmup(
             plan,
@@ -120,6 +121,7 @@ def _warm_up_and_capture(
             observers=observers,
             total_steps=warmup_steps + len(plan.capture),
         )
+    _refuse_rebound_buffers(call, bindings)
     if options.post_warmup_hook is not None:
         options.post_warmup_hook()
     recorder.end_warmup()
@@ -148,6 +150,28 @@ def _warm_up_and_capture(
             steps_before=warmup_steps,
         )
     return recorder.finish()
+
+
+def _refuse_rebound_buffers(call: Call, bindings: Sequence[Any]) -> None:
+    """Refuse, before capture, a forward that assigns a new tensor to its own buffer (a step
+    counter ``self.count = self.count + 1``): warm-up ran it again after the probe, so it does
+    so at every call, and a replay runs only the captured kernels, so the buffer would stay
+    as it was where eager's forward replaces it. (The caller's tensors are bound again by the
+    failed call's restore.)"""
+    for binding in bindings:
+        if not binding.holds():
+            graph = next(
+                g
+                for g in range(call.plan.layout.num_graphs)
+                if call.callable_index(g) == binding.callable_index
+            )
+            raise ValueError(
+                f"{call.label(graph)}: its forward assigns a new tensor to buffer "
+                f"{binding.name!r} at every call (seen in warm-up); a replay runs only the "
+                "captured kernels, so the buffer would never change, where eager's forward "
+                "replaces it. Expected a forward that updates its buffers in place "
+                "(self.count.add_(1), buf.copy_(new)), or that returns the new value"
+            )
 
 
 def graph_sources(

@@ -405,6 +405,22 @@ class GraphBuilder:
         self.pair.reset()
 
 
+class _Leaf:
+    """Stands for an output leaf where :func:`_structure` writes a structure out."""
+
+    def __repr__(self) -> str:
+        return "leaf"
+
+
+def _structure(spec: pytree.TreeSpec) -> str:
+    """``(leaf,)``, ``[leaf, leaf]``, ``{'a': leaf}``: an output structure as written (a
+    TreeSpec's own text spans lines and names no container literally)."""
+    try:
+        return repr(pytree.tree_unflatten([_Leaf()] * spec.num_leaves, spec))
+    except Exception:  # a registered type that cannot be built from placeholders
+        return " ".join(str(spec).split())
+
+
 def _run_callable(source: GraphSource, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Run the callable on ``leaves``; its outputs must look as the probe saw them."""
     args, kwargs = source.signature.unflatten(leaves)
@@ -412,8 +428,10 @@ def _run_callable(source: GraphSource, leaves: Sequence[torch.Tensor]) -> tuple[
     expected = source.facts
     if tree != expected.output_tree:
         raise RuntimeError(
-            f"{source.label}: outputs changed structure between runs: "
-            f"{expected.output_tree} then {tree}"
+            f"{source.label}: outputs changed structure between runs: the probe's forward "
+            f"returned {_structure(expected.output_tree)}, this run {_structure(tree)}; a "
+            "graph replays one output structure, so the callable must return the same one "
+            "on every call"
         )
     template = output_template(source.label, output_leaves)
     if template != expected.output_template:

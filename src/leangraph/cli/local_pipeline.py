@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from leangraph.order import StepKind, parse_order
+from leangraph.order import OrderEntry, StepKind, parse_order
 
 __all__ = ["LayerLookup", "LossFn", "StepResult", "run_order"]
 
@@ -33,7 +33,7 @@ class StepResult:
 
 
 def run_order(
-    order: Sequence[int],
+    order: Sequence[OrderEntry],
     layers_per_chunk: Sequence[int],
     layer: LayerLookup,
     inputs: Sequence[torch.Tensor],
@@ -42,7 +42,9 @@ def run_order(
     """Run one training step's forwards and backwards in ``order``.
 
     Args:
-        order: The pipeline order (``+c`` / ``-c``, chunks 1-based).
+        order: The pipeline order (``+c`` / ``-c``, chunks 1-based; ``-(c + 0.5)`` weight
+            steps call ``backward_dw()`` on what ``layer`` returns, where it has one; or
+            :class:`leangraph.Step` records).
         layers_per_chunk: Number of layers of each chunk.
         layer: Returns the callable to run for (chunk, microbatch, layer).
         inputs: One input per microbatch for chunk 1.

@@ -43,6 +43,7 @@ from typing import Any
 
 from .._call import Call, validate_call
 from ..buffers import BufferPlan, plan_buffers
+from ..order import OrderEntry
 from ..probe import GraphFacts, probe
 from .meta_attention import MetaAttention
 from .records import MemoryPlan
@@ -58,7 +59,7 @@ def plan_memory(
     sample_args: SampleArgs | tuple[SampleArgs, ...],
     *,
     sample_kwargs: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
-    order: Sequence[int] | None = None,
+    order: Sequence[OrderEntry] | None = None,
     num_layers_per_chunk: int | Sequence[int] | None = None,
     meta_attention: str = "cuda",
 ) -> MemoryPlan:
@@ -76,7 +77,8 @@ def plan_memory(
             laid out as for ``make_graphed_callables``. Meta tensors allocate nothing.
         sample_kwargs: One dict of keyword sample arguments per graph (a dict for a single
             callable), or None.
-        order: The pipeline order; None for the torch drop-in plan (each callable's forward
+        order: The pipeline order (chunk ids or :class:`leangraph.Step` records, as for
+            ``make_graphed_callables``); None for the torch drop-in plan (each callable's forward
             and backward back to back in warm-up; all forwards then all backwards in capture).
         num_layers_per_chunk: Layers of each chunk with ``order`` (default: an equal split).
         meta_attention: Which kernel ``scaled_dot_product_attention`` on meta tensors without

@@ -54,9 +54,15 @@ class GraphedCallable:
     sharing (the default) they stay valid until this callable's backward replay (its weight
     step, for split backwards), or its next forward replay when it has no backward; without
     sharing, until its next forward replay. Never after :meth:`reset`. Clone them to keep
-    them longer. Gradients stored by autograd (parameters' and leaf inputs' ``.grad``) are
-    fresh tensors; gradients flowing into earlier autograd nodes alias static gradient
-    buffers and are consumed by those nodes at once.
+    them longer. Gradients are fresh tensors wherever autograd or other code may keep them:
+    parameters' and leaf inputs' ``.grad``, and input gradients flowing into earlier autograd
+    nodes (hooks, ``torch.autograd.grad``). Two alias graph-owned buffers, valid only until
+    the call's next replays reuse them: the gradient of a chained layer's input (the previous
+    layer's seed, read in place by that layer's backward replay), and that of a parameter
+    whose ``.grad`` already exists (autograd adds it in at once; ``torch.autograd.grad`` with
+    respect to such a parameter returns the buffer). With ``fuse_grad_accumulation`` the
+    parameters' ``.grad`` or ``main_grad`` are buffers the backward graphs add into, until
+    :meth:`reset` (docs/concepts.md: static buffers and how long outputs stay valid).
     """
 
     def __init__(
@@ -164,8 +170,14 @@ class GraphedCallable:
         Raises:
             GraphResetError: if the callable was reset.
             TypeError, ValueError: if the arguments differ from the captured ones in
-                structure, keys, dtype, shape, device or ``requires_grad``.
-            RuntimeError: under a ``torch.func`` transform; for a module changed since
+                count, keyword names, structure, constants, dtype, shape or device (an input
+                that requires grad only now is no error: it gets no gradient, with a
+                ``UserWarning``), a chained layer's input is not the previous layer's output
+                itself, or a parameter frozen at capture requires grad now.
+            RuntimeError: out of the capture order, or while the outputs of the previous
+                replay still await their backward; under another autocast than capture's;
+                for a parameter whose ``requires_grad`` the forward read, frozen since; under
+                a ``torch.func`` transform; for a module changed since
                 capture (a submodule replaced, a module hook added inside it, a parameter or
                 buffer replaced or moved; captured with an order, a training mode switched);
                 with ``accumulator_hooks="python"`` or ``False``, inside torch's
@@ -241,7 +253,11 @@ class GraphedCallable:
         Replays the weight-gradient graph and accumulates into each parameter's ``.grad``
         through autograd (``.grad`` set to a fresh tensor when None, else added to in place),
         so parameter ``post_accumulate_grad`` hooks run once each, as in eager's weight step
-        (DDP-style gradient-ready hooks among them). Call it at the schedule's W step,
+        (DDP-style gradient-ready hooks among them); with ``fuse_grad_accumulation`` the graph
+        adds them into ``main_grad`` or ``.grad`` itself, and the hooks run as after a fused
+        backward replay. The ``.grad`` it sets is a fresh tensor, not graph-owned memory
+        (with ``fuse_grad_accumulation``, the buffer the graphs add into until reset). Call
+        it at the schedule's W step,
         after the backward through this callable's outputs (which computed input gradients
         only) and before its next forward replay.
 

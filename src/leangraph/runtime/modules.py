@@ -12,13 +12,12 @@ about ten submodules).
 from __future__ import annotations
 
 import operator
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .._call import MODULE_HOOKS, global_module_hooks
+from .._call import MODULE_HOOKS, global_module_hooks, inert_hook
 from ..build.record import ModuleState
 
 __all__ = ["ModuleWatch"]
@@ -218,7 +217,7 @@ class ModuleWatch:
         globals_ = [
             f"_global{kind}"
             for kind, hooks in zip(MODULE_HOOKS, _GLOBAL_HOOK_DICTS)
-            if not all(map(_inert, hooks.values()))
+            if not all(map(inert_hook, hooks.values()))
         ]
         if globals_:
             raise RuntimeError(
@@ -231,7 +230,7 @@ class ModuleWatch:
             kinds = [
                 kind
                 for kind in MODULE_HOOKS
-                if not all(map(_inert, getattr(module, kind).values()))
+                if not all(map(inert_hook, getattr(module, kind).values()))
             ]
             if kinds:
                 where = f"submodule {name!r}" if name else "the module"
@@ -240,20 +239,6 @@ class ModuleWatch:
                     "runs the captured kernels and cannot run them. Remove them, or run the "
                     "eager module"
                 )
-
-
-def _inert(hook: object) -> bool:
-    """Whether ``hook`` does nothing now, known by where it comes from: transformers installs
-    its output-capturing hooks for good at the first ``output_attentions`` or
-    ``output_hidden_states`` call, and they act only while its collector records."""
-    if getattr(hook, "__module__", None) != _TRANSFORMERS_CAPTURING:
-        return False
-    collector = getattr(sys.modules.get(_TRANSFORMERS_CAPTURING), "_active_collector", None)
-    get = getattr(collector, "get", None)
-    return get is not None and not get()
-
-
-_TRANSFORMERS_CAPTURING = "transformers.utils.output_capturing"
 
 
 def _owner_dicts(
