@@ -200,3 +200,17 @@ def rank_worker(run: Callable[[int, str], dict[str, Any]], description: str) -> 
 def gloo_rank(run: Callable[[int], dict[str, Any]], description: str) -> None:
     """:func:`rank_worker` for CPU-only cases: ``run(rank)``."""
     rank_worker(lambda rank, device: run(rank), description)
+
+
+def assert_replays_like_eager(graphed, eager, make_input, replays=2):
+    """``replays`` times: ``graphed`` and ``eager`` on the same fresh input (``make_input()``,
+    a leaf that requires grad), outputs and input gradients of ``out.square().sum()`` bitwise
+    equal (parameter gradients are the caller's to compare)."""
+    for _ in range(replays):
+        x = make_input()
+        x_eager = x.detach().clone().requires_grad_(True)
+        out, expected = graphed(x), eager(x_eager)
+        assert torch.equal(out, expected)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert torch.equal(x.grad, x_eager.grad)

@@ -226,11 +226,7 @@ class GraphedCallable:
         return pytree.tree_unflatten(record.output_template.fill(outputs), record.output_tree)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(
-            f"{self._label}: a graphed callable cannot be copied or pickled (its graphs and "
-            "static buffers belong to one capture); copy the module before graphing it, and "
-            "save a model holding graphed modules (torch.save) by its state_dict()"
-        )
+        raise TypeError(_NOT_COPIED.format(label=self._label))
 
     def reset(self) -> None:
         """Release this callable's graphs and static buffers, for good.
@@ -354,7 +350,7 @@ class GraphedCallable:
         self, grads: Sequence[torch.Tensor], generation: int
     ) -> tuple[tuple[torch.Tensor | None, ...], frozenset[int]]:
         """The gradients to hand autograd, and the ids of the trained parameters no output
-        with a gradient reached (whose hooks :meth:`_call_accumulator_hooks` leaves out)."""
+        with a gradient reached (whose hooks ``_call_accumulator_hooks`` leaves out)."""
         with self._lock:
             record = self._require_ready("run a backward")
             _refuse_stale_backward(
@@ -394,13 +390,20 @@ class GraphedCallable:
                 handed = self._grads.without_unreached(handed, [g is not None for g in grads])
             return handed, unreached
 
-    def _call_accumulator_hooks(self, unreached: frozenset[int]) -> None:
-        """After a backward replay, outside the lock: the Python hooks it calls itself
-        (``accumulator_hooks="python"``; at the weight step for a split backward), but not
-        those of the parameters in ``unreached`` (ids), which no output with a gradient
-        reached."""
-        if self._fused is not None and self._weight is None:
-            self._fused.call_hooks(unreached)
+
+_NOT_COPIED = (
+    "{label}: a graphed callable cannot be copied or pickled (its graphs and static buffers "
+    "belong to one capture); copy the module before graphing it, and save a model holding "
+    "graphed modules (torch.save) by its state_dict()"
+)
+
+
+def _call_accumulator_hooks(owner: GraphedCallable, unreached: frozenset[int]) -> None:
+    """After a backward replay, outside the callable's lock: the Python hooks the replay calls
+    itself (``accumulator_hooks="python"``; at the weight step for a split backward), but not
+    those of the parameters in ``unreached`` (ids), which no output with a gradient reached."""
+    if owner._fused is not None and owner._weight is None:
+        owner._fused.call_hooks(unreached)
 
 
 def _refuse_stale_backward(
@@ -672,7 +675,7 @@ class _Replay(torch.autograd.Function):
 def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     owner: GraphedCallable = ctx.owner
     grad_inputs, unreached = owner._replay_backward(grads, ctx.generation)
-    owner._call_accumulator_hooks(unreached)
+    _call_accumulator_hooks(owner, unreached)
     return _node_grads(ctx, grad_inputs)
 
 
@@ -693,7 +696,7 @@ def _backward_once(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None,
     owner: GraphedCallable = ctx.owner
     with torch.no_grad():
         grad_inputs, unreached = owner._replay_backward(grads, ctx.generation)
-    owner._call_accumulator_hooks(unreached)  # in the pass's grad mode, as autograd runs them
+    _call_accumulator_hooks(owner, unreached)  # in the pass's grad mode, as autograd runs them
     outputs = _node_grads(ctx, grad_inputs)
     if not any(g is not None and g.requires_grad for g in grads):
         return outputs
