@@ -168,14 +168,16 @@ class GraphRecord:
         ``backward_dw()``)."""
         return self.fused is None and not self.split_backward
 
-    def params_unreached(self, got_grad: Sequence[bool]) -> frozenset[int]:
-        """The positions among ``params`` of the trained parameters that no output with a
-        gradient (``got_grad[o]``) reaches: eager's backward gives them none, not zeros. Only
-        for a graph with several outputs that need a gradient (``output_reach``)."""
+    def reached_by(self, got_grad: Sequence[bool]) -> frozenset[int]:
+        """The positions (inputs, then parameters) that the outputs with a gradient
+        (``got_grad[o]``) reach (``output_reach``): eager's backward gives the others none,
+        not zeros."""
+        return frozenset().union(*(reach for reach, got in zip(self.output_reach, got_grad) if got))
+
+    def params_unreached(self, reached: frozenset[int]) -> frozenset[int]:
+        """The positions among ``params`` of the trained parameters outside ``reached``
+        (:meth:`reached_by`'s positions)."""
         offset = len(self.signature.specs)
-        reached = frozenset().union(
-            *(reach for reach, got in zip(self.output_reach, got_grad) if got)
-        )
         return frozenset(
             i for i, trains in enumerate(self.param_trains) if trains and i + offset not in reached
         )

@@ -12,7 +12,7 @@ tensor and its memory, and leangraph holds one.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -65,9 +65,6 @@ class GradRouting:
             for j, (param, grad) in enumerate(zip(record.params, params))
             if grad is not None
         )
-        # Per output, the positions above its gradient reaches (where a backward gives some
-        # output no gradient, what only the others reach gets none, as in eager).
-        self._reach = record.output_reach
         self._peers = record.sharing.peers
         # Shared parameters matter only where this replay hands their gradients to autograd.
         self._shared_param_ids = record.sharing.shared_param_ids if delivers else frozenset()
@@ -102,13 +99,11 @@ class GradRouting:
         return tuple(handed)
 
     def without_unreached(
-        self, handed: tuple[torch.Tensor | None, ...], used: Sequence[bool]
+        self, handed: tuple[torch.Tensor | None, ...], reached: frozenset[int]
     ) -> tuple[torch.Tensor | None, ...]:
-        """``handed`` with None for every input and parameter that no output with a gradient
-        (``used[o]``) reaches: eager's backward gives them none, not zeros."""
-        reached: frozenset[int] = frozenset().union(
-            *(reach for reach, got in zip(self._reach, used) if got)
-        )
+        """``handed`` with None for every input and parameter outside ``reached`` (the
+        positions the outputs with a gradient reach, ``GraphRecord.reached_by``): eager's
+        backward gives them none, not zeros."""
         return tuple(g if i in reached else None for i, g in enumerate(handed))
 
 

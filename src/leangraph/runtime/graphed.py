@@ -370,7 +370,8 @@ class GraphedCallable:
             self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
             _fill_seeds(record.static_grad_outputs, grads)
             lacking = self._outputs_may_lack_grads and any(map(operator.is_, grads, _NONES))
-            unreached = _unreached_params(record, grads) if lacking else _NOTHING
+            reached = record.reached_by([g is not None for g in grads]) if lacking else None
+            unreached = _NOTHING if reached is None else _unreached_params(record, reached)
             if attach:
                 assert fused is not None
                 fused.before_replay(unreached)
@@ -386,8 +387,8 @@ class GraphedCallable:
                 self._guard.invalidate(f"the backward of {self._label} ran")
             assert self._grads is not None
             handed = self._grads.scatter()
-            if lacking:
-                handed = self._grads.without_unreached(handed, [g is not None for g in grads])
+            if reached is not None:
+                handed = self._grads.without_unreached(handed, reached)
             return handed, unreached
 
 
@@ -426,11 +427,10 @@ def _refuse_stale_backward(
         )
 
 
-def _unreached_params(record: GraphRecord, grads: Sequence[torch.Tensor | None]) -> frozenset[int]:
-    """The ids of the trained parameters that no output with a gradient (not None in
-    ``grads``) reaches: eager's backward gives them no gradient and runs no accumulator."""
-    positions = record.params_unreached([g is not None for g in grads])
-    return frozenset(id(record.params[i]) for i in positions)
+def _unreached_params(record: GraphRecord, reached: frozenset[int]) -> frozenset[int]:
+    """The ids of the trained parameters outside ``reached`` (the positions the outputs with
+    a gradient reach): eager's backward gives them no gradient and runs no accumulator."""
+    return frozenset(id(record.params[i]) for i in record.params_unreached(reached))
 
 
 def _eager_in_another_mode(
