@@ -267,7 +267,7 @@ def _resolve_layers(
                 f"{num_chunks} chunks"
             )
     for chunk, count in enumerate(layers, start=1):
-        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+        if not _is_int(count) or count < 1:
             raise ValueError(
                 f"num_layers_per_chunk for chunk {chunk} must be an int >= 1, got {count!r}"
             )
@@ -347,7 +347,7 @@ def _check_step_fields(position: int, step: Step) -> None:
         )
     for field in ("chunk", "microbatch"):
         value = getattr(step, field)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if not _is_int(value):
             raise ValueError(
                 f"order[{position}] = {step!r}: {field} must be an int, got "
                 f"{type(value).__name__} {value!r}"
