@@ -140,6 +140,58 @@ def test_a_dense_non_contiguous_sample_keeps_its_layout_in_the_static_input():
     assert torch.equal(layer.weight.grad, eager.weight.grad) and torch.equal(x.grad, x_eager.grad)
 
 
+class _SeenGradLayout(torch.autograd.Function):
+    """Identity that notes the layout of the gradient its backward receives."""
+
+    seen: list[tuple[int, ...]] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _SeenGradLayout.seen.append(tuple(grad.stride()))
+        return grad
+
+
+class _TransposedOut(torch.nn.Module):
+    """Returns a transposed (dense, non-contiguous) output, as LAPACK's results are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        return _SeenGradLayout.apply(self.linear(x).t())
+
+
+def test_a_transposed_output_gets_its_gradient_seed_in_its_layout():
+    """The seed a backward graph reads the output gradient from has the output's layout, as
+    eager's backward reads it (torch's tool allocates it with ``empty_like``): a contiguous
+    seed would run the layer's backward kernels on another layout than eager's."""
+    torch.manual_seed(0)
+    layer = _TransposedOut()
+    eager = copy.deepcopy(layer)
+    _SeenGradLayout.seen.clear()
+    copy.deepcopy(eager)(torch.randn(4, 6, requires_grad=True)).square().sum().backward()
+    assert _SeenGradLayout.seen == [(1, 6)]  # eager's gradient keeps the output's layout
+    _SeenGradLayout.seen.clear()
+    graphed = leangraph.make_graphed_callables(layer, (torch.randn(4, 6, requires_grad=True),))
+    # The backward graph was captured reading the seed: the layout it saw is the seed's.
+    assert _SeenGradLayout.seen and set(_SeenGradLayout.seen) == {(1, 6)}, _SeenGradLayout.seen
+    for _ in range(2):
+        x = torch.randn(4, 6, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        out, want = graphed(x), eager(x_eager)
+        assert out.stride() == want.stride() and torch.equal(out, want)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        assert torch.equal(x.grad, x_eager.grad)
+    for got, want in zip(layer.parameters(), eager.parameters()):
+        assert torch.equal(got.grad, want.grad)
+
+
 def test_an_expanded_sample_gets_a_contiguous_static_input():
     key = BufferKey.of(torch.randn(1, 4).expand(3, 4), keep_layout=True)
     assert key.stride is None and BufferKey.of(torch.randn(4, 3).t(), keep_layout=True).stride == (1, 3)

@@ -134,7 +134,8 @@ def test_outputs_must_keep_their_shape_between_runs():
     with raises(
         RuntimeError,
         "callable 0 (test_outputs_must_keep_their_shape_between_runs.<locals>.grows): outputs "
-        "changed shape, dtype, device or requires_grad between runs: (2, 4) torch.float32 "
+        "changed shape, dtype, device, layout or requires_grad between runs: (2, 4) "
+        "torch.float32 "
         "requires_grad then (4, 4) torch.float32 requires_grad",
         "outputs that do not depend on the data",
     ):

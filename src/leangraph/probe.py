@@ -454,5 +454,8 @@ def _layer_memory(
         grad_input_bytes=sum(_nbytes(t) for t in inputs if t.requires_grad),
         param_grad_bytes=sum(_nbytes(p) for p in params if p.requires_grad),
         inputs=tuple(BufferKey.of(t, keep_layout=True) for t in inputs),
-        outputs=tuple(BufferKey.of(t) for t in outputs),
+        # An output's layout too: its gradient seed is allocated by this key, and eager's
+        # backward reads the incoming gradient in the output's layout (a transposed one, as
+        # LAPACK returns, picks other GEMM paths than a contiguous copy's: other last bits).
+        outputs=tuple(BufferKey.of(t, keep_layout=True) for t in outputs),
     )

@@ -441,11 +441,11 @@ def _run_callable(source: GraphSource, leaves: Sequence[torch.Tensor]) -> tuple[
             f"{list(template.leaves)}"
         )
     outputs = [leaf for leaf in output_leaves if isinstance(leaf, torch.Tensor)]
-    keys = tuple(BufferKey.of(o) for o in outputs)
+    keys = tuple(BufferKey.of(o, keep_layout=True) for o in outputs)
     if keys != expected.outputs:
         raise RuntimeError(
-            f"{source.label}: outputs changed shape, dtype, device or requires_grad between "
-            f"runs: {_describe(expected.outputs)} then {_describe(keys)}; graphs need "
+            f"{source.label}: outputs changed shape, dtype, device, layout or requires_grad "
+            f"between runs: {_describe(expected.outputs)} then {_describe(keys)}; graphs need "
             "outputs that do not depend on the data"
         )
     return tuple(outputs)
@@ -520,5 +520,7 @@ def _note_reached(order: list[int], index: int, _: torch.Tensor) -> None:
 
 def _describe(keys: Sequence[BufferKey]) -> str:
     return ", ".join(
-        f"{tuple(k.shape)} {k.dtype}{' requires_grad' if k.requires_grad else ''}" for k in keys
+        f"{tuple(k.shape)} {k.dtype}{'' if k.stride is None else f' strides {k.stride}'}"
+        f"{' requires_grad' if k.requires_grad else ''}"
+        for k in keys
     )
