@@ -4,7 +4,10 @@ a post-accumulate-grad hook is refused, before warm-up (V24) or at the next back
 with ``"python"`` the replays call the hooks registered from Python themselves, and refuse
 what they cannot call or order (R17) (CPU backend; the CUDA versions are in
 test_cuda_accumulation.py; the hooks' order and Megatron's protocol in
-test_runtime_accumulation.py)."""
+test_runtime_accumulation.py). Then, in every mode (unfused, overlap, relay, "python", weight
+steps): which hooks fire when a loss leaves outputs out, and in what order over an
+interleaved-1F1B step, a retained graph's two backwards and ``torch.autograd.grad``, against
+eager's."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import torch
 import leangraph
 import leangraph.schedules
 from helpers import raises
-from models import Block, assert_histories_equal, train_both
+from models import Block, TwoOutputs, assert_histories_equal, train_both
 
 ZB = [1, 2, 1, -2, 2, -1, -2.5, -2, -1.5, -1, -2.5, -1.5]
 
@@ -367,3 +370,306 @@ def test_hooks_see_the_grad_mode_of_the_backward_pass_as_in_eager(hooks, create_
     assert seen["graphed"] == seen["eager"] == [create_graph]
     for m in (eager, module):  # create_graph=True leaves .grad in a cycle with the parameter
         m.zero_grad(set_to_none=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Which hooks fire, and in what order, in every mode, against eager's (events of
+# post-accumulate-grad hooks and of pre-hooks and hooks on the accumulator nodes, held as DDP
+# and Megatron-core hold them).
+
+MODES = {
+    "default": {},
+    "overlap": {"overlap_grad_accumulation": True},
+    "relay": {"fuse_grad_accumulation": True},
+    "python": {"fuse_grad_accumulation": True, "accumulator_hooks": "python"},
+}
+ALL_MODES = pytest.mark.parametrize("mode", list(MODES))
+
+
+class _ThreeOutputs(torch.nn.Module):
+    """``(y, head(y), side(z))``: ``head`` only the second output reaches, ``side`` only the
+    third, ``body`` the first two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 4)
+        self.side = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor):
+        y = self.body(x)
+        return y, self.head(y), self.side(z)
+
+
+def _hook_events(modules, log: list) -> list:
+    """Hook every parameter of ``modules`` (each once: tied ones under their first name) and
+    its accumulator node; events ``(module index, name, kind)`` go to ``log``. Returns the
+    nodes, to hold."""
+    held, seen = [], set()
+    for index, module in enumerate(modules):
+        for name, p in module.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            key = (index, name)
+            p.register_post_accumulate_grad_hook(lambda _, k=key: log.append((*k, "post")))
+            node = _accumulator(p)
+            node.register_prehook(lambda *_, k=key: log.append((*k, "pre")))
+            node.register_hook(lambda *_, k=key: log.append((*k, "node")))
+            held.append(node)
+    return held
+
+
+def _same_grads(got, want) -> bool:
+    return all(
+        (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad))
+        for a, b in zip(got, want)
+    )
+
+
+@ALL_MODES
+@pytest.mark.parametrize("used", [(0,), (1,), (2,), (0, 2), (0, 1, 2)], ids=str)
+def test_hooks_fire_only_for_the_parameters_the_backward_reaches(mode, used):
+    """A loss that leaves some outputs out: eager runs no accumulator for a parameter only
+    those outputs reach (``.grad`` stays None, no hook fires). The replay's node has an edge
+    to every parameter (or its relay), which autograd runs with no gradient; their hooks are
+    passed over, so the same hooks fire, once each, and ``.grad`` is eager's, bitwise."""
+    torch.manual_seed(0)
+    module = _ThreeOutputs()
+    eager = copy.deepcopy(module)
+    graphed = leangraph.make_graphed_callables(
+        module, tuple(torch.randn(3, 4, requires_grad=True) for _ in range(2)), **MODES[mode]
+    )
+    logs: dict[str, list] = {"eager": [], "graphed": []}
+    held = _hook_events([eager], logs["eager"]) + _hook_events([module], logs["graphed"])
+    for step in range(3):
+        x, z = torch.randn(3, 4), torch.randn(3, 4)
+        for name, fn in (("graphed", graphed), ("eager", eager)):
+            logs[name].append(("backward", step))
+            outputs = fn(x.clone().requires_grad_(), z.clone().requires_grad_())
+            sum(outputs[i].square().sum() for i in used).backward()
+        assert _same_grads(module.parameters(), eager.parameters()), step
+        if step == 1:
+            module.zero_grad()
+            eager.zero_grad()
+    if mode in ("relay", "python"):
+        assert logs["graphed"] == logs["eager"]  # eager's order too
+    else:  # autograd's pick among a replay's accumulators (docs/concepts.md)
+        assert sorted(logs["graphed"], key=str) == sorted(logs["eager"], key=str)
+    assert len(logs["eager"]) > 3
+    del held
+    leangraph.reset_all(graphed)
+
+
+@pytest.mark.parametrize("mode", ["default", "relay", "python"])
+def test_a_weight_step_fires_the_hooks_of_the_parameters_its_backward_reached(mode):
+    """Zero-bubble weight steps: ``head`` gets a gradient, and its hooks fire, only in the
+    microbatch whose loss used ``head(y)``, as in eager's weight step."""
+    torch.manual_seed(0)
+    eager = TwoOutputs()
+    module = copy.deepcopy(eager)
+    graphed = leangraph.make_graphed_callables(
+        (module,),
+        tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(2)),
+        order=[1, 1, -1, -1.5, -1, -1.5],
+        **MODES[mode],
+    )
+    logs: dict[str, list] = {"eager": [], "graphed": []}
+    held = _hook_events([eager], logs["eager"]) + _hook_events([module], logs["graphed"])
+    inputs = [torch.randn(4, 8) for _ in range(2)]
+    outputs = [graphed[m](x) for m, x in enumerate(inputs)]
+    for m, (y, h) in enumerate(outputs):
+        for name in logs:
+            logs[name].append(("microbatch", m))
+        (y.sum() + (h.sum() if m == 1 else 0)).backward()
+        graphed[m].backward_dw()
+        y, h = eager(inputs[m])
+        (y.sum() + (h.sum() if m == 1 else 0)).backward()
+        assert _same_grads(module.parameters(), eager.parameters()), m
+    if mode == "default":  # one node hands the weight step's gradients: autograd's pick
+        assert sorted(logs["graphed"], key=str) == sorted(logs["eager"], key=str)
+    else:
+        assert logs["graphed"] == logs["eager"]
+    assert ("microbatch", 1) in logs["eager"] and (0, "head.weight", "post") in logs["eager"]
+    del held
+    leangraph.reset_all(graphed)
+
+
+class _Twice(torch.nn.Module):
+    """A block that uses ``scale`` twice; ``lin.weight`` may be tied to another block's."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.scale = torch.nn.Parameter(torch.rand(width) + 0.5)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(torch.tanh(self.lin(x * self.scale)) * self.scale)
+
+
+def _passes(log: list) -> list[list]:
+    """The events of each backward pass (``None`` separates them)."""
+    passes: list[list] = [[]]
+    for event in log:
+        if event is None:
+            passes.append([])
+        else:
+            passes[-1].append(event)
+    return [p for p in passes if p]
+
+
+def _interleaved_hook_logs(mode: str, tied: bool):
+    """Eager and graphed runs of two steps of an interleaved 1F1B order (2 chunks x 2 layers,
+    4 microbatches), every parameter and accumulator node hooked, ``None`` logged before each
+    backward pass."""
+    from leangraph.cli.local_pipeline import run_order
+    from leangraph.order import Layout
+
+    order = leangraph.schedules.interleaved_1f1b(pp_size=2, vp_size=2, rank=0, num_microbatches=4)
+    torch.manual_seed(0)
+    eager = [_Twice(8) for _ in range(4)]
+    if tied:  # chunk 2's last layer shares chunk 1's first layer's weight
+        eager[3].lin.weight = eager[0].lin.weight
+    layers = copy.deepcopy(eager)
+    layout = Layout((2, 2), 4)
+    samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(layout.num_graphs))
+    graphed = leangraph.make_graphed_callables(
+        tuple(layers), samples, order=order, num_layers_per_chunk=2, **MODES[mode]
+    )
+    logs: dict[str, list] = {"eager": [], "graphed": []}
+    held = _hook_events(eager, logs["eager"]) + _hook_events(layers, logs["graphed"])
+    data = [torch.randn(4, 8) for _ in range(4)]
+
+    def loss(out, m):
+        return out.square().sum()
+
+    for name, lookup in (
+        ("eager", lambda c, m, l: eager[layout.callable_index(c, l)]),
+        ("graphed", lambda c, m, l: graphed[layout.graph_index(c, m, l)]),
+    ):
+        log = logs[name]
+
+        def marked(c, m, l, lookup=lookup, log=log):
+            """The layer; the last of a chunk logs None before each backward pass."""
+            layer = lookup(c, m, l)
+            if l == 0:
+                return layer
+
+            def run(x):
+                out = layer(x)
+                out.register_hook(lambda _: log.append(None))
+                return out
+
+            return run
+
+        for _ in range(2):
+            run_order(order, [2, 2], marked, [d.clone() for d in data], loss)
+    assert _same_grads(
+        [p for m in layers for p in m.parameters()], [p for m in eager for p in m.parameters()]
+    )
+    return logs, held, graphed
+
+
+@ALL_MODES
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_hook_order_over_an_interleaved_step_as_in_eager(mode, tied):
+    """The sequence of hook events over two interleaved-1F1B steps, against eager's: with the
+    relay, or the hooks called by the replay, the same sequence; a parameter tied across
+    callables has one accumulator node, which carries one number, so within a layer its
+    events may come after its neighbours'. By default and with overlap_grad_accumulation,
+    autograd picks the order among the accumulators of one replay (docs/concepts.md): the
+    same events per backward pass, each layer's together, in eager's order of layers."""
+    logs, held, graphed = _interleaved_hook_logs(mode, tied)
+    eager, got = _passes(logs["eager"]), _passes(logs["graphed"])
+    assert len(eager) == 2 * 2 * 4  # two steps of 4 microbatches x 2 chunks
+    assert all(len(p) == 3 * 5 * 2 for p in eager[:2])  # 3 kinds x 5 parameters x 2 layers
+    if mode in ("relay", "python") and not tied:
+        assert got == eager
+    else:
+        assert [sorted(p, key=str) for p in got] == [sorted(p, key=str) for p in eager]
+    if not tied:  # each layer's events together, the layers in eager's order
+        assert [[e[0] for e in p] for p in got] == [[e[0] for e in p] for p in eager]
+    del held
+    leangraph.reset_all(graphed)
+
+
+@pytest.mark.parametrize("mode", ["default", "overlap", "relay", "python"])
+def test_hooks_fire_once_per_backward_of_a_retained_graph(mode):
+    """``backward(retain_graph=True)`` twice (captured with retain_graph_in_backward): every
+    hook fires twice, and ``.grad`` holds both gradients, as in eager."""
+    eager, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module,
+        (torch.randn(4, 8, requires_grad=True),),
+        retain_graph_in_backward=True,
+        **MODES[mode],
+    )
+    logs: dict[str, list] = {"eager": [], "graphed": []}
+    held = _hook_events([eager], logs["eager"]) + _hook_events([module], logs["graphed"])
+    x = torch.randn(4, 8)
+    for name, fn in (("graphed", graphed), ("eager", eager)):
+        loss = fn(x.clone().requires_grad_()).square().sum()
+        loss.backward(retain_graph=True)
+        logs[name].append(None)
+        loss.backward()
+    assert _same_grads(module.parameters(), eager.parameters())
+    eager_passes, got = _passes(logs["eager"]), _passes(logs["graphed"])
+    assert len(eager_passes) == 2 and len(eager_passes[0]) == 3 * 6
+    if mode in ("relay", "python"):
+        assert got == eager_passes
+    else:
+        assert [sorted(p) for p in got] == [sorted(p) for p in eager_passes]
+    del held
+    leangraph.reset_all(graphed)
+
+
+@pytest.mark.parametrize("mode", ["default", "overlap"])
+def test_torch_autograd_grad_fires_no_parameter_hook(mode):
+    """``torch.autograd.grad`` with respect to the input accumulates into no parameter: no
+    hook fires, ``.grad`` stays None, and the input's gradient is eager's. (Fused, the graph
+    adds every gradient, so such a pass is refused: R18.)"""
+    eager, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), **MODES[mode]
+    )
+    logs: dict[str, list] = {"eager": [], "graphed": []}
+    held = _hook_events([eager], logs["eager"]) + _hook_events([module], logs["graphed"])
+    x = torch.randn(4, 8)
+    grads = []
+    for fn in (graphed, eager):
+        xx = x.clone().requires_grad_()
+        grads.append(torch.autograd.grad(fn(xx).square().sum(), xx)[0])
+    assert torch.equal(grads[0], grads[1])
+    assert logs["graphed"] == logs["eager"] == []
+    assert all(p.grad is None for p in module.parameters())
+    del held
+    leangraph.reset_all(graphed)
+
+
+@pytest.mark.parametrize("mode", ["default", "relay"])
+def test_hooks_passed_over_in_a_failed_pass_fire_in_the_next(mode):
+    """A hook that raises ends a backward pass before autograd ran every accumulator: the
+    hooks of an unreached parameter, passed over for that pass only, fire once in the next
+    pass that reaches it, as eager's do."""
+    torch.manual_seed(0)
+    module = _ThreeOutputs()
+    graphed = leangraph.make_graphed_callables(
+        module, tuple(torch.randn(3, 4, requires_grad=True) for _ in range(2)), **MODES[mode])
+    fired: list[str] = []
+    for name, p in module.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, name=name: fired.append(name))
+
+    def fail(_):
+        raise RuntimeError("hook failed")
+
+    handle = module.body.bias.register_post_accumulate_grad_hook(fail)
+    x, z = torch.randn(3, 4), torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        graphed(x, z)[0].sum().backward()  # side and head unreached
+    assert "side.weight" not in fired
+    handle.remove()
+    fired.clear()
+    sum(o.sum() for o in graphed(x, z)).backward()
+    assert sorted(fired) == sorted(n for n, _ in module.named_parameters())
+    leangraph.reset_all(graphed)

@@ -60,6 +60,7 @@ __all__ = [
     "has_post_accumulate_hooks",
     "hook_deliveries",
     "hook_relay",
+    "node_hook_dicts",
     "post_accumulate_hook_refusal",
     "post_accumulate_hooks",
     "python_hooks",
@@ -258,9 +259,13 @@ def deliver_gradients(
     torch.autograd.backward(root)
 
 
-def fire_relay(relay: Relay) -> None:
-    """Run the accumulators ``relay`` reaches (their hooks), outside any other backward."""
-    deliver_gradients(relay.inputs)
+def fire_relay(relay: Relay, *, skip: frozenset[int] = frozenset()) -> None:
+    """Run the accumulators ``relay`` reaches (their hooks), outside any other backward, but
+    those of the parameters whose ids are in ``skip`` (a renumbered relay's inputs are the
+    parameters; the view relay of an older torch reaches them all)."""
+    inputs = [t for t in relay.inputs if id(t) not in skip] if skip else relay.inputs
+    if inputs:
+        deliver_gradients(inputs)
 
 
 # Accumulator nodes come with the highest sequence number there is, so that the engine runs
@@ -300,13 +305,19 @@ def python_hooks(
     """The :class:`PythonHooks` of ``params_in_eager_order`` (named ``names``)."""
     with torch.enable_grad():
         nodes = tuple(accumulator_node(p) for p in params_in_eager_order)
+    dicts = [node_hook_dicts(node) for node in nodes]
     return PythonHooks(
         names=tuple(names),
         params=tuple(params_in_eager_order),
-        pre_hooks=tuple(_hook_dict(node.register_prehook) for node in nodes),
-        post_hooks=tuple(_hook_dict(node.register_hook) for node in nodes),
+        pre_hooks=tuple(pre for pre, _ in dicts),
+        post_hooks=tuple(post for _, post in dicts),
         nodes=nodes,
     )
+
+
+def node_hook_dicts(node: Node) -> tuple[dict[int, Any], dict[int, Any]]:
+    """``node``'s dicts of Python pre-hooks and hooks (made empty where it has none yet)."""
+    return _hook_dict(node.register_prehook), _hook_dict(node.register_hook)
 
 
 def _hook_dict(register: Any) -> dict[int, Any]:

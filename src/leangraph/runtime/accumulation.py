@@ -198,13 +198,16 @@ class InGraphAccumulation:
         except AttributeError:  # a main_grad deleted: the full check names it
             return False
 
-    def after_replay(self) -> None:
+    def after_replay(self, unreached: frozenset[int] = frozenset()) -> None:
         """Tell Megatron's hooks the gradient is in ``main_grad`` (and give its
         ``overlap_grad_reduce`` check a ``.grad``: a broadcast zero, which the hook drops),
-        until the backward pass ends (:meth:`megatron_hooks_ran`)."""
+        until the backward pass ends (:meth:`megatron_hooks_ran`); not for the parameters in
+        ``unreached`` (ids), whose hooks do not run in this pass, as eager's do not."""
         if not self._megatron:
             return
         for param, zero in self._megatron:
+            if unreached and id(param) in unreached:
+                continue
             param.grad_added_to_main_grad = True
             if param.grad is None:
                 param.grad = zero.expand(param.shape)

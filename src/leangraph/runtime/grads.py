@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..build.record import GraphRecord
 from .pending import PendingBackwards
 
-__all__ = ["GradRouting"]
+__all__ = ["GradRouting", "trained_elsewhere_in_pass"]
 
 
 class GradRouting:
@@ -105,6 +105,18 @@ class GradRouting:
         positions the outputs with a gradient reach, ``GraphRecord.reached_by``): eager's
         backward gives them none, not zeros."""
         return tuple(g if i in reached else None for i, g in enumerate(handed))
+
+
+def trained_elsewhere_in_pass(record: GraphRecord, pending: PendingBackwards) -> frozenset[int]:
+    """The ids of ``record``'s trained parameters whose accumulator another graph may hand a
+    gradient in the running backward pass (called from the graph's backward replay): one
+    another live call trains (it cannot tell when that call's graphs run), or one a peer graph
+    of this call trains whose backward ran in this pass already or is still to come in it."""
+    elsewhere = _TRAINING.by_other_calls(record.trained_params(), pending)
+    peers = record.sharing.peers
+    if peers and (pending.ran_in_this_pass(peers) or pending.reached_now(peers)):
+        elsewhere |= record.sharing.shared_param_ids
+    return elsewhere
 
 
 class _CallsTraining:

@@ -22,17 +22,19 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..buffers import same_buffer
+from ..build.accumulation import accumulator_node
 from ..build.record import GraphRecord
 from ..errors import GraphResetError
 from ..order import GraphId, StepKind
 from ..result import GraphedSet
 from .accumulation import InGraphAccumulation
-from .grads import GradRouting
+from .grads import GradRouting, trained_elsewhere_in_pass
 from .guard import OutputGuard
 from .modules import ModuleWatch
 from .overlap import side_stream_accumulators
 from .pending import BackwardToken, PendingBackwards
 from .sequence import ReplaySequence
+from .unreached import skip_hooks_in_this_pass
 from .weight import WeightStep
 
 __all__ = ["GraphedCallable", "autocast_state"]
@@ -378,9 +380,9 @@ class GraphedCallable:
             if record.static_grads:
                 record.pair.replay_backward()
             if fused is not None:
-                fused.after_replay()
+                fused.after_replay(unreached)
             self._backward_generation = generation
-            self._pending.clear(self._index)
+            self._pending.ran(self._index)
             if self._weight is not None:
                 self._weight.defer(generation, unreached)
             elif self._guard is not None:
@@ -405,6 +407,34 @@ def _call_accumulator_hooks(owner: GraphedCallable, unreached: frozenset[int]) -
     those of the parameters in ``unreached`` (ids), which no output with a gradient reached."""
     if owner._fused is not None and owner._weight is None:
         owner._fused.call_hooks(unreached)
+
+
+def _skip_unreached_hooks(owner: GraphedCallable, unreached: frozenset[int]) -> None:
+    """After a backward replay that reached not every trained parameter: the accumulators of
+    those in ``unreached`` (ids), which autograd runs with no gradient because the replay's
+    node has an edge to them (the parameters, or the relay's), skip their Python hooks in this
+    pass, as eager's backward runs no accumulator for them (:mod:`.unreached`). Not where
+    another graph may hand one of them a gradient in this pass (its hooks then fire once, as
+    eager's), nor where no accumulator of theirs runs: a split backward (its weight step leaves
+    them out), ``accumulator_hooks="python"`` (its call leaves them out) and ``False``."""
+    record, fused = owner._record, owner._fused
+    if record is None or owner._weight is not None:
+        return
+    params: list[torch.Tensor]
+    if fused is None:
+        params = [p for p in record.params if id(p) in unreached]
+        with torch.enable_grad():  # a backward runs with grad mode off
+            nodes = [accumulator_node(p) for p in params]
+    elif fused.relay is not None and fused.relay.nodes:
+        pairs = [
+            (p, n) for p, n in zip(fused.relay.inputs, fused.relay.nodes) if id(p) in unreached
+        ]
+        params, nodes = [p for p, _ in pairs], [n for _, n in pairs]
+    else:
+        return
+    elsewhere = trained_elsewhere_in_pass(record, owner._pending)
+    kept = [(p, n) for p, n in zip(params, nodes) if id(p) not in elsewhere]
+    skip_hooks_in_this_pass([p for p, _ in kept], [n for _, n in kept])
 
 
 def _refuse_stale_backward(
@@ -675,6 +705,8 @@ class _Replay(torch.autograd.Function):
 def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     owner: GraphedCallable = ctx.owner
     grad_inputs, unreached = owner._replay_backward(grads, ctx.generation)
+    if unreached:
+        _skip_unreached_hooks(owner, unreached)
     _call_accumulator_hooks(owner, unreached)
     return _node_grads(ctx, grad_inputs)
 
@@ -696,6 +728,8 @@ def _backward_once(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None,
     owner: GraphedCallable = ctx.owner
     with torch.no_grad():
         grad_inputs, unreached = owner._replay_backward(grads, ctx.generation)
+    if unreached:
+        _skip_unreached_hooks(owner, unreached)
     _call_accumulator_hooks(owner, unreached)  # in the pass's grad mode, as autograd runs them
     outputs = _node_grads(ctx, grad_inputs)
     if not any(g is not None and g.requires_grad for g in grads):

@@ -20,6 +20,7 @@ __all__ = ["BackwardToken", "PendingBackwards"]
 # Whether the running backward pass reaches an autograd node (torch's own helper; without it
 # every shared parameter's gradient is copied, which is always correct).
 _WILL_ENGINE_EXECUTE_NODE = getattr(torch._C, "_will_engine_execute_node", None)
+_GRAPH_TASK_ID = torch._C._current_graph_task_id
 
 
 class BackwardToken:
@@ -36,6 +37,8 @@ class PendingBackwards:
 
     def __init__(self, num_graphs: int) -> None:
         self._tokens: list[weakref.ref[BackwardToken] | None] = [None] * num_graphs
+        # Per graph, the backward pass (autograd's graph task id) its last backward ran in.
+        self._ran_in: list[int] = [-1] * num_graphs
 
     def note(self, graph: int, token: BackwardToken) -> None:
         """Graph ``graph``'s latest replay awaits its backward."""
@@ -44,6 +47,16 @@ class PendingBackwards:
     def clear(self, graph: int) -> None:
         """Graph ``graph``'s backward ran (or it was reset)."""
         self._tokens[graph] = None
+
+    def ran(self, graph: int) -> None:
+        """Graph ``graph``'s backward ran, in the running backward pass."""
+        self._tokens[graph] = None
+        self._ran_in[graph] = _GRAPH_TASK_ID()
+
+    def ran_in_this_pass(self, graphs: Iterable[int]) -> bool:
+        """Whether the backward of one of ``graphs`` ran in the running backward pass."""
+        task = _GRAPH_TASK_ID()
+        return task != -1 and any(self._ran_in[g] == task for g in graphs)
 
     def awaits(self, graph: int) -> bool:
         """Whether a backward through graph ``graph``'s latest replay may still come."""

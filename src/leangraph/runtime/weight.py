@@ -81,11 +81,11 @@ class WeightStep:
         if fused is not None:
             # The graph added the gradients; the accumulators only run their hooks. They run
             # with grad mode off, as in the relay's backward (and in eager's).
-            fused.after_replay()
+            fused.after_replay(unreached)
             with torch.no_grad():
                 fused.call_hooks(unreached)
             if fused.relay is not None:
-                fire_relay(fused.relay)
+                fire_relay(fused.relay, skip=unreached)  # eager's runs none of theirs
             fused.megatron_hooks_ran()  # outside a backward pass: the hooks ran above
             return
         pairs = [
