@@ -592,11 +592,24 @@ def test_r28_an_optimizer_step_before_the_backward_is_refused(device, ordered):
     leangraph.reset_all(result)
 
 
-def test_r28_a_parameter_no_backward_reads_may_change_as_in_eager():
-    """A linear layer's backward does not read its bias: changing it between the forward
-    and the backward is eager's business, and the replay's gradients stay eager's."""
+def _flat_linear() -> torch.nn.Linear:
+    """A linear layer whose weight and bias are views of one flat buffer (as Megatron-core
+    lays out parameters), each with a version counter of its own."""
     module = torch.nn.Linear(4, 4)
-    eager = copy.deepcopy(module)
+    flat = torch.cat([module.weight.detach().reshape(-1), module.bias.detach()])
+    module.weight.data = flat[:16].view(4, 4)
+    module.bias.data = flat[16:]
+    return module
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["own-storage", "one-flat-buffer"])
+def test_r28_a_parameter_no_backward_reads_may_change_as_in_eager(flat):
+    """A linear layer's backward does not read its bias: changing it between the forward
+    and the backward is eager's business, and the replay's gradients stay eager's, also
+    where the bias shares one buffer with the weight the backward reads."""
+    module = _flat_linear() if flat else torch.nn.Linear(4, 4)
+    eager = torch.nn.Linear(4, 4)
+    eager.load_state_dict(module.state_dict())
     graphed = leangraph.make_graphed_callables(module, (torch.randn(2, 4, requires_grad=True),))
     x = torch.randn(2, 4, requires_grad=True)
     for run in (eager, graphed):

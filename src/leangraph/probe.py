@@ -367,9 +367,31 @@ def _saved_outputs(
 def _saved_among(
     tensors: Sequence[torch.Tensor], saved_tensors: Sequence[torch.Tensor]
 ) -> tuple[int, ...]:
-    """Positions of ``tensors`` whose storage the backward saved."""
-    saved = {_storage(t)[0] for t in saved_tensors}
-    return tuple(i for i, t in enumerate(tensors) if _storage(t)[0] in saved)
+    """Positions of ``tensors`` whose memory the backward saved (a view of it, as a linear
+    layer saves ``weight.t()``): bytes of their storage that a saved tensor spans too, so
+    that parameters laid out in one flat buffer (Megatron-core's) are told apart."""
+    saved: dict[int, list[tuple[int, int]]] = {}
+    for t in saved_tensors:
+        saved.setdefault(_storage(t)[0], []).append(_span(t))
+    return tuple(
+        i
+        for i, t in enumerate(tensors)
+        if any(_overlap(_span(t), span) for span in saved.get(_storage(t)[0], ()))
+    )
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of its storage that ``tensor`` can reach."""
+    if tensor.numel() == 0:
+        return (0, 0)
+    size = tensor.element_size()
+    reach = sum((int(n) - 1) * abs(int(s)) for n, s in zip(tensor.shape, tensor.stride())) + 1
+    start = int(tensor.storage_offset()) * size
+    return start, start + reach * size
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
 
 
 def _refuse_outside_leaves(
