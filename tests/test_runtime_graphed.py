@@ -7,6 +7,7 @@ import copy
 import gc
 import io
 import pickle
+import re
 import weakref
 
 import pytest
@@ -454,4 +455,168 @@ def test_r24_an_output_the_backward_reads_modified_in_place_is_refused(device):
         out.mul_(2)
         out.sum().backward()
     assert torch.equal(linear.weight.grad, eager.weight.grad)
+    leangraph.reset_all(graphed)
+
+
+def _input_as_is(x: torch.Tensor, w: torch.Tensor):
+    return x * w, x
+
+
+def _view_of_input(x: torch.Tensor, w: torch.Tensor):
+    return x * w, x[1:]
+
+
+def _mask_as_is(x: torch.Tensor, mask: torch.Tensor):
+    return x * mask, mask
+
+
+def _max_indices(x: torch.Tensor, w: torch.Tensor):
+    return tuple(x.mul(w).max(-1))
+
+
+# Beside its result, each returns an input (or a view of one) or an output needing no
+# gradient that its backward reads: ``x * w`` saves ``x`` for ``w``'s gradient, ``x * mask``
+# saves ``mask`` (which needs none) for ``x``'s, ``max`` its indices.
+RETURNS_AN_INPUT = {
+    "input": _input_as_is,
+    "view": _view_of_input,
+    "no-grad input": _mask_as_is,
+    "indices": _max_indices,
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("form", ["input", "view", "no-grad input", "indices"])
+@pytest.mark.parametrize("ordered", [False, True], ids=["drop-in", "ordered"])
+def test_r24_an_input_returned_and_modified_in_place_is_refused(device, form, ordered):
+    """An output in an input's memory, or needing no gradient, that the backward reads: eager
+    refuses the backward once it was modified in place. So does the replay: on CUDA that
+    output is the graph's static input itself, so its backward graph would read the new
+    values (before, the replay let it pass). The refused backward has not run: once the
+    outputs are dropped, the graph trains like eager."""
+    fn = RETURNS_AN_INPUT[form]
+    w_sample = torch.randn(2, 4, device=device, requires_grad=form != "no-grad input")
+    options = {"order": [1, -1]} if ordered else {}
+    graphed = leangraph.make_graphed_callables(
+        fn, (torch.randn(2, 4, device=device, requires_grad=True), w_sample), **options
+    )
+    label = (
+        "graph (chunk 1, microbatch 0, layer 0)" if ordered else f"callable 0 ({fn.__qualname__})"
+    )
+    x = torch.randn(2, 4, device=device, requires_grad=True)
+    w = w_sample.detach().clone().requires_grad_(w_sample.requires_grad)
+    for run in (fn, graphed):
+        y, aside = run(x * 1, w)  # x * 1: eager may write into a non-leaf
+        aside.add_(1)
+        expected = (
+            "modified by an inplace operation"
+            if run is fn
+            else rf"{re.escape(label)}: output 1 was modified in place after its forward "
+            r"replay \(version \d+, now \d+\), but the backward reads it"
+        )
+        with pytest.raises(RuntimeError, match=expected):
+            y.sum().backward()
+        del y, aside
+    x_eager = x.detach().clone().requires_grad_()
+    w_eager = w.detach().clone().requires_grad_(w.requires_grad)
+    y, _ = graphed(x, w)
+    y.square().sum().backward()
+    y_eager, _ = fn(x_eager, w_eager)
+    y_eager.square().sum().backward()
+    assert torch.equal(x.grad, x_eager.grad)
+    if w.requires_grad:
+        assert torch.equal(w.grad, w_eager.grad)
+    leangraph.reset_all(graphed)
+
+
+def test_r24_an_input_returned_that_no_backward_reads_may_change_as_in_eager():
+    def fn(x: torch.Tensor, w: torch.Tensor):
+        return x + w, x  # the sum's backward reads neither
+
+    w = torch.randn(4, requires_grad=True)
+    graphed = leangraph.make_graphed_callables(fn, (torch.randn(2, 4, requires_grad=True), w))
+    grads = []
+    for run in (fn, graphed):
+        y, same = run(torch.randn(2, 4, generator=torch.Generator().manual_seed(0)) * 1, w)
+        same.mul_(3)
+        (y * 2).sum().backward()
+        grads.append(w.grad.clone())
+        w.grad = None
+    assert torch.equal(grads[0], grads[1])
+    leangraph.reset_all(graphed)
+
+
+def _linear_tanh(device: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).to(device)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("ordered", [False, True], ids=["drop-in", "ordered"])
+def test_r28_an_optimizer_step_before_the_backward_is_refused(device, ordered):
+    """A linear layer's backward reads its weight (for the input's gradient): eager refuses
+    the backward once an optimizer step changed it in place after the forward. The backward
+    graph would read the new weight (before, the replay computed with it silently), so the
+    replay refuses too, naming the parameter; the refused backward has not run, and once
+    the outputs are dropped the graph trains like eager."""
+    module = _linear_tanh(device)
+    eager = copy.deepcopy(module)
+    options = {"order": [1, -1]} if ordered else {}
+    result = leangraph.make_graphed_callables(
+        module, (torch.randn(2, 4, device=device, requires_grad=True),), **options
+    )
+    graphed = result if ordered else module
+    label = "graph (chunk 1, microbatch 0, layer 0)" if ordered else "callable 0 (Sequential)"
+    x = torch.randn(2, 4, device=device, requires_grad=True)
+    for run, params in ((eager, eager.parameters()), (graphed, module.parameters())):
+        optim = torch.optim.SGD(list(params), lr=0.1)
+        y = run(x)
+        y.square().sum().backward()  # a first step, so that the optimizer has gradients
+        y = run(x)
+        optim.step()
+        expected = (
+            "modified by an inplace operation"
+            if run is eager
+            else rf"{re.escape(label)} parameter '0.weight' was modified in place after the "
+            r"forward replay \(version \d+, now \d+\), but the backward reads it .* Run "
+            r"the backward before the optimizer step"
+        )
+        with pytest.raises(RuntimeError, match=expected):
+            y.square().sum().backward()
+        del y
+        optim.zero_grad()
+    for run in (eager, graphed):
+        run(x).square().sum().backward()
+    for p, q in zip(module.parameters(), eager.parameters()):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+    leangraph.reset_all(result)
+
+
+def _flat_linear() -> torch.nn.Linear:
+    """A linear layer whose weight and bias are views of one flat buffer (as Megatron-core
+    lays out parameters), each with a version counter of its own."""
+    module = torch.nn.Linear(4, 4)
+    flat = torch.cat([module.weight.detach().reshape(-1), module.bias.detach()])
+    module.weight.data = flat[:16].view(4, 4)
+    module.bias.data = flat[16:]
+    return module
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["own-storage", "one-flat-buffer"])
+def test_r28_a_parameter_no_backward_reads_may_change_as_in_eager(flat):
+    """A linear layer's backward does not read its bias: changing it between the forward
+    and the backward is eager's business, and the replay's gradients stay eager's, also
+    where the bias shares one buffer with the weight the backward reads."""
+    module = _flat_linear() if flat else torch.nn.Linear(4, 4)
+    eager = torch.nn.Linear(4, 4)
+    eager.load_state_dict(module.state_dict())
+    graphed = leangraph.make_graphed_callables(module, (torch.randn(2, 4, requires_grad=True),))
+    x = torch.randn(2, 4, requires_grad=True)
+    for run in (eager, graphed):
+        y = run(x)
+        with torch.no_grad():
+            run.bias.add_(1)
+        y.square().sum().backward()
+    for p, q in zip(module.parameters(), eager.parameters()):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
     leangraph.reset_all(graphed)

@@ -86,8 +86,14 @@ class GraphFacts:
             when a backward gives that output none. Empty where fewer than two outputs need
             a gradient.
         saved_outputs: The positions of tensor outputs whose memory the backward reads
-            (saved for it, as ``tanh`` saves its result): eager's backward refuses one
-            modified in place after the forward.
+            (saved for it, as ``tanh`` saves its result, or an input or parameter returned
+            as is, or a view of one, that the backward reads: ``(x * w, x)``), whether they
+            need a gradient or not: eager's backward refuses one modified in place after
+            the forward.
+        saved_params: The positions (``named_parameters`` order) of the parameters whose
+            memory the backward reads (a linear layer's weight, for the input's gradient):
+            eager's backward refuses one modified in place between the forward and the
+            backward (an optimizer step), where a backward graph would read the new values.
         reads_requires_grad: The positions (``named_parameters`` order) of the parameters
             whose ``requires_grad`` the forward's Python code read (Megatron-core's linear
             layers switch to another autograd function for a frozen weight): its path may
@@ -101,6 +107,7 @@ class GraphFacts:
     reach: tuple[frozenset[int], ...] = ()
     saved_outputs: tuple[int, ...] = ()
     reads_requires_grad: tuple[int, ...] = ()
+    saved_params: tuple[int, ...] = ()
 
     @property
     def inputs(self) -> tuple[BufferKey, ...]:
@@ -287,11 +294,19 @@ def _measure(
         # Only several outputs that need a gradient can leave some without one.
         several = sum(o.requires_grad for o in outputs) > 1
         reach = _reach(outputs, [*inputs, *params]) if several else ()
-        saved_outputs = _saved_outputs(outputs, saved_tensors, [*inputs, *params, *buffers])
+        saved_outputs = _saved_outputs(outputs, saved_tensors, buffers)
+        saved_params = _saved_among(params, saved_tensors)
     named = fn.named_parameters() if isinstance(fn, torch.nn.Module) else ()
     trains = tuple(p.requires_grad for _, p in named)
     return GraphFacts(
-        memory, output_tree, template, trains, reach, saved_outputs, tuple(sorted(reads.read))
+        memory,
+        output_tree,
+        template,
+        trains,
+        reach,
+        saved_outputs,
+        tuple(sorted(reads.read)),
+        saved_params,
     )
 
 
@@ -339,10 +354,44 @@ def _saved_outputs(
     saved_tensors: Sequence[torch.Tensor],
     others: Sequence[torch.Tensor],
 ) -> tuple[int, ...]:
-    """Positions of the outputs needing a gradient whose storage the backward saved (not an
-    input's, parameter's or buffer's: those are not the graph's outputs to guard)."""
+    """Positions of the outputs whose storage the backward saved, those needing no gradient
+    included (``max``'s indices): eager's backward refuses any of them modified in place. An
+    output in an input's or parameter's memory (returned as is, or a view of one) counts:
+    a CUDA graph returns that memory itself, which its backward reads. Not one in the memory
+    of ``others`` (the module's buffers: their in-place updates, BatchNorm's statistics at
+    every forward, are no output's to guard)."""
     saved = {_storage(t)[0] for t in saved_tensors} - {_storage(t)[0] for t in others}
-    return tuple(i for i, o in enumerate(outputs) if o.requires_grad and _storage(o)[0] in saved)
+    return tuple(i for i, o in enumerate(outputs) if _storage(o)[0] in saved)
+
+
+def _saved_among(
+    tensors: Sequence[torch.Tensor], saved_tensors: Sequence[torch.Tensor]
+) -> tuple[int, ...]:
+    """Positions of ``tensors`` whose memory the backward saved (a view of it, as a linear
+    layer saves ``weight.t()``): bytes of their storage that a saved tensor spans too, so
+    that parameters laid out in one flat buffer (Megatron-core's) are told apart."""
+    saved: dict[int, list[tuple[int, int]]] = {}
+    for t in saved_tensors:
+        saved.setdefault(_storage(t)[0], []).append(_span(t))
+    return tuple(
+        i
+        for i, t in enumerate(tensors)
+        if any(_overlap(_span(t), span) for span in saved.get(_storage(t)[0], ()))
+    )
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of its storage that ``tensor`` can reach."""
+    if tensor.numel() == 0:
+        return (0, 0)
+    size = tensor.element_size()
+    reach = sum((int(n) - 1) * abs(int(s)) for n, s in zip(tensor.shape, tensor.stride())) + 1
+    start = int(tensor.storage_offset()) * size
+    return start, start + reach * size
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
 
 
 def _refuse_outside_leaves(

@@ -35,6 +35,7 @@ from .overlap import side_stream_accumulators
 from .pending import BackwardToken, PendingBackwards
 from .sequence import ReplaySequence
 from .unreached import skip_hooks_in_this_pass
+from .versions import SavedReads
 from .weight import WeightStep
 
 __all__ = ["GraphedCallable", "autocast_state"]
@@ -93,10 +94,8 @@ class GraphedCallable:
         self._specs = record.signature.specs
         self._warned: set[str] = set()  # inputs already warned about, by name
         self._single_output = record.output_tree.is_leaf()
-        # Outputs the backward graph reads, and their versions after the last forward replay:
-        # eager's backward refuses one modified in place since (the replay would read it).
-        self._saved_outputs = tuple(record.static_outputs[i] for i in record.saved_outputs)
-        self._saved_versions: tuple[int, ...] = ()
+        # Outputs and parameters the backward graph reads (R24, R28).
+        self._saved_reads = SavedReads.of(record.label, record)
         # Facts of the capture the hot path would otherwise derive at every replay.
         self._has_backward = record.has_backward
         # With several differentiable outputs a backward may give some none: autograd then
@@ -292,7 +291,7 @@ class GraphedCallable:
         self._autograd_params = ()
         self._frozen_params = ()
         self._flag_read_params = ()
-        self._saved_outputs = ()
+        self._saved_reads = None
         if self._guard is not None:
             self._guard.invalidate("its callable was reset")
 
@@ -333,8 +332,8 @@ class GraphedCallable:
                 static.copy_(value)
             record.pair.replay_forward()
             self._forward_generation += 1
-            if self._saved_outputs:
-                self._saved_versions = tuple(t._version for t in self._saved_outputs)
+            if self._saved_reads is not None:
+                self._saved_reads.note()
             if self._has_backward:
                 self._pending.note(self._index, token)
             if self._guard is not None:
@@ -365,10 +364,8 @@ class GraphedCallable:
             if fused is not None:
                 fused.check_backward_pass()
                 attach = fused.check_targets()
-            if self._saved_outputs:
-                _refuse_modified_outputs(
-                    self._label, record, self._saved_outputs, self._saved_versions
-                )
+            if self._saved_reads is not None:
+                self._saved_reads.check()
             self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
             _fill_seeds(record.static_grad_outputs, grads)
             lacking = self._outputs_may_lack_grads and any(map(operator.is_, grads, _NONES))
@@ -512,21 +509,6 @@ def _refuse_other_autocast(
         "and precision chosen at capture, where eager's would follow the autocast around "
         "them. Replay under the autocast of capture, or capture again"
     )
-
-
-def _refuse_modified_outputs(
-    label: str, record: GraphRecord, saved: Sequence[torch.Tensor], versions: Sequence[int]
-) -> None:
-    """Refuse a backward replay reading an output modified in place since its forward (R24)."""
-    for index, tensor, version in zip(record.saved_outputs, saved, versions):
-        if tensor._version != version:
-            raise RuntimeError(
-                f"{label}: output {index} was modified in place after its forward replay "
-                f"(version {version}, now {tensor._version}), but the backward reads it (it is "
-                "saved for the gradient); eager's backward refuses this too (one of the "
-                "variables needed for gradient computation has been modified by an inplace "
-                "operation). Clone the output before modifying it"
-            )
 
 
 def _fill_seeds(seeds: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:

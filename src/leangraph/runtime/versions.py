@@ -1,0 +1,78 @@
+"""What a backward graph reads in place, version-checked as eager's backward checks it.
+
+Eager autograd refuses a backward once a tensor it saved was modified in place after the
+forward ("one of the variables needed for gradient computation has been modified by an
+inplace operation"). A backward graph reads such tensors where they are, so without this
+check it would compute with the new values: outputs it reads (R24; an input returned as is
+among them, which on CUDA is the static input itself) and parameters it reads (R28; an
+optimizer step before the backward).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..build.record import GraphRecord
+
+__all__ = ["SavedReads"]
+
+_VERSION = operator.attrgetter("_version")
+
+
+class SavedReads:
+    """The outputs and parameters one graph's backward reads, and their versions after its
+    last forward replay; make one only where the record has some (``SavedReads.of``)."""
+
+    def __init__(self, label: str, record: GraphRecord) -> None:
+        self._label = label
+        self._record = record
+        outputs = tuple(record.static_outputs[i] for i in record.saved_outputs)
+        self._tensors: tuple[torch.Tensor, ...] = outputs + tuple(
+            record.params[i] for i in record.saved_params
+        )
+        self._versions: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, label: str, record: GraphRecord) -> SavedReads | None:
+        """The check for ``record``'s graph, or None where its backward reads none."""
+        return cls(label, record) if record.saved_outputs or record.saved_params else None
+
+    def note(self) -> None:
+        """After a forward replay: the versions its backward must find."""
+        self._versions = tuple(map(_VERSION, self._tensors))
+
+    def check(self) -> None:
+        """Before a backward replay.
+
+        Raises:
+            RuntimeError: naming the first output (R24) or parameter (R28) modified in place
+                since the forward replay.
+        """
+        if tuple(map(_VERSION, self._tensors)) == self._versions:
+            return
+        record, label = self._record, self._label
+        count = len(record.saved_outputs)
+        for position, (tensor, version) in enumerate(zip(self._tensors, self._versions)):
+            if tensor._version == version:
+                continue
+            if position < count:
+                raise RuntimeError(
+                    f"{label}: output {record.saved_outputs[position]} was modified in place "
+                    f"after its forward replay (version {version}, now {tensor._version}), but "
+                    "the backward reads it (it is saved for the gradient); eager's backward "
+                    "refuses this too (one of the variables needed for gradient computation "
+                    "has been modified by an inplace operation). Clone the output before "
+                    "modifying it"
+                )
+            name = record.param_names[record.saved_params[position - count]]
+            raise RuntimeError(
+                f"{label} parameter {name!r} was modified in place after the forward replay "
+                f"(version {version}, now {tensor._version}), but the backward reads it (it is "
+                "saved for the gradient), so the backward graph would compute with the new "
+                "values; eager's backward refuses this too (one of the variables needed for "
+                "gradient computation has been modified by an inplace operation). Run the "
+                "backward before the optimizer step (or any other in-place write into the "
+                "parameters)"
+            )
