@@ -243,6 +243,9 @@ def test_r9_chained_input_must_be_the_previous_layers_output():
     ):
         graphed[1](hidden.detach().clone().requires_grad_())
     graphed[1](hidden).sum().backward()  # the output itself is fine
+    graphed[0].reset()  # nothing can feed layer 1 now: the message says to reset it too
+    with raises(ValueError, "once that graph is reset, reset this one too"):
+        graphed[1](sample())
     free = mgc(
         blocks(2),
         ((sample(),), (sample(),)),
