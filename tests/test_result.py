@@ -25,6 +25,17 @@ def test_l7_reset_all_on_something_else():
         leangraph.reset_all(3)
 
 
+def test_l7_reset_all_walks_nested_results_of_several_calls_and_checks_every_entry_first():
+    first, second = graphed_blocks(2), graphed_blocks(2)
+    third = mgc((double, triple), ((sample(),), (sample(),)))
+    with raises(TypeError, "reset_all: entry 1[1][0] is a Linear, expected a GraphedCallable"):
+        leangraph.reset_all([first, [second[0], (torch.nn.Linear(2, 2),)]])
+    members = [m.forward for m in (*first, *second)] + list(third)
+    assert not any(m.is_reset for m in members)  # nothing was reset before the refusal
+    leangraph.reset_all([first, [second[0], (second[1],)], GraphedSet.of(third[0])])
+    assert all(m.is_reset for m in members)
+
+
 def test_memory_report_rejects_foreign_objects():
     with pytest.raises(TypeError, match="entry 0 .* is not a result of"):
         leangraph.memory_report(torch.nn.Linear(2, 2))

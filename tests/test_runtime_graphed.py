@@ -94,6 +94,47 @@ def test_reset_all_frees_modules_by_reference_counting_alone(ordered, with_hooks
         gc.enable()
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"order": [1, -1, 1, -1], "num_layers_per_chunk": 2},
+        {"order": [1, 2, -2, -1, -2.5, -1.5]},
+        {"fuse_grad_accumulation": True},
+        {"fuse_grad_accumulation": True, "accumulator_hooks": "python"},
+        {"overlap_grad_accumulation": True},
+        {"debug_outputs": True},
+    ],
+    ids=["unordered", "ordered", "weight-steps", "fused", "fused-python", "overlap", "debug"],
+)
+def test_dropping_every_reference_without_reset_frees_by_reference_counting_alone(options):
+    """No reset at all: once the caller drops the result, its modules and the set after a
+    training step, everything (static buffers, the set, callables, modules, parameters) goes
+    by reference counting, with the cycle collector off."""
+    layers = tuple(Block(4) for _ in range(2))
+    if options.get("accumulator_hooks") == "python":
+        for param in (p for layer in layers for p in layer.parameters()):
+            param.register_post_accumulate_grad_hook(lambda _: None)
+    microbatches = 2 if options.get("num_layers_per_chunk") else 1
+    samples = tuple((sample(),) for _ in range(2 * microbatches))
+    gc.collect()
+    gc.disable()
+    try:
+        graphed = mgc(layers, samples, **options)
+        members = [m.forward if isinstance(m, torch.nn.Module) else m for m in graphed]
+        alive = [weakref.ref(t) for m in members for t in m.static_tensors()]
+        alive += [weakref.ref(members[0].graphed_set), weakref.ref(layers[0].up.weight)]
+        alive += [weakref.ref(m) for m in (*members, *layers)]
+        graphed[1](graphed[0](sample())).sum().backward()
+        if "-2.5" in str(options.get("order")):
+            members[1].backward_dw()
+            members[0].backward_dw()
+        del graphed, members, layers, samples
+        assert [ref() is None for ref in alive] == [True] * len(alive)
+    finally:
+        gc.enable()
+
+
 def test_backward_after_a_newer_replay_raises():
     # retain_graph_in_backward allows replays with a backward outstanding; the backward of
     # an older replay still cannot run against the newer replay's activations.
@@ -244,6 +285,9 @@ def test_r9_chained_input_must_be_the_previous_layers_output():
     ):
         graphed[1](hidden.detach().clone().requires_grad_())
     graphed[1](hidden).sum().backward()  # the output itself is fine
+    graphed[0].reset()  # nothing can feed layer 1 now: the message says to reset it too
+    with raises(ValueError, "once that graph is reset, reset this one too"):
+        graphed[1](sample())
     free = mgc(
         blocks(2),
         ((sample(),), (sample(),)),
@@ -275,6 +319,35 @@ def test_l2_backward_through_a_reset_callable():
     graphed[1].forward.reset()
     with raises(GraphResetError, "callable 1 (Block): cannot run a backward", "was reset"):
         out.sum().backward()
+
+
+def test_l2_resetting_the_first_callable_mid_pass_leaves_the_others_training_like_eager():
+    """Callable 0 reset while the backward of 1 and 2, which chains from its output, is
+    pending: the backward raises naming callable 0, 1 and 2 got eager's gradients on the way
+    (as when any autograd node raises), and their next passes train exactly like eager."""
+    torch.manual_seed(0)
+    reference, graphed = three_graphs()
+    x = torch.randn(2, 4, requires_grad=True)
+    out = graphed[2](graphed[1](graphed[0](x)))
+    graphed[0].forward.reset()
+    with raises(GraphResetError, "callable 0 (Block): cannot run a backward"):
+        out.sum().backward()
+    assert x.grad is None and all(p.grad is None for p in graphed[0].parameters())
+    hidden = reference[0](x.detach()).detach().requires_grad_()
+    reference[2](reference[1](hidden)).sum().backward()
+    for _ in range(3):
+        for module, twin in zip(graphed[1:], reference[1:]):
+            for p, q in zip(module.parameters(), twin.parameters()):
+                assert torch.equal(p.grad, q.grad)
+                with torch.no_grad():
+                    p.sub_(0.1 * p.grad)
+                    q.sub_(0.1 * q.grad)
+                p.grad = q.grad = None
+        x = torch.randn(2, 4, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        graphed[2](graphed[1](x)).square().sum().backward()
+        reference[2](reference[1](x_ref)).square().sum().backward()
+        assert torch.equal(x.grad, x_ref.grad)
 
 
 def test_l3_second_backward_through_one_forward_replay():

@@ -187,3 +187,50 @@ def test_r12_the_usual_ways_out_of_order_say_what_went_wrong():
     with raises(RuntimeError, "graph (chunk 1, microbatch 1, layer 0): backward replayed out",
                 "every pass runs every step of the order, for all the microbatches"):
         second.sum().backward()
+
+
+class ModeScaled(torch.nn.Module):
+    """A linear whose output scale depends on the training mode: its eval forward computes
+    differently from the training graphs, as a dropout's or batch norm's would (deterministic,
+    so the test compares with eager bitwise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * (2.0 if self.training else 0.5)
+
+
+def test_a_module_run_eagerly_in_another_mode_lets_the_others_replay_as_in_eager():
+    """A drop-in module put in eval mode (to freeze its dropout, say) runs its eager forward;
+    its graphs sit that pass out, and the other modules' replays do not wait for them (they
+    were refused as out of capture order). Each step puts another module in eval mode, the
+    first, a middle and the last, then none; every output and gradient is eager's."""
+    torch.manual_seed(0)
+    layers = tuple(ModeScaled() for _ in range(3))
+    eager = copy.deepcopy(layers)
+    graphed = mgc(layers, tuple((sample(),) for _ in layers))
+    optimizers = [
+        torch.optim.SGD([p for m in ms for p in m.parameters()], lr=0.1) for ms in (layers, eager)
+    ]
+    for frozen in (0, 1, 2, None, 1):
+        for index, (module, twin) in enumerate(zip(layers, eager)):
+            module.train(index != frozen)
+            twin.train(index != frozen)
+        x = sample()
+        x_ref = x.detach().clone().requires_grad_()
+        out, ref = x, x_ref
+        for module, twin in zip(graphed, eager):
+            out, ref = module(out), twin(ref)
+            assert torch.equal(out, ref), frozen
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        ref.backward(grad)
+        assert torch.equal(x.grad, x_ref.grad), frozen
+        for module, twin in zip(layers, eager):
+            for p, q in zip(module.parameters(), twin.parameters()):
+                assert torch.equal(p.grad, q.grad), frozen
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()

@@ -109,17 +109,7 @@ class GraphedSet:
         if isinstance(result, GraphedSet):
             return list(result.callables)
         items = result if isinstance(result, (tuple, list)) else (result,)
-        members = []
-        for index, item in enumerate(items):
-            member = item.__dict__.get("forward") if isinstance(item, torch.nn.Module) else item
-            if not isinstance(getattr(member, "graphed_set", None), GraphedSet):
-                raise TypeError(
-                    f"{caller}: entry {index} is a {type(item).__name__}, expected a "
-                    "GraphedCallable or a module whose forward was graphed by leangraph (it is "
-                    "not a result of leangraph.make_graphed_callables)"
-                )
-            members.append(member)
-        return members
+        return [_member(item, caller, f"entry {index}") for index, item in enumerate(items)]
 
     @classmethod
     def of(cls, result: Any) -> GraphedSet:
@@ -132,11 +122,12 @@ class GraphedSet:
 
 
 def reset_all(graphed: Any) -> None:
-    """Reset every graphed callable of one ``make_graphed_callables`` result.
+    """Reset every graphed callable of ``make_graphed_callables`` results.
 
     Accepts what ``make_graphed_callables`` returned: a :class:`GraphedCallable`, a module
-    whose ``forward`` is one, or a tuple of those, or the call's :class:`GraphedSet`.
-    Idempotent, like each ``reset()``.
+    whose ``forward`` is one, or a tuple of those, or the call's :class:`GraphedSet`; or
+    lists and tuples of any of these, nested (the results of several calls, one per chunk
+    say). Every entry is checked before any is reset. Idempotent, like each ``reset()``.
 
     Memory aliasing: outputs of earlier replays that are still referenced keep their buffers'
     memory, which goes back to the pool once they are dropped; nothing replays into it again.
@@ -145,8 +136,41 @@ def reset_all(graphed: Any) -> None:
     Raises:
         TypeError: for anything that is not such a result.
     """
-    for member in GraphedSet.members_of(graphed, "reset_all"):
+    if isinstance(graphed, (tuple, list)):
+        members = list(_nested_members(graphed, "reset_all", "entry "))
+    else:
+        members = GraphedSet.members_of(graphed, "reset_all")
+    for member in members:
         member.reset()
+
+
+def _member(item: Any, caller: str, where: str) -> Any:
+    """The graphed callable ``item`` is or holds as its ``forward``.
+
+    Raises:
+        TypeError: naming ``caller`` and ``where`` (``entry 1``) for anything else.
+    """
+    member = item.__dict__.get("forward") if isinstance(item, torch.nn.Module) else item
+    if not isinstance(getattr(member, "graphed_set", None), GraphedSet):
+        raise TypeError(
+            f"{caller}: {where} is a {type(item).__name__}, expected a "
+            "GraphedCallable or a module whose forward was graphed by leangraph (it is "
+            "not a result of leangraph.make_graphed_callables)"
+        )
+    return member
+
+
+def _nested_members(items: Sequence[Any], caller: str, prefix: str) -> Iterable[Any]:
+    """The graphed callables of a list or tuple of results, sets and callables, nested; an
+    entry is named by its path (``entry 1[0]``)."""
+    for index, item in enumerate(items):
+        where = f"{prefix}{index}" if prefix.endswith(" ") else f"{prefix}[{index}]"
+        if isinstance(item, GraphedSet):
+            yield from item.callables
+        elif isinstance(item, (tuple, list)):
+            yield from _nested_members(item, caller, where)
+        else:
+            yield _member(item, caller, where)
 
 
 def memory_report(graphed: Any) -> MemoryReport:

@@ -190,6 +190,8 @@ class GraphedCallable:
             if not self._modules.modes_as_captured():
                 eager = _eager_in_another_mode(self._label, record, self._modules)
                 if eager is not None:
+                    # The graphs sit this pass out: the others' replays must not wait for them.
+                    self._sequence.ran_eagerly(self._index)
                     return eager(*args, **kwargs)
             self._modules.check_replayable()
         record = self._require_ready("call")
@@ -642,7 +644,8 @@ def _inputs_to_copy(
                 raise ValueError(
                     f"{label} input {index} is the output buffer of {source} "
                     "(chained layers share it); pass that graph's output itself, got another "
-                    "tensor. Capture with share_buffers=False to feed layers anything"
+                    "tensor (once that graph is reset, reset this one too: nothing else can "
+                    "feed it). Capture with share_buffers=False to feed layers anything"
                 )
             copies.append((static, value))
     except RuntimeError:

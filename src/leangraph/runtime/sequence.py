@@ -8,7 +8,9 @@ and weight-step replay against it, on every backend.
 
 A step that can no longer come is passed over: the backward (and weight step) of a forward
 replayed without anything requiring grad, or whose outputs were dropped before their
-backward, and every step of a graph that was reset. A graph captured with
+backward, every step of a graph that was reset, and, for one pass, every step of a graph
+whose module ran its eager forward instead (a drop-in module called in another training
+mode) where its forward was due. A graph captured with
 ``retain_graph_in_backward`` may repeat the forward or backward it just ran. A pass may start
 over from its first step once nothing is in flight (no backward or weight step can still
 come): a pass abandoned midway, by an exception say, leaves nothing a new pass could clobber.
@@ -113,6 +115,21 @@ class ReplaySequence:
         """The latest forward replay of ``graph`` needs no backward (nothing required grad)."""
         with self._lock:
             self._no_backward.add(graph)
+
+    def ran_eagerly(self, graph: int) -> None:
+        """The module of ``graph`` ran its eager forward (a drop-in module called in another
+        training mode than capture's): where its forward is the next replay (or the first of a
+        pass that may start over), this pass runs none of ``graph``'s steps, so they are passed
+        over, as a reset graph's are, and the other graphs replay as if it were not there.
+        Elsewhere nothing changes: an eager call touches no graph memory."""
+        step = (graph, StepKind.FORWARD)
+        with self._lock:
+            self._pass_over_what_cannot_come()
+            if self._steps[self._next] != step and self._may_start_over(graph, StepKind.FORWARD):
+                self._next = 0
+            if self._steps[self._next] == step:
+                self._advance()
+                self._no_backward.add(graph)  # after _advance, which clears it
 
     def drop(self, graph: int) -> None:
         """``graph`` was reset: none of its steps will come again."""
