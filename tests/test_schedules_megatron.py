@@ -179,3 +179,39 @@ def test_argument_errors(call, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call()
 
+
+
+def _megatron_core_order(pp: int, vp: int, rank: int, m: int, group: int) -> list[int]:
+    """The interleaved order from megatron-core's own table and warm-up count
+    (``get_schedule_table``, ``get_pp_rank_microbatches``) and its 1F1B loops: forward
+    ``k + warmup`` then backward ``k``, a backward's chunk mirrored (``vp - 1 - chunk``)."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel import schedules
+
+    group_of = SimpleNamespace(size=lambda: pp, rank=lambda: rank)
+    comm = SimpleNamespace(pp_group=group_of, virtual_pipeline_model_parallel_size=vp)
+    total, _, warmup, remaining = schedules.get_pp_rank_microbatches(
+        m, vp, group, p2p_communicator=comm
+    )
+    table = [chunk for _, chunk in schedules.get_schedule_table(m, vp, group)]
+    order = [table[k] + 1 for k in range(warmup)]
+    for k in range(remaining):
+        order += [table[k + warmup] + 1, -(vp - table[k])]
+    return order + [-(vp - table[k]) for k in range(remaining, total)]
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_interleaved_matches_megatron_core_and_refuses_what_it_refuses(pp: int) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    for vp, m in itertools.product((2, 3), range(1, 13)):
+        for group, rank in itertools.product(range(1, m + 1), range(pp)):
+            # forward_backward_pipelining_with_interleaving's two checks, as it states them.
+            refused = not pp <= group <= m or 0 < m % group < pp
+            if refused:
+                with pytest.raises(ValueError, match=r"microbatch.group"):
+                    interleaved_1f1b(pp, vp, rank, m, microbatch_group_size=group)
+            else:
+                assert interleaved_1f1b(pp, vp, rank, m, microbatch_group_size=group) == (
+                    _megatron_core_order(pp, vp, rank, m, group)
+                ), (vp, rank, m, group)

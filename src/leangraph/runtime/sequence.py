@@ -19,7 +19,7 @@ come): a pass abandoned midway, by an exception say, leaves nothing a new pass c
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from ..order import StepKind
 
@@ -96,7 +96,25 @@ class ReplaySequence:
             self._advance()
 
     def _hint(self, graph: int, kind: StepKind, expected: tuple[int, StepKind]) -> str:
-        """What most likely went wrong, for the two usual ways out of order (error path)."""
+        """What most likely went wrong, for the usual ways out of order (error path)."""
+        if (graph, kind) == self._steps[0] and self._weight_due:
+            # A new pass after one abandoned midway (an exception, say): the weight steps of
+            # backwards that ran still hold their activations, which the new pass would
+            # overwrite; the expected step above is the abandoned pass's next one.
+            due = [self._labels[g] for g in self._due_weight_graphs()]
+            steps = "step of" if len(due) == 1 else "steps of"
+            which = "it" if len(due) == 1 else "them, in this order,"
+            return (
+                f"; a new pass cannot start while the weight {steps} {', '.join(due)} "
+                f"{'is' if len(due) == 1 else 'are'} due (the backward ran, and the weight "
+                "step reads activations the new pass would overwrite): call backward_dw() on "
+                f"{which} first, or finish the pass"
+            )
+        if kind is StepKind.WEIGHT and graph in self._weight_due:
+            return (
+                "; a weight step (backward_dw()) runs where the order has its -(c + 0.5) "
+                "entry, not earlier"
+            )
         if kind is not StepKind.FORWARD and expected[1] is StepKind.FORWARD:
             return (
                 "; every pass runs every step of the order, for all the microbatches it was "
@@ -174,12 +192,16 @@ class ReplaySequence:
     def _first_due_weight(self) -> int | None:
         """The graph of the first due weight step from where the replays are (the next due
         one in capture order), or None."""
+        return next(self._due_weight_graphs(), None)
+
+    def _due_weight_graphs(self) -> Iterator[int]:
+        """The graphs whose weight steps are due, in capture order from where the replays
+        are: the order they may drain in."""
         count = len(self._steps)
         for offset in range(count):
             graph, kind = self._steps[(self._next + offset) % count]
             if kind is StepKind.WEIGHT and graph in self._weight_due:
-                return graph
-        return None
+                yield graph
 
     def _may_start_over(self, graph: int, kind: StepKind) -> bool:
         return (graph, kind) == self._steps[0] and not any(
