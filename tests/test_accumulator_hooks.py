@@ -172,8 +172,11 @@ def test_only_the_relay_hands_autograd_the_parameters(hooks):
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
         accumulator_hooks=hooks)
     out = graphed(torch.randn(4, 8, requires_grad=True))
-    reached = {id(node) for node, _ in out.grad_fn.next_functions if node is not None}
-    accumulators = {id(_accumulator(p)) for p in module.parameters()}
+    # The node objects are held while their ids are compared: a freed one's id can be reused.
+    reached_nodes = [node for node, _ in out.grad_fn.next_functions if node is not None]
+    accumulator_nodes = [_accumulator(p) for p in module.parameters()]
+    reached = {id(node) for node in reached_nodes}
+    accumulators = {id(node) for node in accumulator_nodes}
     assert (accumulators <= reached) if hooks is True else not (accumulators & reached)
     out.sum().backward()
 
