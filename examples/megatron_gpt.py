@@ -61,6 +61,9 @@ class Setup:
     # With fuse_grad_accumulation: how DDP's gradient-ready hooks fire (True: autograd's
     # accumulators; "python": the replays call them, Megatron-core's hooks being Python).
     accumulator_hooks: bool | str = True
+    # Megatron's config.cuda_graph_scope: None graphs whole layers; "attn" or "mlp" only that
+    # part of each layer, Megatron running the rest eagerly around the graph.
+    cuda_graph_scope: str | None = None
     device: str = "cpu"
 
     @property
@@ -111,6 +114,7 @@ def build_model(setup: Setup, *, graphed: bool) -> tuple[TransformerConfig, list
         pipeline_model_parallel_size=setup.pp,
         virtual_pipeline_model_parallel_size=setup.vp,
         cuda_graph_impl="transformer_engine" if graphed else "none",
+        cuda_graph_scope=(setup.cuda_graph_scope if graphed else None) or "full",
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         gradient_accumulation_fusion=False,

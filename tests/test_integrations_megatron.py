@@ -71,8 +71,13 @@ CASES = {
     "pp1-overlap-grad-reduce-fused-python": (
         1, {"pp": 1, "microbatches": 2, "overlap_grad_reduce": True,
             "fuse_grad_accumulation": True, "accumulator_hooks": "python"}),
+    # Graphs of part of each layer (config.cuda_graph_scope), the rest eager around them: no
+    # graph takes the previous one's output, so the adapter captures without shared buffers.
+    "pp1-attn-scope": (1, {"pp": 1, "microbatches": 2, "cuda_graph_scope": "attn"}),
+    "pp1-mlp-scope": (1, {"pp": 1, "microbatches": 2, "cuda_graph_scope": "mlp"}),
     "pp2": (2, {"pp": 2, "microbatches": 4}),
     "pp2-vp2": (2, {"pp": 2, "vp": 2, "microbatches": 4}),
+    "pp2-vp2-attn-scope": (2, {"pp": 2, "vp": 2, "microbatches": 4, "cuda_graph_scope": "attn"}),
     "pp2-vp2-fused": (2, {"pp": 2, "vp": 2, "microbatches": 4, "fuse_grad_accumulation": True}),
     "pp2-vp2-fused-python": (2, {"pp": 2, "vp": 2, "microbatches": 4,
                                  "fuse_grad_accumulation": True, "accumulator_hooks": "python"}),
@@ -390,8 +395,9 @@ def _freeze_error(example: Any, setup: Any) -> str:
 def run_case(name: str, device: str) -> dict[str, Any]:
     example = _example()
     setup = example.Setup(**CASES[name][1], device=device)
-    # Eager depends on neither option.
-    unfused = replace(setup, fuse_grad_accumulation=False, accumulator_hooks=True)
+    # Eager depends on none of these options.
+    unfused = replace(setup, fuse_grad_accumulation=False, accumulator_hooks=True,
+                      cuda_graph_scope=None)
     if unfused not in _EAGER:
         _EAGER[unfused] = _eager_run(example, unfused)
     eager, eager_hooks, eager_syncs, eager_peak = _EAGER[unfused]

@@ -283,6 +283,37 @@ def test_drop_in_trains_other_architectures_bitwise_like_eager(
                    model, eager)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_drop_in_under_bf16_autocast_trains_bitwise_like_eager(
+    attention: str, graphed_sets: list[Any]
+) -> None:
+    """Captured under autocast without its cache (V2 refuses the cache), trained under the
+    usual autocast (cache on: the graphs' casts are recorded, the cache only spares eager's
+    repeats), labels with -100 and padding that differs per step."""
+    model = make_model(attention)
+    eager = copy.deepcopy(model)
+    tokens = token_batches(STEPS)
+    masks = padded(tokens)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            RuntimeError, match="does not support the autocast cache"):
+        graph_causal_lm(model, {"input_ids": tokens[0], "attention_mask": masks[0]})
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        graphed_sets.append(graph_causal_lm(model, {"input_ids": tokens[0],
+                                                    "attention_mask": masks[0]}))
+
+    def autocast_step(net: nn.Module, batch: list[torch.Tensor]) -> list[torch.Tensor]:
+        (index,) = [i for i, t in enumerate(tokens) if t is batch[0]]
+        labels = batch[0].masked_fill(masks[index] == 0, -100)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = net(input_ids=batch[0], attention_mask=masks[index], labels=labels).loss
+        loss.backward()
+        return [loss.detach()]
+
+    batches = [[t] for t in tokens]
+    assert_bitwise(train(model, autocast_step, batches), train(eager, autocast_step, batches),
+                   model, eager)
+
+
 def test_inputs_embeds_sample_still_trains_the_embedding(graphed_sets: list[Any]) -> None:
     """Sampled with inputs_embeds that do not require grad, the first layer's graph still
     computes its input's gradient: training on input_ids then trains the embedding as eager

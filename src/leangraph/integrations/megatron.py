@@ -256,8 +256,8 @@ def make_graphed_callables(
 
     What ``TECudaGraphHelper`` passes (``_order`` in leangraph's notation, samples chunk ->
     microbatch -> layer) goes on to :func:`leangraph.make_graphed_callables`;
-    ``_reuse_graph_input_output_buffers`` selects ``share_buffers``. Without ``_order`` each
-    callable is graphed once, forwards replaying in the given order, backwards in reverse.
+    ``_reuse_graph_input_output_buffers`` selects ``share_buffers`` (:func:`_partial_layers`
+    aside). Without ``_order``: each callable once, forwards in order, backwards in reverse.
 
     Args:
         callables: The layers (a tuple), or one callable.
@@ -307,7 +307,7 @@ def make_graphed_callables(
         order=order,
         num_layers_per_chunk=per_chunk,
         retain_graph_in_backward=retain_graph_in_backward,
-        share_buffers=_reuse_graph_input_output_buffers,
+        share_buffers=_reuse_graph_input_output_buffers and not _partial_layers(layers),
         **options,
     )
     wrapped = tuple(MegatronGraphedLayer(g, tuple(k)) for g, k in zip(graphs, kwargs))
@@ -405,6 +405,27 @@ def _refuse_graphed_layers(layers: Sequence[Any]) -> None:
             "first TECudaGraphHelper's delete_cuda_graphs() (it resets them and empties "
             "layer.cuda_graphs) before capturing again"
         )
+
+
+def _partial_layers(layers: Sequence[Any]) -> list[int]:
+    """The layers whose graph covers only part of the layer (``config.cuda_graph_scope``).
+
+    With a partial scope Megatron runs the rest of each layer eagerly around its graph (the
+    MLP after an attention-only graph, the attention before an MLP-only one), so a layer's
+    graph never takes the previous layer's graph output. Shared buffers would chain the
+    graphs of a chunk (each graph's static input is the previous graph's output buffer) and
+    refuse every replay; such captures keep their own buffers (``share_buffers=False``).
+    """
+    partial = []
+    for index, layer in enumerate(layers):
+        scope = getattr(getattr(layer, "config", None), "cuda_graph_scope", None)
+        if not scope:  # Megatron's default, "full" normalised to []: the whole layer
+            continue
+        names = {getattr(entry, "name", entry) for entry in scope}
+        rest = "moe" if getattr(layer, "is_moe_layer", False) else "mlp"
+        if not {"attn", rest} <= names:
+            partial.append(index)
+    return partial
 
 
 def _refuse_fp8(fp8_enabled: bool | Sequence[bool], layers: Sequence[Any]) -> None:
