@@ -180,6 +180,25 @@ USAGE_ERRORS = [
      "must return (callables, sample_args) or (callables, sample_args, dict"),
     (["plan", "--pp", "2", "--hidden", "8", "--function", "os:getcwd"], "leangraph plan",
      "--pp, --hidden: not used with --function"),
+    # Counts far past any machine: refused at once, not hours of work or torch's overflow.
+    (["plan", "--vp", "100000000000000000000"], "leangraph plan",
+     "--vp 100000000000000000000 x --layers 4 x --microbatches 16 is "
+     "6400000000000000000000 graphs to capture; at most 100000"),
+    (["bench", "--device", "cpu", "--microbatches", "1000000"], "leangraph bench",
+     "--vp 2 x --layers 2 x --microbatches 1000000 is 4000000 graphs to capture"),
+    (["demo", "--microbatches", "100000000"], "leangraph demo",
+     "2 chunks x 2 blocks x --microbatches 100000000 is 400000000 graphs to capture"),
+    (["plan", "--hidden", "1000000000", "--heads", "1000"], "leangraph plan",
+     "fc1's weight (4 x hidden x hidden) would take 8000000000000000000 bytes; at most "
+     "1125899906842624 (1 PiB) per tensor"),
+    (["plan", "--sequence", "100000000000000000000"], "leangraph plan",
+     "the attention scores (micro-batch x heads x sequence x sequence) would take"),
+    (["demo", "--sequence", "1000000000", "--device", "cpu"], "leangraph demo",
+     "the attention scores (micro-batch x heads x sequence x sequence) would take "
+     "16000000000000000000 bytes"),
+    (["plan", "--micro-batch", "1000000000000", "--sequence", "1", "--heads", "1",
+      "--hidden", "1000000"], "leangraph plan",
+     "fc1's output (micro-batch x sequence x 4 x hidden) would take 8000000000000000000 bytes"),
 ]
 
 
@@ -262,6 +281,9 @@ def test_plan_of_a_module_function_in_the_working_folder(tmp_path, monkeypatch, 
     ("def make():\n    return 1 / 0\n", "it raised ZeroDivisionError: division by zero"),
     ("raise RuntimeError('broken at import')\n", "raised RuntimeError: broken at import"),
     ("import no_such_dependency_xyz\n", "importing lg_workload_bad: No module named"),
+    # sys.exit is not the command's exit: status 0 would say a plan was printed.
+    ("import sys\ndef make():\n    sys.exit()\n", "it called sys.exit(None)"),
+    ("import sys\nsys.exit(3)\n", "importing lg_workload_bad called sys.exit(3)"),
 ])
 def test_a_failing_function_or_module_is_one_line_status_1(body, fragment, tmp_path,
                                                           monkeypatch, capsys):

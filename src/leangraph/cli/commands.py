@@ -215,8 +215,49 @@ def _workload(args: argparse.Namespace, defaults: Workload) -> Workload:
             f"--microbatches {work.microbatches} must be a multiple of --pp {work.pp} with "
             f"--vp {work.vp} (Megatron-LM's interleaved 1F1B runs microbatches in groups of pp)"
         )
+    _refuse_too_many_graphs(
+        work.vp * work.layers * work.microbatches,
+        f"--vp {work.vp} x --layers {work.layers} x --microbatches {work.microbatches}",
+    )
+    _refuse_oversized(_shape(work))
     _order_of(work)  # any rule the schedule has beyond these
     return work
+
+
+MAX_GRAPHS = 100_000
+"""The most graphs (chunks x blocks x microbatches) a command captures or plans."""
+
+MAX_TENSOR_BYTES = 2**50
+"""The largest tensor a workload may make, 1 PiB: more than any machine holds, and not far
+below sizes whose byte counts overflow torch's 64-bit size arithmetic."""
+
+
+def _refuse_too_many_graphs(graphs: int, product: str) -> None:
+    """Refuse more than :data:`MAX_GRAPHS` graphs; ``product`` says what multiplies to them."""
+    if graphs > MAX_GRAPHS:
+        raise UsageError(
+            f"{product} is {graphs} graphs to capture; at most {MAX_GRAPHS} (each is probed, "
+            "planned and captured in turn: far more would run for hours)"
+        )
+
+
+def _refuse_oversized(shape: BlockShape) -> None:
+    """Refuse a block whose largest tensor would exceed :data:`MAX_TENSOR_BYTES`, naming the
+    flags it comes from (torch would fail on it with an overflow, or run out of memory)."""
+    h, mb, seq = shape.hidden, shape.micro_batch, shape.sequence
+    tensors = {
+        "fc1's weight (4 x hidden x hidden)": 4 * h * h,
+        "fc1's output (micro-batch x sequence x 4 x hidden)": mb * seq * 4 * h,
+        "the attention scores (micro-batch x heads x sequence x sequence)": (
+            mb * shape.heads * seq * seq
+        ),
+    }
+    name, elements = max(tensors.items(), key=lambda item: item[1])
+    size = elements * shape.dtype.itemsize
+    if size > MAX_TENSOR_BYTES:
+        raise UsageError(
+            f"{name} would take {size} bytes; at most {MAX_TENSOR_BYTES} (1 PiB) per tensor"
+        )
 
 
 def _order_of(work: Workload) -> list[int]:
@@ -322,6 +363,12 @@ def _demo(args: argparse.Namespace) -> int:
         shape=BlockShape(hidden=args.hidden, sequence=args.sequence),
         device=device,
     )
+    _refuse_too_many_graphs(
+        config.vp_size * config.layers_per_chunk * config.num_microbatches,
+        f"{config.vp_size} chunks x {config.layers_per_chunk} blocks x --microbatches "
+        f"{config.num_microbatches}",
+    )
+    _refuse_oversized(config.shape)
     _order_of(Workload(pp=config.pp_size, vp=config.vp_size, microbatches=config.num_microbatches))
     with _intra_op_threads(args.threads, device), phase_display(not args.no_progress) as progress:
         result = run_demo(config, progress=progress)
@@ -635,6 +682,10 @@ def _import_function(spec: str) -> Callable[[], Any]:
                     "or on sys.path; run from the folder that holds it"
                 ) from exc
             raise CommandError(f"--function {spec}: importing {module_name}: {exc}") from exc
+        except SystemExit as exc:
+            raise CommandError(
+                f"--function {spec}: importing {module_name} called sys.exit({exc.code!r})"
+            ) from exc
         except Exception as exc:
             raise CommandError(
                 f"--function {spec}: importing {module_name} raised {type(exc).__name__}: "
@@ -654,6 +705,8 @@ def _workload_of(spec: str) -> tuple[Any, Any, dict[str, Any]]:
     function = _import_function(spec)
     try:
         made = function()
+    except SystemExit as exc:  # not the command's own exit: the plan was never made
+        raise CommandError(f"--function {spec}: it called sys.exit({exc.code!r})") from exc
     except Exception as exc:
         raise CommandError(
             f"--function {spec}: it raised {type(exc).__name__}: {_first_line(exc)}"
