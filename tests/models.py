@@ -51,6 +51,21 @@ class TwoOutputs(torch.nn.Module):
         return y, self.head(y)
 
 
+class ThreeOutputs(torch.nn.Module):
+    """``(y, head(y), side(z))``: a loss may use only some of them. ``head`` only the second
+    output reaches, ``side`` only the third, ``body`` the first two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 4)
+        self.side = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor):
+        y = self.body(x)
+        return y, self.head(y), self.side(z)
+
+
 def make_layers(count: int, width: int, device: str = "cpu", seed: int = 0) -> list[Block]:
     torch.manual_seed(seed)
     return [Block(width).to(device) for _ in range(count)]

@@ -19,7 +19,7 @@ import torch
 import leangraph
 import leangraph.schedules
 from helpers import raises
-from models import Block, TwoOutputs, assert_histories_equal, train_both
+from models import Block, ThreeOutputs, TwoOutputs, assert_histories_equal, train_both
 
 ZB = [1, 2, 1, -2, 2, -1, -2.5, -2, -1.5, -1, -2.5, -1.5]
 
@@ -389,21 +389,6 @@ MODES = {
 ALL_MODES = pytest.mark.parametrize("mode", list(MODES))
 
 
-class _ThreeOutputs(torch.nn.Module):
-    """``(y, head(y), side(z))``: ``head`` only the second output reaches, ``side`` only the
-    third, ``body`` the first two."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = torch.nn.Linear(4, 4)
-        self.head = torch.nn.Linear(4, 4)
-        self.side = torch.nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor):
-        y = self.body(x)
-        return y, self.head(y), self.side(z)
-
-
 def _hook_events(modules, log: list) -> list:
     """Hook every parameter of ``modules`` (each once: tied ones under their first name) and
     its accumulator node; events ``(module index, name, kind)`` go to ``log``. Returns the
@@ -438,7 +423,7 @@ def test_hooks_fire_only_for_the_parameters_the_backward_reaches(mode, used):
     to every parameter (or its relay), which autograd runs with no gradient; their hooks are
     passed over, so the same hooks fire, once each, and ``.grad`` is eager's, bitwise."""
     torch.manual_seed(0)
-    module = _ThreeOutputs()
+    module = ThreeOutputs()
     eager = copy.deepcopy(module)
     graphed = leangraph.make_graphed_callables(
         module, tuple(torch.randn(3, 4, requires_grad=True) for _ in range(2)), **MODES[mode]
@@ -656,7 +641,7 @@ def test_hooks_passed_over_in_a_failed_pass_fire_in_the_next(mode):
     hooks of an unreached parameter, passed over for that pass only, fire once in the next
     pass that reaches it, as eager's do."""
     torch.manual_seed(0)
-    module = _ThreeOutputs()
+    module = ThreeOutputs()
     graphed = leangraph.make_graphed_callables(
         module, tuple(torch.randn(3, 4, requires_grad=True) for _ in range(2)), **MODES[mode])
     fired: list[str] = []

@@ -15,7 +15,7 @@ import leangraph
 from helpers import one_graph, three_graphs
 from leangraph.runtime.grads import copies
 from leangraph.runtime.pending import PendingBackwards
-from models import Block, assert_histories_equal, train_both
+from models import Block, ThreeOutputs, assert_histories_equal, train_both
 
 ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
 
@@ -382,27 +382,13 @@ def test_gpipe_microbatches_taking_one_non_leaf_input_get_eager_gradients():
                        _source_grads(run, source, lambda m: eager))
 
 
-class _TwoHeads(torch.nn.Module):
-    """``(y, head(y), side(z))``: a loss may use only some of them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = torch.nn.Linear(4, 4)
-        self.head = torch.nn.Linear(4, 4)
-        self.side = torch.nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor):
-        y = self.body(x)
-        return y, self.head(y), self.side(z)
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("used", [(0,), (1,), (0, 2), (0, 1, 2)], ids=str)
 def test_outputs_without_a_gradient_leave_what_only_they_reach_without_one(used, device):
     """Eager's backward gives no gradient (None, not zeros) to parameters and inputs that
     only outputs outside the loss reach: an optimizer skips them (AdamW's decay included)."""
     torch.manual_seed(0)
-    module = _TwoHeads().to(device)
+    module = ThreeOutputs().to(device)
     eager = copy.deepcopy(module)
     graphed = leangraph.make_graphed_callables(
         module, tuple(torch.randn(3, 4, device=device, requires_grad=True) for _ in range(2)))
