@@ -75,6 +75,26 @@ def test_w4_outputs_must_keep_their_structure():
         mgc((flip,), ((sample(),),))
 
 
+def test_w4_outputs_must_keep_which_of_them_are_one_tensor():
+    """A replay returns one tensor where the probe's forward returned one twice (as eager
+    does), so a callable that returns two tensors there in a later run is refused."""
+    calls = []
+
+    def sometimes_twice(x: torch.Tensor):
+        calls.append(None)
+        y = x * 2
+        return (y, y) if len(calls) == 1 else (y, y * 1)
+
+    with raises(
+        RuntimeError,
+        "callable 0 (test_w4_outputs_must_keep_which_of_them_are_one_tensor.<locals>"
+        ".sometimes_twice): outputs changed which of them are the same tensor between runs: "
+        "output 1 is output 0 then every output a tensor of its own; a graph replays one "
+        "aliasing of its outputs",
+    ):
+        mgc((sometimes_twice,), ((sample(),),))
+
+
 def test_w5_grad_only_through_closure_tensors():
     weight = torch.randn(4, requires_grad=True)
     with raises(

@@ -98,6 +98,10 @@ class GraphFacts:
             whose ``requires_grad`` the forward's Python code read (Megatron-core's linear
             layers switch to another autograd function for a frozen weight): its path may
             depend on them, so a replay is refused once one differs from capture.
+        repeats: Per tensor output, the position of the first tensor output that is the
+            same tensor object (its own where none is): ``return y, y`` gives ``(0, 0)``.
+            A replay returns one tensor there too, so its gradients add up in autograd as
+            eager's do. Empty where no output repeats another.
     """
 
     memory: LayerMemory
@@ -108,6 +112,7 @@ class GraphFacts:
     saved_outputs: tuple[int, ...] = ()
     reads_requires_grad: tuple[int, ...] = ()
     saved_params: tuple[int, ...] = ()
+    repeats: tuple[int, ...] = ()
 
     @property
     def inputs(self) -> tuple[BufferKey, ...]:
@@ -313,7 +318,16 @@ def _measure(
         saved_outputs,
         tuple(sorted(reads.read)),
         saved_params,
+        output_repeats(outputs),
     )
+
+
+def output_repeats(outputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """Per output, the position of the first output that is the same tensor object; empty
+    where all are distinct (see :attr:`GraphFacts.repeats`)."""
+    first: dict[int, int] = {}
+    repeats = tuple(first.setdefault(id(o), i) for i, o in enumerate(outputs))
+    return repeats if len(first) < len(outputs) else ()
 
 
 def _reach(

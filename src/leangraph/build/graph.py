@@ -19,7 +19,7 @@ from ..backends.base import GraphBackend, GraphPair
 from ..buffers import BufferKey, same_buffer
 from ..hooks import CaptureHooks
 from ..order import GraphId, StepKind
-from ..probe import GraphFacts, output_template
+from ..probe import GraphFacts, output_repeats, output_template
 from ..runtime.signature import CallSignature
 from .accumulation import (
     AccumulationTarget,
@@ -359,6 +359,7 @@ class GraphBuilder:
             static_outputs=self._static_outputs,
             output_tree=source.facts.output_tree,
             output_template=source.facts.output_template,
+            output_repeats=source.facts.repeats,
             output_requires_grad=self._output_requires_grad,
             saved_outputs=source.facts.saved_outputs,
             saved_params=source.facts.saved_params,
@@ -449,7 +450,21 @@ def _run_callable(source: GraphSource, leaves: Sequence[torch.Tensor]) -> tuple[
             f"between runs: {_describe(expected.outputs)} then {_describe(keys)}; graphs need "
             "outputs that do not depend on the data"
         )
+    repeats = output_repeats(outputs)
+    if repeats != expected.repeats:
+        # A replay returns one tensor where the probe's forward returned one several times.
+        raise RuntimeError(
+            f"{source.label}: outputs changed which of them are the same tensor between "
+            f"runs: {_repeated(expected.repeats)} then {_repeated(repeats)}; a graph "
+            "replays one aliasing of its outputs, so the callable must return the same "
+            "tensor in the same places on every call"
+        )
     return tuple(outputs)
+
+
+def _repeated(repeats: Sequence[int]) -> str:
+    pairs = [f"output {i} is output {j}" for i, j in enumerate(repeats) if i != j]
+    return ", ".join(pairs) or "every output a tensor of its own"
 
 
 def _check_unused(source: GraphSource, grads: Sequence[torch.Tensor | None]) -> None:

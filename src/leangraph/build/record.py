@@ -102,6 +102,9 @@ class GraphRecord:
         static_outputs: One static buffer per output leaf (tensor outputs only).
         output_tree: The structure the outputs are returned in.
         output_template: The output leaves: a slot per static output, constants in place.
+        output_repeats: Per output, the first output that is the same tensor (its own
+            where none is): a replay returns one tensor there, as eager did; empty where
+            every output is a tensor of its own.
         output_requires_grad: Per output, whether it needs a gradient.
         saved_outputs: Positions of outputs the backward graph reads (saved for it).
         saved_params: Positions among ``params`` of those the backward graph reads.
@@ -138,6 +141,7 @@ class GraphRecord:
     static_outputs: tuple[torch.Tensor, ...]
     output_tree: pytree.TreeSpec
     output_template: LeafTemplate
+    output_repeats: tuple[int, ...]
     output_requires_grad: tuple[bool, ...]
     saved_outputs: tuple[int, ...]
     saved_params: tuple[int, ...]

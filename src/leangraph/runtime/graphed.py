@@ -94,6 +94,9 @@ class GraphedCallable:
         self._specs = record.signature.specs
         self._warned: set[str] = set()  # inputs already warned about, by name
         self._single_output = record.output_tree.is_leaf()
+        # An output returned several times (``return y, y``) comes back as one tensor, as in
+        # eager: its gradients add up in autograd in eager's order, not the backward graph's.
+        self._repeats = record.output_repeats
         # Outputs and parameters the backward graph reads (R24, R28).
         self._saved_reads = SavedReads.of(record.label, record)
         # Facts of the capture the hot path would otherwise derive at every replay.
@@ -226,6 +229,8 @@ class GraphedCallable:
             self._sequence.without_backward(self._index)  # grad mode off: no backward comes
         if self._single_output:
             return outputs[0]
+        if self._repeats:
+            outputs = tuple(outputs[i] for i in self._repeats)
         return pytree.tree_unflatten(record.output_template.fill(outputs), record.output_tree)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
