@@ -64,6 +64,16 @@ class Setup:
     # Megatron's config.cuda_graph_scope: None graphs whole layers; "attn" or "mlp" only that
     # part of each layer, Megatron running the rest eagerly around the graph.
     cuda_graph_scope: str | None = None
+    # Megatron's pipeline options: free each stage output's data once sent
+    # (config.deallocate_pipeline_outputs); the microbatches run per model chunk before the
+    # interleaved schedule switches chunks (config.microbatch_group_size_per_vp_stage, None:
+    # Megatron's default, the pipeline size); sends and receives overlapped with compute
+    # (config.overlap_p2p_comm, interleaved only); shapes sent before each tensor
+    # (config.variable_seq_lengths).
+    deallocate_pipeline_outputs: bool = False
+    microbatch_group_size: int | None = None
+    overlap_p2p_comm: bool = False
+    variable_seq_lengths: bool = False
     device: str = "cpu"
 
     @property
@@ -119,6 +129,13 @@ def build_model(setup: Setup, *, graphed: bool) -> tuple[TransformerConfig, list
         bias_dropout_fusion=False,
         gradient_accumulation_fusion=False,
         batch_p2p_comm=False,
+        deallocate_pipeline_outputs=setup.deallocate_pipeline_outputs,
+        microbatch_group_size_per_vp_stage=setup.microbatch_group_size,
+        overlap_p2p_comm=setup.overlap_p2p_comm,
+        variable_seq_lengths=setup.variable_seq_lengths,
+        # Megatron's config refuses variable_seq_lengths with its default MoE dispatcher,
+        # MoE or not.
+        moe_token_dispatcher_type="alltoall" if setup.variable_seq_lengths else "allgather",
     )
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=setup.overlap_grad_reduce

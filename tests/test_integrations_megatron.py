@@ -35,6 +35,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (ext
 import leangraph  # noqa: E402
 from helpers import free_port, rank_reports  # noqa: E402
 from leangraph.integrations import megatron as lgm  # noqa: E402
+from leangraph.schedules import interleaved_1f1b, one_f_one_b
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "megatron_gpt.py"
@@ -81,9 +82,19 @@ CASES = {
     "pp2-vp2-fused": (2, {"pp": 2, "vp": 2, "microbatches": 4, "fuse_grad_accumulation": True}),
     "pp2-vp2-fused-python": (2, {"pp": 2, "vp": 2, "microbatches": 4,
                                  "fuse_grad_accumulation": True, "accumulator_hooks": "python"}),
+    # Megatron's pipeline options. deallocate_pipeline_outputs: the schedule swaps each sent
+    # stage output's .data for a one-element tensor, here a view of a graph's static output.
+    "pp2-deallocate": (2, {"pp": 2, "microbatches": 4, "deallocate_pipeline_outputs": True}),
+    "pp2-vp2-deallocate": (2, {"pp": 2, "vp": 2, "microbatches": 4,
+                               "deallocate_pipeline_outputs": True}),
+    # Groups of 3 microbatches per chunk, the last of 2: another order than PP's groups of 2
+    # (which Megatron's schedule refuses for 5 microbatches: a last group of 1).
+    "pp2-vp2-group3": (2, {"pp": 2, "vp": 2, "microbatches": 5, "microbatch_group_size": 3}),
+    "pp2-vp2-overlap-p2p": (2, {"pp": 2, "vp": 2, "microbatches": 4, "overlap_p2p_comm": True}),
 }
 CUDA_CASES = ("pp1", "pp1-fused", "pp1-overlap-grad-reduce-fused-python")
-TWO_GPU_CASES = ("pp2-vp2", "pp2-vp2-fused", "pp2-vp2-fused-python")  # one GPU a rank, NCCL
+# One GPU a rank, NCCL; with deallocate_pipeline_outputs the freed outputs are graph memory.
+TWO_GPU_CASES = ("pp2-vp2", "pp2-vp2-fused", "pp2-vp2-fused-python", "pp2-vp2-deallocate")
 
 
 class DdpProbe:
@@ -150,6 +161,65 @@ class DdpProbe:
         return [(index[key], flag, has_grad) for key, flag, has_grad in self.calls]
 
 
+class DeallocateProbe:
+    """The stage outputs Megatron's schedule freed (``deallocate_output_tensor`` under
+    ``config.deallocate_pipeline_outputs``; one-element tensors, the losses, left out): how
+    many, and how many of them were outputs of a graph's replay (their storage graph-owned)."""
+
+    def __init__(self) -> None:
+        self.freed = self.graph_owned = 0
+        self._replayed: set[int] = set()  # the storages of the replays' outputs
+
+    def __enter__(self) -> DeallocateProbe:
+        from megatron.core.pipeline_parallel import schedules
+
+        probe = self
+        deallocate, replay = schedules.deallocate_output_tensor, lgm.MegatronGraphedLayer.__call__
+
+        def probed(out: Any, deallocate_pipeline_outputs: bool = False) -> None:
+            if deallocate_pipeline_outputs and out is not None and out.numel() > 1:
+                probe.freed += 1
+                probe.graph_owned += out.untyped_storage().data_ptr() in probe._replayed
+            deallocate(out, deallocate_pipeline_outputs)
+
+        def replayed(layer: Any, *args: Any, **kwargs: Any) -> Any:
+            outputs = replay(layer, *args, **kwargs)
+            probe._replayed.update(o.untyped_storage().data_ptr() for o in outputs
+                                   if isinstance(o, torch.Tensor))
+            return outputs
+
+        self._saved = [(schedules, "deallocate_output_tensor", deallocate),
+                       (lgm.MegatronGraphedLayer, "__call__", replay)]
+        schedules.deallocate_output_tensor = probed
+        lgm.MegatronGraphedLayer.__call__ = replayed  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, value in self._saved:
+            setattr(owner, name, value)
+
+
+class OrderSpy:
+    """The ``_order`` Megatron's helper passed to the adapter (the adapter's own function,
+    which ``install()``'s patch calls, wrapped)."""
+
+    def __init__(self) -> None:
+        self.orders: list[list[float]] = []
+
+    def __enter__(self) -> OrderSpy:
+        self._original = original = lgm.make_graphed_callables
+
+        def spied(*args: Any, **kwargs: Any) -> Any:
+            self.orders.append(list(kwargs.get("_order") or []))
+            return original(*args, **kwargs)
+
+        lgm.make_graphed_callables = spied
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        lgm.make_graphed_callables = self._original
+
+
 class CudaPeak:
     """On CUDA, the allocator's peak above what was allocated on entry (MiB); None on the CPU."""
 
@@ -170,17 +240,19 @@ class CudaPeak:
             self.mib = (torch.cuda.max_memory_allocated() - self._base) / 2**20
 
 
-def _eager_run(example: Any, setup: Any) -> tuple[list[dict], list[Any], list[str], float | None]:
+def _eager_run(example: Any, setup: Any) -> tuple[list[dict], list[Any], list[str], float | None,
+                                                 int]:
     """Train eagerly: the history (one step more than the graphed run's: the step it takes
     eagerly once its graphs are gone), Megatron's hook calls and bucket reductions in the
-    graphed run's steps, and on CUDA the steps' peak above the built model (MiB)."""
+    graphed run's steps, on CUDA the steps' peak above the built model (MiB), and the stage
+    outputs the schedule freed in those steps."""
     with DdpProbe() as probe:
         config, chunks = example.build_model(setup, graphed=False)
-        with CudaPeak(setup.device) as peak:
+        with CudaPeak(setup.device) as peak, DeallocateProbe() as freed:
             history = example.train_steps(setup, config, chunks)
         calls, syncs = len(probe.calls), len(probe.syncs)
         history += example.train_steps(replace(setup, steps=1), config, chunks)
-    return history, probe.hook_log(chunks)[:calls], probe.syncs[:syncs], peak.mib
+    return history, probe.hook_log(chunks)[:calls], probe.syncs[:syncs], peak.mib, freed.freed
 
 
 def _graphed_run(example: Any, setup: Any) -> tuple[list[dict], dict[str, Any], Any]:
@@ -192,11 +264,12 @@ def _graphed_run(example: Any, setup: Any) -> tuple[list[dict], dict[str, Any], 
         config, chunks = example.build_model(setup, graphed=True)
         with lgm.install(capture_options=setup.capture_options):
             helper = TECudaGraphHelper(chunks, config, example.SEQ, example.BATCH)
-            with CudaPeak(setup.device) as capture_peak:
+            with CudaPeak(setup.device) as capture_peak, OrderSpy() as spy:
                 helper.create_cudagraphs()
             layers = [layer for chunk in helper.callables_per_chunk for layer in chunk]
             graphs = [graph for layer in layers for graph in layer.cuda_graphs]
-            history = example.train_steps(setup, config, chunks)
+            with DeallocateProbe() as freed:
+                history = example.train_steps(setup, config, chunks)
             helper.delete_cuda_graphs()
             calls, syncs = len(probe.calls), len(probe.syncs)
         # Eagerly on (Megatron's layers run eagerly without graphs): Megatron's hooks must
@@ -222,6 +295,9 @@ def _graphed_run(example: Any, setup: Any) -> tuple[list[dict], dict[str, Any], 
         },
         "grads_left": sum(p.grad is not None for p in params),
         "capture_peak_mib": capture_peak.mib,  # warm-up + capture, above the built model
+        "orders": spy.orders,  # one capture: the helper's order for this rank
+        # Stage outputs the schedule freed, and of them outputs of a graph's replay.
+        "freed": [freed.freed, freed.graph_owned],
     }
     return history, facts, (probe.hook_log(chunks)[:calls], probe.syncs[:syncs], in_layer)
 
@@ -264,7 +340,7 @@ def _hook_facts(eager: list[Any], graphed: list[Any], in_layer: list[bool]) -> d
     }
 
 
-_EAGER: dict[Any, tuple[list[dict], list[Any], list[str], float | None]] = {}
+_EAGER: dict[Any, tuple[list[dict], list[Any], list[str], float | None, int]] = {}
 
 
 def _reset_error(example: Any, setup: Any) -> str:
@@ -349,6 +425,12 @@ def _megatron_refusals(example: Any, setup: Any) -> dict[str, Any]:
                 out["forward-only-no-grad"] = len(run())
             helper.delete_cuda_graphs()
 
+    def variable_lengths() -> None:  # a graph replays one sequence length (V37)
+        lengths = replace(setup, variable_seq_lengths=True)
+        config, chunks = example.build_model(lengths, graphed=True)
+        with lgm.install(capture_options=spy):
+            capture(chunks, config, "variable-seq-lengths")
+
     def failed() -> None:  # a capture failing inside the helper, then eager training
         def boom() -> None:
             raise KeyError("boom")
@@ -359,7 +441,8 @@ def _megatron_refusals(example: Any, setup: Any) -> dict[str, Any]:
         out["failed-then-eager"] = example.train_steps(setup, config, chunks)
 
     for name, scenario in (("second-helper", second_helper), ("hooks-false", hooks_false),
-                           ("forward-only", forward_only), ("failed", failed)):
+                           ("forward-only", forward_only),
+                           ("variable-seq-lengths", variable_lengths), ("failed", failed)):
         try:
             scenario()
         except Exception:  # noqa: BLE001 - reported to the test
@@ -400,10 +483,11 @@ def run_case(name: str, device: str) -> dict[str, Any]:
                       cuda_graph_scope=None)
     if unfused not in _EAGER:
         _EAGER[unfused] = _eager_run(example, unfused)
-    eager, eager_hooks, eager_syncs, eager_peak = _EAGER[unfused]
+    eager, eager_hooks, eager_syncs, eager_peak, eager_freed = _EAGER[unfused]
     graphed, facts, (hooks, syncs, in_layer) = _graphed_run(example, setup)
     counts, mismatches = _compare(eager, graphed)
     return {"counts": counts, "mismatches": mismatches, **facts, "eager_step_peak_mib": eager_peak,
+            "eager_freed": eager_freed,
             **_hook_facts(eager_hooks, hooks, in_layer), "syncs": [eager_syncs, syncs],
             "setup": asdict(setup)}
 
@@ -492,10 +576,14 @@ def check_case(name: str, reports: list[dict[str, Any]]) -> None:
     world, kwargs = CASES[name]
     fused = kwargs.get("fuse_grad_accumulation", False)
     microbatches_captured = kwargs["microbatches"] if kwargs["pp"] > 1 else 1
-    losses = 0
+    losses = freed = 0
     for rank, report in enumerate(reports):
         result = report[name]
         assert result["mismatches"] == [], f"rank {rank}: {result['mismatches']}"
+        assert result["orders"] == [expected_order(kwargs, rank)], result["orders"]
+        # Freed in the graphed steps as eagerly, each an output of a graph's replay.
+        assert result["freed"] == [result["eager_freed"]] * 2, result
+        freed += result["eager_freed"]
         assert result["counts"]["params"] > 0 and result["counts"]["grads"] > 0, result
         assert result["kinds"] == ["MegatronGraphedLayer"], result
         assert result["graphs"] == result["layers"] * microbatches_captured > 0, result
@@ -504,6 +592,21 @@ def check_case(name: str, reports: list[dict[str, Any]]) -> None:
         check_hooks(result, kwargs, fused)
     # Only the last stage reports losses: one per microbatch and step (3 graphed, 1 eager).
     assert losses == 4 * kwargs["microbatches"], reports
+    # Every stage but the last frees its outputs once sent: one per microbatch, chunk, step.
+    vp = kwargs.get("vp") or 1
+    sending = kwargs["pp"] * vp - 1 if kwargs.get("deallocate_pipeline_outputs") else 0
+    assert freed == 3 * kwargs["microbatches"] * sending, reports
+
+
+def expected_order(kwargs: dict[str, Any], rank: int) -> list[int]:
+    """The order Megatron's helper passes for one rank: leangraph's own schedule for the
+    same settings (one microbatch without pipelining: the helper captures one), which
+    Megatron's schedule must then replay (leangraph checks every replay against it)."""
+    pp, vp = kwargs["pp"], kwargs.get("vp") or 1
+    if pp == 1:
+        return one_f_one_b(1, 0, 1)
+    return interleaved_1f1b(pp, vp, rank, kwargs["microbatches"],
+                            kwargs.get("microbatch_group_size"))
 
 
 def check_hooks(result: dict[str, Any], kwargs: dict[str, Any], fused: bool) -> None:
@@ -593,6 +696,23 @@ def test_l4_a_forward_only_schedule_in_training_mode_says_to_use_no_grad(
         "their training graphs and no backward comes: use torch.no_grad() or model.eval() "
         "for forward-only passes"), report
     assert report["forward-only-no-grad"] == 2, report  # one loss per microbatch
+
+
+def test_v37_variable_seq_lengths_is_refused_before_warm_up(
+    one_rank: list[dict[str, Any]],
+) -> None:
+    """Megatron's helper samples one sequence length; with lengths that vary, the replay of
+    another length would be refused mid-step, where the other pipeline ranks wait."""
+    report = one_rank[0]["refusals"]
+    assert report["variable-seq-lengths"] == (
+        "ValueError: leangraph's Megatron adapter: layer 0 (TransformerLayer 1) is captured "
+        "with config.variable_seq_lengths=True, but its graphs replay the sampled sequence "
+        "length only (8 tokens, dim 0 of hidden_states); a microbatch of another length "
+        "would be refused only at its replay, mid-step (in a pipeline, while the other ranks "
+        "wait on it). Pad every microbatch to seq_length and set variable_seq_lengths=False "
+        "(with fixed lengths it only sends the shapes), or leave these layers eager"), report
+    assert report["variable-seq-lengths-warmed"] is False, report
+    assert report["variable-seq-lengths-capturing-after"] is False, report
 
 
 def test_a_failed_capture_puts_megatrons_capture_flag_back(
@@ -795,10 +915,12 @@ def test_te_min_version_answers_for_the_adapters_features() -> None:
 class Layer(nn.Module):
     """A layer with Megatron's call shape: hidden states and keyword arguments."""
 
-    def __init__(self, params_dtype: torch.dtype = torch.float32, fp8: str | None = None):
+    def __init__(self, params_dtype: torch.dtype = torch.float32, fp8: str | None = None,
+                 variable_seq_lengths: bool = False):
         super().__init__()
         self.linear = nn.Linear(4, 4)
-        self.config = type("Config", (), {"params_dtype": params_dtype, "fp8": fp8})()
+        self.config = type("Config", (), {"params_dtype": params_dtype, "fp8": fp8,
+                                          "variable_seq_lengths": variable_seq_lengths})()
 
     def forward(self, hidden_states, attention_mask=None, context=None):
         out = self.linear(hidden_states)
@@ -885,6 +1007,18 @@ def test_fp8_is_refused_before_warm_up() -> None:
         _capture(Layer(fp8="hybrid"))
     with pytest.raises(ValueError, match="fp8_enabled=True"):
         _capture(Layer(), fp8_enabled=(True,))
+
+
+def test_v37_variable_seq_lengths_is_refused_by_the_adapter_itself() -> None:
+    warmed: list[bool] = []
+    with pytest.raises(ValueError) as info:
+        _capture(Layer(variable_seq_lengths=True), pre_warmup_hook=lambda: warmed.append(True))
+    assert str(info.value).startswith(
+        "leangraph's Megatron adapter: layer 0 (Layer) is captured with "
+        "config.variable_seq_lengths=True, but its graphs replay the sampled sequence length "
+        "only (2 tokens, dim 0 of hidden_states); a microbatch of another length"), info.value
+    assert warmed == []
+    _capture(Layer(variable_seq_lengths=False), allow_unused_input=True).reset()
 
 
 def test_hidden_states_of_another_dtype_than_the_layer_are_refused() -> None:

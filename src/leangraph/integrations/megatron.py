@@ -22,7 +22,8 @@ the megatron-core versions in :data:`SUPPORTED_VERSIONS`:
   patched one passes the arguments on as they are.
 
 fp8 and fp4 (``config.fp8``, ``config.fp4``) are refused: their scaling state lives in
-TransformerEngine, outside any graph leangraph captures.
+TransformerEngine, outside any graph leangraph captures; so is ``config.variable_seq_lengths``
+(a graph replays one sequence length).
 """
 
 from __future__ import annotations
@@ -277,9 +278,9 @@ def make_graphed_callables(
         for a single callable).
 
     Raises:
-        ValueError: for fp8 or fp4, for a layer that still holds graphs (a second capture
-            before ``delete_cuda_graphs()``), and for what leangraph refuses, before any
-            warm-up.
+        ValueError: for fp8 or fp4, for ``config.variable_seq_lengths=True``, for a layer
+            that still holds graphs (a second capture before ``delete_cuda_graphs()``), and
+            for what leangraph refuses, before any warm-up.
         TypeError: for an unknown capture option (as :func:`install`).
     """
     del fp8_recipe, fp8_group, fp8_weight_caching  # nothing to do without fp8
@@ -289,9 +290,8 @@ def make_graphed_callables(
     )
     single = not isinstance(callables, tuple)
     layers = (callables,) if single else callables
-    _refuse_graphed_layers(layers)
-    _refuse_fp8(fp8_enabled, layers)
     args = (sample_args,) if single else tuple(sample_args)
+    _refuse_layers(layers, args, fp8_enabled)
     kwargs = _per_graph_kwargs(sample_kwargs, len(args))
     order, per_chunk = _order_or_default(_order, _num_layers_per_chunk)
     _check_dtypes(layers, args, order, per_chunk)
@@ -380,6 +380,16 @@ def _through_call(layers: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(_ThroughCall(x) if isinstance(x, torch.nn.Module) else x for x in layers)
 
 
+def _refuse_layers(
+    layers: Sequence[Any], sample_args: Sequence[Any], fp8_enabled: bool | Sequence[bool]
+) -> None:
+    """What the adapter refuses in the layers before anything runs: live graphs (V4), fp8 or
+    fp4, and variable sequence lengths (V37)."""
+    _refuse_graphed_layers(layers)
+    _refuse_fp8(fp8_enabled, layers)
+    _refuse_variable_seq_lengths(layers, sample_args)
+
+
 def _refuse_graphed_layers(layers: Sequence[Any]) -> None:
     """Refuse layers that still hold graphs: Megatron's layer ``__call__`` replays
     ``layer.cuda_graphs`` whenever it is not empty, inside this capture too, which would then
@@ -388,9 +398,7 @@ def _refuse_graphed_layers(layers: Sequence[Any]) -> None:
         graphs = getattr(layer, "cuda_graphs", None)
         if not isinstance(graphs, list) or not graphs:
             continue
-        name = type(layer).__name__
-        if getattr(layer, "layer_number", None) is not None:
-            name = f"{name} {layer.layer_number}"
+        name = _layer_name(layer)
         live = sum(isinstance(g, MegatronGraphedLayer) and not g.graphed.is_reset for g in graphs)
         held = (
             f"already has leangraph graphs that are not reset ({live} of the {len(graphs)} in "
@@ -426,6 +434,39 @@ def _partial_layers(layers: Sequence[Any]) -> list[int]:
         if not {"attn", rest} <= names:
             partial.append(index)
     return partial
+
+
+def _refuse_variable_seq_lengths(layers: Sequence[Any], sample_args: Sequence[Any]) -> None:
+    """Refuse ``config.variable_seq_lengths=True`` (V37): it tells Megatron that microbatches
+    differ in sequence length (its pipeline sends each tensor's shape first), and a graph
+    replays the one length of its sample. A microbatch of another length would be refused
+    only at its replay, mid-step, on the rank that meets it first, while the other pipeline
+    ranks wait on it. With lengths that are in fact fixed the flag only sends the shapes."""
+    for index, layer in enumerate(layers):
+        if getattr(getattr(layer, "config", None), "variable_seq_lengths", False) is not True:
+            continue
+        # Megatron samples every graph at the helper's seq_length ([s, b, h] hidden states).
+        hidden = sample_args[0][0] if sample_args and sample_args[0] else None
+        length = (
+            f" ({hidden.shape[0]} tokens, dim 0 of hidden_states)"
+            if isinstance(hidden, torch.Tensor) and hidden.dim() > 0
+            else ""
+        )
+        raise ValueError(
+            f"leangraph's Megatron adapter: layer {index} ({_layer_name(layer)}) is captured "
+            "with config.variable_seq_lengths=True, but its graphs replay the sampled sequence "
+            f"length only{length}; a microbatch of another length would be refused only at "
+            "its replay, mid-step (in a pipeline, while the other ranks wait on it). Pad every "
+            "microbatch to seq_length and set variable_seq_lengths=False (with fixed lengths "
+            "it only sends the shapes), or leave these layers eager"
+        )
+
+
+def _layer_name(layer: Any) -> str:
+    """``TransformerLayer 3``: the class and, where it has one, Megatron's layer number."""
+    name = type(layer).__name__
+    number = getattr(layer, "layer_number", None)
+    return name if number is None else f"{name} {number}"
 
 
 def _refuse_fp8(fp8_enabled: bool | Sequence[bool], layers: Sequence[Any]) -> None:

@@ -346,6 +346,9 @@ class GraphedCallable:
             if self._guard is not None:
                 self._guard.invalidate(f"{self._label} was replayed again")
             buffers = record.static_outputs
+            # New tensors over the buffers, never the buffers themselves: a caller may swap an
+            # output's .data (Megatron's deallocate_pipeline_outputs empties each sent stage
+            # output), which must leave the buffer the backward and later replays use alone.
             outputs = (
                 (buffers[0].detach(),) if len(buffers) == 1 else tuple(o.detach() for o in buffers)
             )
