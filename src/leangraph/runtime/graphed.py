@@ -94,8 +94,7 @@ class GraphedCallable:
         self._specs = record.signature.specs
         self._warned: set[str] = set()  # inputs already warned about, by name
         self._single_output = record.output_tree.is_leaf()
-        # An output returned several times (``return y, y``) comes back as one tensor, as in
-        # eager: its gradients add up in autograd in eager's order, not the backward graph's.
+        # ``return y, y`` comes back as one tensor, as in eager (its gradients add up in order).
         self._repeats = record.output_repeats
         # Outputs and parameters the backward graph reads (R24, R28).
         self._saved_reads = SavedReads.of(record.label, record)
@@ -119,8 +118,7 @@ class GraphedCallable:
         self._weight = WeightStep(record, self._fused) if record.split_backward else None
         # A stand-in only makes the outputs require grad: not needed when an input does.
         self._autograd_params, self._stand_in = _params_for_autograd(record, self._fused)
-        # Held for the callable's life, so that autograd adds its replays' parameter
-        # gradients on the side stream they were made under (overlap_grad_accumulation).
+        # Held for life: autograd adds replays' gradients on their side stream (overlap).
         self._side_accumulators = (
             side_stream_accumulators(record.trained_params(), _device_of(record))
             if overlap_grad_accumulation and record.delivers_param_grads()
@@ -128,12 +126,11 @@ class GraphedCallable:
         )
         self._modules = _module_watch(record)
         self._debug_outputs = debug_outputs
-        # Captured under no_grad: forward graphs only, which cannot make outputs that need
-        # a gradient (eager's would, replayed with grad mode on).
+        # Captured under no_grad: forward graphs only, never outputs that need a gradient.
         self._forward_only = captured_under_no_grad and not record.has_backward
         self._forward_generation = 0
         self._backward_generation = -1
-        # The autocast the graphs' kernels were chosen under (of the device's type).
+        # The autocast (of the device's type) the graphs' kernels were chosen under.
         self._autocast, self._device_type = autocast_at_capture, _device_of(record).type
 
     # ----------------------------------------------------------------------------- public
