@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._pytree import tree_map
 
 import leangraph
 from leangraph._call import CaptureOptions, validate_call
@@ -214,3 +215,32 @@ def assert_replays_like_eager(graphed, eager, make_input, replays=2):
         out.square().sum().backward()
         expected.square().sum().backward()
         assert torch.equal(x.grad, x_eager.grad)
+
+
+def detached_copy(value: Any) -> Any:
+    """A copy of ``value`` if it is a tensor (a graphed output is overwritten by later replays)."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def backward_keeping(outputs: Any, loss: torch.Tensor) -> Any:
+    """Copies of ``outputs``, then ``loss.backward()``: a graphed output's window ends at its
+    backward (``debug_outputs`` refuses a later read)."""
+    copies = tree_map(detached_copy, outputs)
+    loss.backward()
+    return copies
+
+
+def sgd_history(params: Sequence[torch.Tensor], run_step: Callable[[int], Sequence[Any]],
+                steps: int) -> list[list[Any]]:  # fmt: skip
+    """``steps`` calls of ``run_step``, each from its own seed (the same dropout draws for eager
+    and graphed) and followed by an SGD step; what every step returned, then the parameters."""
+    optim = torch.optim.SGD(params, lr=0.1) if params else None
+    history = []
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        history.append([detached_copy(v) for v in run_step(step)])
+        if optim is not None:
+            optim.step()
+            optim.zero_grad()
+    history.append([detached_copy(p) for p in params])
+    return history

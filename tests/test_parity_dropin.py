@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 import leangraph
+from helpers import backward_keeping, detached_copy, sgd_history
 
 MODES = ["drop-in", "ordered"]
 # share_buffers=False too, where the buffer model shows: outputs and inputs in every form.
@@ -57,18 +57,6 @@ def _capture(case: Case, mode: str, **options: Any) -> Any:
     )
 
 
-def _kept(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
-
-
-def _backward(outputs: Any, loss: torch.Tensor) -> Any:
-    """Copies of ``outputs``, then ``loss.backward()``: a graphed output's window ends at its
-    backward (``debug_outputs`` refuses a later read)."""
-    kept = tree_map(_kept, outputs)
-    loss.backward()
-    return kept
-
-
 def _run(build: Callable[[], Case], mode: str | None, steps: int, **options: Any) -> list:
     """Build the case from seed 0, graph it (``mode`` None: eager), run ``steps`` steps, each
     from its own seed, an SGD step after each; what every step returned, then the
@@ -76,15 +64,7 @@ def _run(build: Callable[[], Case], mode: str | None, steps: int, **options: Any
     torch.manual_seed(0)
     case = build()
     used = case.callables if mode is None else _capture(case, mode, **options)
-    optim = torch.optim.SGD(case.params, lr=0.1) if case.params else None
-    history = []
-    for step in range(steps):
-        torch.manual_seed(100 + step)  # the same draws (dropout) for eager and graphed
-        history.append([_kept(v) for v in case.step(used, step)])
-        if optim is not None:
-            optim.step()
-            optim.zero_grad()
-    history.append([_kept(p) for p in case.params])
+    history = sgd_history(case.params, lambda step: case.step(used, step), steps)
     if mode is not None:
         leangraph.reset_all(used)
     return history
@@ -129,7 +109,7 @@ def _function_with_weights(as_tuple: bool) -> Case:
     def step(used: Any, _: int) -> list[Any]:
         x = _leaf(3, 4)
         y = _single(used)(x, w, b)
-        y = _backward(y, y.square().sum())
+        y = backward_keeping(y, y.square().sum())
         return [y, x.grad, w.grad, b.grad]
 
     samples = (_leaf(3, 4), w, b)
@@ -156,7 +136,7 @@ def _mixed() -> Case:
     def step(used: Any, _: int) -> list[Any]:
         x = _leaf(2, 4)
         y = used[2](used[1](used[0](x)))
-        y = _backward(y, y.square().sum())
+        y = backward_keeping(y, y.square().sum())
         return [y, x.grad, *(p.grad for p in params)]
 
     samples = ((_leaf(2, 4),), (_leaf(2, 6),), (_leaf(2, 6),))
@@ -175,7 +155,7 @@ def _same_module_twice() -> Case:
     def step(used: Any, _: int) -> list[Any]:
         x = _leaf(2, 4)
         y = used[1](used[0](x))
-        y = _backward(y, y.square().sum())
+        y = backward_keeping(y, y.square().sum())
         return [y, x.grad, layer.weight.grad, layer.bias.grad]
 
     return Case((layer, layer), ((_leaf(2, 4),), (_leaf(2, 4),)), step, list(layer.parameters()))
@@ -192,14 +172,7 @@ def test_the_same_module_twice_trains_like_eager_with_an_order():
     graphed = leangraph.make_graphed_callables(
         case.callables, case.samples, order=[1, -1], num_layers_per_chunk=2
     )
-    optim = torch.optim.SGD(case.params, lr=0.1)
-    history = []
-    for step in range(3):
-        torch.manual_seed(100 + step)
-        history.append([_kept(v) for v in case.step(graphed, step)])
-        optim.step()
-        optim.zero_grad()
-    history.append([_kept(p) for p in case.params])
+    history = sgd_history(case.params, lambda step: case.step(graphed, step), 3)
     for want, got in zip(eager, history):
         assert all(_same(a, b) for a, b in zip(want, got))
     leangraph.reset_all(graphed)
@@ -224,7 +197,7 @@ def _tied() -> Case:
     def step(used: Any, _: int) -> list[Any]:
         x = _leaf(2, 4)
         y = used[1](used[0](x))
-        y = _backward(y, y.square().sum())
+        y = backward_keeping(y, y.square().sum())
         return [y, x.grad, *(p.grad for p in params)]
 
     return Case((embed, head), ((_leaf(2, 4),), (_leaf(2, 4),)), step, params)
@@ -271,7 +244,7 @@ def _many_outputs() -> Case:
         loss = out["y"].square().sum() + tanh.sum() + out["view"].pow(3).sum()
         loss = loss + (out["t"] * 3).sum() + same_x.pow(2).sum()
         others = [out[k] for k in ("y", "view", "t", "argmax", "count", "mask")]
-        kept = _backward([*others, tanh, same_x, frozen, out["t"].stride()], loss)
+        kept = backward_keeping([*others, tanh, same_x, frozen, out["t"].stride()], loss)
         return [*kept, x.grad, module.lin.weight.grad, *flags]
 
     return Case(module, (_leaf(3, 4), torch.randn(3, 4)), step, list(module.parameters()))
@@ -292,7 +265,7 @@ def _views_of_inputs() -> Case:
         outs = _single(used)(x, y)
         a, b, c, d, e = outs
         loss = a.pow(2).sum() + (b * 3).sum() + c.pow(3).sum() + d.sin().sum() + e.sum()
-        kept = _backward([*outs, a.stride(), b.stride()], loss)
+        kept = backward_keeping([*outs, a.stride(), b.stride()], loss)
         return [*kept, x.grad, y.grad]
 
     return Case(_input_views, (_leaf(3, 4), _leaf(3, 4)), step)
@@ -311,7 +284,7 @@ def _scalar_loss() -> Case:
     def step(used: Any, _: int) -> list[Any]:
         y, target = _leaf(4, 3), torch.randn(4, 3)
         loss = _single(used)(y, target)
-        loss = _backward(loss, loss)  # a 0-dim output: its implicit gradient of 1
+        loss = backward_keeping(loss, loss)  # a 0-dim output: its implicit gradient of 1
         return [loss, y.grad]
 
     return Case(_mse, (_leaf(4, 3), torch.randn(4, 3)), step)
@@ -341,7 +314,7 @@ def _inputs_without_grad() -> Case:
     def step(used: Any, _: int) -> list[Any]:
         x, scale, bias = _leaf(2, 4), torch.randn(2, 4), _leaf(4)
         y = _single(used)(x, scale, bias)
-        y = _backward(y, y.square().sum())
+        y = backward_keeping(y, y.square().sum())
         return [y, x.grad, scale.grad, bias.grad, *(p.grad for p in module.parameters())]
 
     samples = (_leaf(2, 4), torch.randn(2, 4), _leaf(4))
@@ -354,7 +327,7 @@ def _first_layer() -> Case:
 
     def step(used: Any, _: int) -> list[Any]:
         y = _single(used)(torch.randn(2, 4))
-        y = _backward(y, y.square().sum())
+        y = backward_keeping(y, y.square().sum())
         return [y, module.weight.grad, module.bias.grad]
 
     return Case(module, (torch.randn(2, 4),), step, list(module.parameters()))
@@ -374,7 +347,7 @@ def _unused_input() -> Case:
     def step(used: Any, _: int) -> list[Any]:
         x, z = _leaf(3), _leaf(3)
         y = _single(used)(x, z)
-        y = _backward(y, y.sum())
+        y = backward_keeping(y, y.sum())
         return [y, x.grad, z.grad]  # z.grad stays None, as in eager
 
     return Case(_ignores_z, (_leaf(3), _leaf(3)), step)
@@ -401,7 +374,7 @@ def _keywords() -> Case:
     def step(used: Any, _: int) -> list[Any]:
         x, mask, scale = _leaf(2, 4), torch.randn(2, 4), _leaf(4)
         y = _single(used)(x, scale=scale, mask=mask)
-        y = _backward(y, y.square().sum())
+        y = backward_keeping(y, y.square().sum())
         return [y, x.grad, scale.grad, module.lin.weight.grad]
 
     return Case(
@@ -424,7 +397,7 @@ def _transposed() -> Case:
     def step(used: Any, _: int) -> list[Any]:
         base = _leaf(4, 2)
         y = _single(used)(base.t())
-        y = _backward(y, y.square().sum())
+        y = backward_keeping(y, y.square().sum())
         return [y, base.grad, module.weight.grad]
 
     return Case(module, (_leaf(4, 2).t(),), step, list(module.parameters()))
@@ -443,7 +416,7 @@ def _small_tensors() -> Case:
         x, s = _leaf(3, 4), torch.tensor(step + 0.5, requires_grad=True)
         flag, index = torch.rand(3, 4) > 0.5, torch.randint(0, 3, (2,))
         a, b = _single(used)(x, s, flag, index)
-        a, b = _backward((a, b), a.square().sum() + b)
+        a, b = backward_keeping((a, b), a.square().sum() + b)
         return [a, b, x.grad, s.grad]
 
     samples = (_leaf(3, 4), torch.tensor(2.0, requires_grad=True), torch.rand(3, 4) > 0.5,
@@ -457,7 +430,7 @@ def _embedding() -> Case:
 
     def step(used: Any, _: int) -> list[Any]:
         y = _single(used)(torch.randint(0, 10, (2, 3)))
-        y = _backward(y, y.square().sum())
+        y = backward_keeping(y, y.square().sum())
         return [y, *(p.grad for p in module.parameters())]
 
     return Case(module, (torch.randint(0, 10, (2, 3)),), step, list(module.parameters()))
@@ -469,7 +442,7 @@ def _empty_batch() -> Case:
     def step(used: Any, _: int) -> list[Any]:
         x = _leaf(0, 4)
         y = _single(used)(x)
-        y = _backward(y, y.sum())
+        y = backward_keeping(y, y.sum())
         return [y, x.grad, module.weight.grad]
 
     return Case(module, (_leaf(0, 4),), step, list(module.parameters()))
@@ -484,7 +457,7 @@ def _channels_last() -> Case:
     def step(used: Any, _: int) -> list[Any]:
         x = sample()
         y = _single(used)(x)
-        y, stride = _backward((y, y.stride()), y.square().sum())
+        y, stride = backward_keeping((y, y.stride()), y.square().sum())
         return [y, stride, x.grad, module[1].running_var, *(p.grad for p in module.parameters())]
 
     return Case(module, (sample(),), step, list(module.parameters()))
@@ -497,7 +470,7 @@ def _in_dtype(dtype: torch.dtype) -> Callable[[], Case]:
         def step(used: Any, _: int) -> list[Any]:
             x = _leaf(2, 4, dtype=dtype)
             y = _single(used)(x)
-            y = _backward(y, y.square().sum())
+            y = backward_keeping(y, y.square().sum())
             return [y, x.grad, *(p.grad for p in module.parameters())]
 
         return Case(module, (_leaf(2, 4, dtype=dtype),), step, list(module.parameters()))
@@ -513,7 +486,7 @@ def _complex() -> Case:
     def step(used: Any, _: int) -> list[Any]:
         z = _leaf(3, 4, dtype=torch.cfloat)
         a, b = _single(used)(z)
-        a, b = _backward((a, b), a.sum() + b.sum())
+        a, b = backward_keeping((a, b), a.sum() + b.sum())
         return [a, b, z.grad]
 
     return Case(_complex_fn, (_leaf(3, 4, dtype=torch.cfloat),), step)
@@ -551,7 +524,7 @@ def _norm_stack(train: bool = True, p: float = 0.0) -> Callable[[], Case]:
         def step(used: Any, _: int) -> list[Any]:
             x = _leaf(8, 4)
             y = _single(used)(x)
-            y = _backward(y, y.square().sum())
+            y = backward_keeping(y, y.square().sum())
             stats = [norm.running_mean, norm.running_var, norm.num_batches_tracked]
             return [y, x.grad, *stats, *(p.grad for p in module.parameters()), torch.rand(1)]
 
@@ -589,7 +562,7 @@ def _random_function() -> Case:
     def step(used: Any, _: int) -> list[Any]:
         x = _leaf(4, 8)
         y = _single(used)(x)
-        y = _backward(y, y.square().sum())
+        y = backward_keeping(y, y.square().sum())
         return [y, x.grad, torch.rand(1)]
 
     return Case(_noisy, (_leaf(4, 8),), step)
@@ -613,7 +586,7 @@ def _frozen(everything: bool) -> Callable[[], Case]:
             x = torch.randn(2, 4, requires_grad=not everything)
             y = _single(used)(x)
             flag = y.requires_grad
-            y = _backward(y, y.square().sum()) if flag else _kept(y)
+            y = backward_keeping(y, y.square().sum()) if flag else detached_copy(y)
             return [y, flag, x.grad, *(p.grad for p in module.parameters())]
 
         sample = torch.randn(2, 4, requires_grad=not everything)
@@ -647,7 +620,7 @@ def _counter() -> Case:
     def step(used: Any, _: int) -> list[Any]:
         x = _leaf(2, 4)
         y = _single(used)(x)
-        y = _backward(y, y.square().sum())
+        y = backward_keeping(y, y.square().sum())
         return [y, x.grad, module.count, module.lin.weight.grad]
 
     return Case(module, (_leaf(2, 4),), step, list(module.parameters()))
@@ -674,15 +647,15 @@ def _calls_without_grad(context: Callable[[], Any]) -> Callable[[], Case]:
             graphed = _single(used)
             x = _leaf(8, 4)
             y = graphed(x)
-            kept = [_backward(y, y.square().sum()), x.grad]
+            kept = [backward_keeping(y, y.square().sum()), x.grad]
             with context():
                 for plain in (torch.randn(8, 4), torch.randn(8, 4, requires_grad=True)):
                     out = graphed(plain)
-                    kept += [_kept(out), out.requires_grad]
+                    kept += [detached_copy(out), out.requires_grad]
             kept += [norm.running_mean.clone(), norm.num_batches_tracked.clone()]
             x = _leaf(8, 4)
             y = graphed(x)  # training goes on
-            y = _backward(y, y.square().sum())
+            y = backward_keeping(y, y.square().sum())
             return [*kept, y, x.grad, *(p.grad for p in module.parameters())]
 
         return Case(module, (_leaf(8, 4),), step, list(module.parameters()))
@@ -708,11 +681,11 @@ def _eval_after_capture(captured_in_train: bool) -> Callable[[], Case]:
         def step(used: Any, _: int) -> list[Any]:
             x = _leaf(8, 4)
             y = used(x)
-            kept = [_backward(y, y.square().sum()), x.grad]
+            kept = [backward_keeping(y, y.square().sum()), x.grad]
             module.train(not captured_in_train)
             other = _leaf(8, 4)
             out = used(other)
-            out = _backward(out, out.square().sum())
+            out = backward_keeping(out, out.square().sum())
             kept += [out, other.grad, used(torch.randn(3, 4))]  # eager takes any shape
             module.train(captured_in_train)
             return [*kept, module[1].running_mean, *(p.grad for p in module.parameters())]
@@ -740,7 +713,7 @@ def _hooks_after_capture() -> Case:
             module.register_full_backward_hook(lambda mod, gin, gout: (gin[0] * 3,))
         x = _leaf(2, 4)
         y = used(x)
-        y = _backward(y, y.square().sum())
+        y = backward_keeping(y, y.square().sum())
         return [y, x.grad, module.weight.grad]
 
     return Case(module, (_leaf(2, 4),), step, list(module.parameters()))
@@ -761,7 +734,7 @@ def _grad_of_inputs() -> Case:
     def step(used: Any, _: int) -> list[Any]:
         x = _leaf(2, 4)
         y = _single(used)(x)
-        kept = _kept(y)
+        kept = detached_copy(y)
         gx, gw = torch.autograd.grad(y.square().sum(), (x, module.weight))
         return [kept, gx, gw, x.grad, module.weight.grad]
 
@@ -775,7 +748,7 @@ def _accumulating() -> Case:
     def step(used: Any, _: int) -> list[Any]:
         x = _leaf(2, 4)
         y = _single(used)(x)
-        y = _backward(y, y.square().sum())
+        y = backward_keeping(y, y.square().sum())
         return [y, x.grad, *(p.grad for p in module.parameters())]
 
     return Case(module, (_leaf(2, 4),), step)

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import leangraph
+from helpers import backward_keeping, sgd_history
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = [
@@ -56,10 +57,6 @@ def _options(case: Case, mode: str) -> dict[str, Any]:
     return {}
 
 
-def _kept(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
-
-
 def _history(build: Callable[[str], Case], device: str, mode: str | None, steps: int = 3,
              **options: Any) -> list[list[Any]]:  # fmt: skip
     """``build``'s case from seed 0, graphed in ``mode`` (None: eager), ``steps`` steps each
@@ -77,15 +74,7 @@ def _history(build: Callable[[str], Case], device: str, mode: str | None, steps:
             used = leangraph.make_graphed_callables(used, samples, **options)
         if mode == "ordered" and not isinstance(case.callables, tuple):
             used = used[0]
-    optim = torch.optim.SGD(case.params, lr=0.1) if case.params else None
-    history = []
-    for step in range(steps):
-        torch.manual_seed(100 + step)  # the same draws (dropout) for eager and graphed
-        history.append([_kept(v) for v in case.step(used)])
-        if optim is not None:
-            optim.step()
-            optim.zero_grad()
-    history.append([_kept(p) for p in case.params])
+    history = sgd_history(case.params, lambda _: case.step(used), steps)
     if mode is not None:
         leangraph.reset_all(used)
     return history
@@ -114,13 +103,6 @@ def _leaf(*shape: int, device: str = "cpu") -> torch.Tensor:
     return torch.randn(*shape, device=device, requires_grad=True)
 
 
-def _backward(outputs: Any, loss: torch.Tensor) -> Any:
-    """Copies of ``outputs``, then ``loss.backward()`` (an output's window ends there)."""
-    kept = pytree.tree_map(_kept, outputs)
-    loss.backward()
-    return kept
-
-
 # ----------------------------------------------------------- an output returned more than once
 
 
@@ -147,7 +129,7 @@ def _returned_twice(device: str) -> Case:
         # Every use adds its gradient into y's: eager adds them in the order autograd runs
         # the uses' backwards, which the graphed callable must keep to be bitwise eager's.
         loss = y.square().sum() + (t * same).sum() + rest["again"].sin().sum()
-        kept = _backward([y, t], loss)
+        kept = backward_keeping([y, t], loss)
         return [*kept, *identity, x.grad, *(p.grad for p in module.parameters())]
 
     return Case(module, (_leaf(3, 4, device=device),), step, list(module.parameters()))
@@ -206,7 +188,7 @@ def _output_containers(device: str) -> Case:
         loss = pair.first.square().sum() + pair.second[0].sum() * 3 + ordered["late"].sum()
         loss = loss + ordered["early"].mean() + total * 2 + deep["deep"][0].pow(3).sum()
         loss = loss + deep["deep"][1][0].cos().sum()
-        kept = _backward(pytree.tree_leaves(out), loss * 0.01)  # SGD steps that stay small
+        kept = backward_keeping(pytree.tree_leaves(out), loss * 0.01)  # SGD steps that stay small
         return [structure, list(ordered), *kept, x.grad, w.grad]
 
     return Case(_containers, (_leaf(3, 4, device=device), w), step, [w])
@@ -235,7 +217,7 @@ def _one_function_twice(device: str) -> Case:
     def step(used: Any) -> list[Any]:
         x = _leaf(3, 4, device=device)
         y = used[1](used[0](x, w1).repeat(2, 1), w2)
-        y = _backward(y, y.square().sum())
+        y = backward_keeping(y, y.square().sum())
         return [y, x.grad, w1.grad, w2.grad]
 
     samples = ((_leaf(3, 4, device=device), w1), (_leaf(6, 4, device=device), w2))
@@ -254,7 +236,7 @@ def _same_tensor_twice(device: str) -> Case:
     def step(used: Any) -> list[Any]:
         x = _leaf(4, 4, device=device)
         y = used(x, x @ w)
-        y = _backward(y, y.square().sum())
+        y = backward_keeping(y, y.square().sum())
         return [y, x.grad, w.grad]
 
     x = _leaf(4, 4, device=device)
@@ -304,7 +286,7 @@ def _sectioned(device: str) -> Case:
         with _autocast(device):
             y = used[1](used[0]({"x": torch.randn(6, 8, device=device)}))
             loss = used[3](used[2](y), torch.randn(6, 4, device=device))
-        kept = _backward(loss, loss)
+        kept = backward_keeping(loss, loss)
         stats = [t for n in norms for t in (n.running_mean, n.running_var, n.num_batches_tracked)]
         return [kept, *stats, *(p.grad for p in params), torch.rand(1, device=device)]
 
