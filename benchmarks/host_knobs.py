@@ -3,8 +3,8 @@ autograd's device threads, for torch's and leangraph's graphs and the whole-step
 
 The launch-bound workload (rank 0 of PP4/VP2, 2 chunks x 4 blocks, hidden 256, sequence 128, 8
 microbatches) is graphed by each method once; then, in 5 rounds whose knob order rotates, each
-method steps under each knob: 30 synchronised steps after 3 untimed ones (median ms), and the
-median host ms to enqueue one step (its losses left unread). Knobs:
+method steps under each knob: ``step_anatomy.timed``'s 30 synchronised steps after 3 untimed
+ones (median ms) and the median host ms to enqueue one (its losses left unread). Knobs:
 
 - ``default``: as the bench runs;
 - ``no-gc``: ``gc.disable()`` around the steps (Megatron-LM's ``--manual-gc`` does the like);
@@ -21,10 +21,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import statistics
-import time
 from collections.abc import Callable, Iterator
 
 import torch
+from step_anatomy import timed, unread
 
 from leangraph.cli.bench import FUSED_NO_HOOKS, LAUNCH_BOUND, BenchWorkload, graph_methods
 
@@ -46,25 +46,6 @@ def knob(name: str) -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-def timed(step: Callable[[], object], unread: Callable[[], object]) -> tuple[float, float]:
-    """Median synchronised ms of ``step`` and median host ms to enqueue ``unread``."""
-    for _ in range(3):
-        step()
-    times, enqueued = [], []
-    for _ in range(30):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    for _ in range(30):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        unread()
-        enqueued.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e3, statistics.median(enqueued) * 1e3
 
 
 def collections_per_step(step: Callable[[], object], steps: int = 30) -> list[float]:
@@ -90,10 +71,7 @@ def main() -> None:
 
     def unread_of(name: str) -> Callable[[], object]:
         captured = graphed[name]
-        if captured.lookup is None:
-            return captured.step
-        lookup = captured.lookup
-        return lambda: work.train_step(lookup, captured.blocks)
+        return captured.step if captured.lookup is None else unread(work, captured)
 
     knobs = ("default", "no-gc", "one-thread", "both")
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
@@ -102,8 +80,8 @@ def main() -> None:
         for knob_name in order:
             for name in METHODS:
                 with knob(knob_name):
-                    figures = timed(graphed[name].step, unread_of(name))
-                results.setdefault((name, knob_name), []).append(figures)
+                    median, enqueue, _ = timed(unread_of(name))
+                results.setdefault((name, knob_name), []).append((median, enqueue))
     print(f"{'method':<24} {'knob':<11} step ms median [min-max] of 5 rounds   enqueue ms")
     for (name, knob_name), rows in results.items():
         steps = [r[0] for r in rows]
