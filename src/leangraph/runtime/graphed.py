@@ -309,26 +309,12 @@ class GraphedCallable:
             raise GraphResetError(f"{self._label}: cannot {what}: this graphed callable was reset")
         return record
 
-    def _check_no_pending_backward(self, record: GraphRecord) -> None:
-        """Refuse a forward replay that would overwrite activations a backward still needs."""
-        if self._weight is not None:
-            self._weight.check_not_due()
-        if record.retain_graph or self._backward_generation == self._forward_generation:
-            return
-        if self._pending.awaits(self._index):
-            raise RuntimeError(
-                f"{self._label}: forward replayed while the outputs of its previous replay "
-                f"({self._forward_generation}) still await their backward; the new replay "
-                "would overwrite the activations that backward needs. Run the backward first "
-                "or drop those outputs and everything computed from them"
-            )
-
     def _replay_forward(
         self, inputs: Sequence[torch.Tensor], token: BackwardToken
     ) -> tuple[torch.Tensor, ...]:
         with self._lock:
             record = self._require_ready("replay its forward graph")
-            self._check_no_pending_backward(record)
+            _check_no_pending_backward(self, record)
             copies = _inputs_to_copy(self._label, record, inputs)
             # Checked before anything is copied: static inputs may be shared with other graphs.
             self._sequence.expect(self._index, StepKind.FORWARD, may_repeat=record.retain_graph)
@@ -403,6 +389,21 @@ _NOT_COPIED = (
     "belong to one capture); copy the module before graphing it, and save a model holding "
     "graphed modules (torch.save) by its state_dict()"
 )
+
+
+def _check_no_pending_backward(owner: GraphedCallable, record: GraphRecord) -> None:
+    """Refuse a forward replay that would overwrite activations a backward still needs."""
+    if owner._weight is not None:
+        owner._weight.check_not_due()
+    if record.retain_graph or owner._backward_generation == owner._forward_generation:
+        return
+    if owner._pending.awaits(owner._index):
+        raise RuntimeError(
+            f"{owner._label}: forward replayed while the outputs of its previous replay "
+            f"({owner._forward_generation}) still await their backward; the new replay "
+            "would overwrite the activations that backward needs. Run the backward first "
+            "or drop those outputs and everything computed from them"
+        )
 
 
 def _call_accumulator_hooks(owner: GraphedCallable, unreached: frozenset[int]) -> None:
