@@ -15,7 +15,6 @@ import operator
 import sys
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from ..build.accumulation import (
     AccumulationTarget,
@@ -28,6 +27,7 @@ from ..build.accumulation import (
     post_accumulate_hook_refusal,
     post_accumulate_hooks,
 )
+from .ddp import active_torch_ddp
 
 __all__ = ["InGraphAccumulation"]
 
@@ -85,7 +85,7 @@ class InGraphAccumulation:
         Raises:
             RuntimeError: naming the callable.
         """
-        if self._ddp_refusal is not None and _active_torch_ddp() is not None:
+        if self._ddp_refusal is not None and active_torch_ddp() is not None:
             raise RuntimeError(self._ddp_refusal)
 
     def check_targets(self) -> bool:
@@ -299,11 +299,6 @@ _DDP_NO_HOOKS = (
     "reduced, and the ranks would silently diverge. Capture with accumulator_hooks=True under "
     "DDP"
 )
-
-
-def _active_torch_ddp() -> object:
-    """The torch DDP module whose forward is running, or None (torch sets it for dynamo)."""
-    return getattr(DistributedDataParallel, "_active_ddp_module", None)
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")

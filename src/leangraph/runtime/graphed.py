@@ -28,6 +28,7 @@ from ..errors import GraphResetError
 from ..order import GraphId, StepKind
 from ..result import GraphedSet
 from .accumulation import InGraphAccumulation
+from .ddp import refuse_unreached_in_ddp, strict_ddp
 from .grads import GradRouting, trained_elsewhere_in_pass
 from .guard import OutputGuard
 from .modules import ModuleWatch
@@ -309,26 +310,12 @@ class GraphedCallable:
             raise GraphResetError(f"{self._label}: cannot {what}: this graphed callable was reset")
         return record
 
-    def _check_no_pending_backward(self, record: GraphRecord) -> None:
-        """Refuse a forward replay that would overwrite activations a backward still needs."""
-        if self._weight is not None:
-            self._weight.check_not_due()
-        if record.retain_graph or self._backward_generation == self._forward_generation:
-            return
-        if self._pending.awaits(self._index):
-            raise RuntimeError(
-                f"{self._label}: forward replayed while the outputs of its previous replay "
-                f"({self._forward_generation}) still await their backward; the new replay "
-                "would overwrite the activations that backward needs. Run the backward first "
-                "or drop those outputs and everything computed from them"
-            )
-
     def _replay_forward(
         self, inputs: Sequence[torch.Tensor], token: BackwardToken
     ) -> tuple[torch.Tensor, ...]:
         with self._lock:
             record = self._require_ready("replay its forward graph")
-            self._check_no_pending_backward(record)
+            _check_no_pending_backward(self, record)
             copies = _inputs_to_copy(self._label, record, inputs)
             # Checked before anything is copied: static inputs may be shared with other graphs.
             self._sequence.expect(self._index, StepKind.FORWARD, may_repeat=record.retain_graph)
@@ -355,10 +342,11 @@ class GraphedCallable:
             return outputs
 
     def _replay_backward(
-        self, grads: Sequence[torch.Tensor], generation: int
+        self, grads: Sequence[torch.Tensor], generation: int, ddp: weakref.ref[Any] | None = None
     ) -> tuple[tuple[torch.Tensor | None, ...], frozenset[int]]:
         """The gradients to hand autograd, and the ids of the trained parameters no output
-        with a gradient reached (whose hooks ``_call_accumulator_hooks`` leaves out)."""
+        with a gradient reached (whose hooks ``_call_accumulator_hooks`` leaves out); ``ddp``:
+        the torch DDP the forward replay ran inside (``strict_ddp``), if any (R29)."""
         with self._lock:
             record = self._require_ready("run a backward")
             _refuse_stale_backward(
@@ -373,11 +361,13 @@ class GraphedCallable:
                 attach = fused.check_targets()
             if self._saved_reads is not None:
                 self._saved_reads.check()
-            self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
-            _fill_seeds(record.static_grad_outputs, grads)
             lacking = self._outputs_may_lack_grads and any(map(operator.is_, grads, _NONES))
             reached = record.reached_by([g is not None for g in grads]) if lacking else None
             unreached = _NOTHING if reached is None else _unreached_params(record, reached)
+            if unreached and ddp is not None:
+                refuse_unreached_in_ddp(self._label, record, unreached, self._pending, ddp)
+            self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
+            _fill_seeds(record.static_grad_outputs, grads)
             if attach:
                 assert fused is not None
                 fused.before_replay(unreached)
@@ -403,6 +393,21 @@ _NOT_COPIED = (
     "belong to one capture); copy the module before graphing it, and save a model holding "
     "graphed modules (torch.save) by its state_dict()"
 )
+
+
+def _check_no_pending_backward(owner: GraphedCallable, record: GraphRecord) -> None:
+    """Refuse a forward replay that would overwrite activations a backward still needs."""
+    if owner._weight is not None:
+        owner._weight.check_not_due()
+    if record.retain_graph or owner._backward_generation == owner._forward_generation:
+        return
+    if owner._pending.awaits(owner._index):
+        raise RuntimeError(
+            f"{owner._label}: forward replayed while the outputs of its previous replay "
+            f"({owner._forward_generation}) still await their backward; the new replay "
+            "would overwrite the activations that backward needs. Run the backward first "
+            "or drop those outputs and everything computed from them"
+        )
 
 
 def _call_accumulator_hooks(owner: GraphedCallable, unreached: frozenset[int]) -> None:
@@ -683,6 +688,8 @@ class _Replay(torch.autograd.Function):
             ctx.mark_non_differentiable(*(outputs[i] for i in owner._frozen_outputs))
         if owner._outputs_may_lack_grads:
             ctx.set_materialize_grads(False)
+            # A backward may leave parameters without a gradient: which DDP expects one (R29).
+            ctx.ddp = strict_ddp()
         return outputs
 
     @staticmethod
@@ -694,7 +701,8 @@ class _Replay(torch.autograd.Function):
 
 def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     owner: GraphedCallable = ctx.owner
-    grad_inputs, unreached = owner._replay_backward(grads, ctx.generation)
+    ddp = ctx.ddp if owner._outputs_may_lack_grads else None
+    grad_inputs, unreached = owner._replay_backward(grads, ctx.generation, ddp)
     if unreached:
         _skip_unreached_hooks(owner, unreached)
     _call_accumulator_hooks(owner, unreached)
@@ -716,8 +724,9 @@ def _backward_once(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None,
     torch's ``once_differentiable`` would raise without the name). The usual backward, with
     grad mode off, goes around this."""
     owner: GraphedCallable = ctx.owner
+    ddp = ctx.ddp if owner._outputs_may_lack_grads else None
     with torch.no_grad():
-        grad_inputs, unreached = owner._replay_backward(grads, ctx.generation)
+        grad_inputs, unreached = owner._replay_backward(grads, ctx.generation, ddp)
     if unreached:
         _skip_unreached_hooks(owner, unreached)
     _call_accumulator_hooks(owner, unreached)  # in the pass's grad mode, as autograd runs them

@@ -12,8 +12,9 @@ so the replay has those accumulators pass over the hooks registered from Python 
 (:func:`skip_hooks_in_this_pass`): each hook is swapped for a stand-in that, called in this
 backward pass, puts the hook back and does nothing; called in another (the pass failed before
 the accumulator ran) it puts it back and calls it. Hooks registered from C++ (torch DDP's
-reducer) cannot be reached and still fire; eager DDP expects every parameter it holds to
-become ready at every step anyway.
+reducer) cannot be reached and still fire: with ``find_unused_parameters=False``, where eager
+DDP raises at the next forward, the backward replay refuses first (:mod:`.ddp`, R29); with
+``True`` the reducer takes an accumulator run while ``.grad`` is None as no gradient, as eager's.
 """
 
 from __future__ import annotations
