@@ -596,16 +596,6 @@ def test_cuda_graphed_sets_per_sequence_length_share_one_pool():
     train_per_length((16, 8), device="cuda", pool=torch.cuda.graph_pool_handle())
 
 
-@pytest.fixture
-def nccl_world_of_one(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1, device_id=torch.device("cuda", 0))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @CUDA
 def test_cuda_nccl_collectives_inside_a_graphed_layer_replay_like_eager(nccl_world_of_one):
     report = _tp_case(0, 1, device="cuda")

@@ -57,19 +57,20 @@ class Model(nn.Module):
 UsesAux = Callable[[int, int], bool]  # (step, microbatch) -> whether the loss takes head(y)
 
 
-def _models(mode: str) -> tuple[Model, Model]:
+def _models(mode: str, device: str = "cpu") -> tuple[Model, Model]:
     """The eager model and a copy whose layer is graphed (drop-in), in ``mode``."""
     torch.manual_seed(0)
-    eager = Model()
+    eager = Model().to(device)
     graphed = copy.deepcopy(eager)
     leangraph.make_graphed_callables(
-        graphed.layer, (torch.randn(4, 8, requires_grad=True),), **MODES[mode]
+        graphed.layer, (torch.randn(4, 8, device=device, requires_grad=True),), **MODES[mode]
     )
     return eager, graphed
 
 
 def _train(model: Model, rank: int, uses_aux: UsesAux, *, find_unused: bool = False,
-           microbatches: int = 1, ignored: tuple[str, ...] = ()) -> dict[str, Any]:
+           microbatches: int = 1, ignored: tuple[str, ...] = (),
+           device: str = "cpu") -> dict[str, Any]:
     """``STEPS`` SGD steps of ``model`` under DDP, ``microbatches`` a step (all but the last
     under ``no_sync()``), each rank on its own data. The gradients after each step's last
     backward and the parameters after each step; or where it raised (``"raised"``: forward
@@ -85,7 +86,7 @@ def _train(model: Model, rank: int, uses_aux: UsesAux, *, find_unused: bool = Fa
         for micro in range(microbatches):
             sync = ddp.no_sync() if micro < microbatches - 1 else contextlib.nullcontext()
             with sync:
-                x = torch.randn(4, 8, generator=gen)
+                x = torch.randn(4, 8, generator=gen).to(device)
                 try:
                     y, aux = ddp(x)
                 except RuntimeError as exc:
@@ -119,7 +120,7 @@ def _mismatches(eager: dict[str, Any], graphed: dict[str, Any]) -> list[str]:
 def _compare(mode: str, rank: int, uses_aux: UsesAux, **options: Any) -> dict[str, Any]:
     """Eager and graphed trained alike: their mismatches, and the sums of the graphed model's
     first gradients (the all-reduce makes them one across ranks)."""
-    eager_model, graphed_model = _models(mode)
+    eager_model, graphed_model = _models(mode, options.get("device", "cpu"))
     eager = _train(eager_model, rank, uses_aux, **options)
     graphed = _train(graphed_model, rank, uses_aux, **options)
     leangraph.reset_all(graphed_model.layer)
@@ -128,11 +129,11 @@ def _compare(mode: str, rank: int, uses_aux: UsesAux, **options: Any) -> dict[st
             "grad_sums": [None if g is None else float(g.sum()) for g in first]}
 
 
-def _left_out(mode: str, rank: int) -> dict[str, Any]:
+def _left_out(mode: str, rank: int, device: str = "cpu") -> dict[str, Any]:
     """``find_unused_parameters=False``, a loss on ``y`` alone: where each raises, and what."""
-    eager_model, graphed_model = _models(mode)
-    eager = _train(eager_model, rank, lambda step, micro: False)
-    graphed = _train(graphed_model, rank, lambda step, micro: False)
+    eager_model, graphed_model = _models(mode, device)
+    eager = _train(eager_model, rank, lambda step, micro: False, device=device)
+    graphed = _train(graphed_model, rank, lambda step, micro: False, device=device)
     leangraph.reset_all(graphed_model.layer)
     return {"eager": {"raised": eager["raised"], "error": eager.get("error")},
             "graphed": {"raised": graphed["raised"], "error": graphed.get("error"),
@@ -156,6 +157,28 @@ def _cases(rank: int) -> dict[str, Any]:
     return report
 
 
+def _check_refused(found: dict[str, Any], where: str) -> None:
+    """``_left_out``'s report: eager DDP raised at the next forward, the replay at the first
+    backward, naming the head's parameters, whose gradients stay None."""
+    # Eager DDP raises at the next forward: the head's parameters got no gradient.
+    assert found["eager"]["raised"] == ["forward", 1], f"{where}: {found}"
+    assert "Expected to have finished reduction in the prior iteration" in (
+        found["eager"]["error"]), f"{where}: {found}"
+    # The replay refuses at the first backward, before DDP could reduce anything.
+    assert found["graphed"]["raised"] == ["backward", 0], f"{where}: {found}"
+    assert found["graphed"]["error"] == (
+        "callable 0 (TwoOutputs) parameters 'head.weight', 'head.bias' get no gradient in "
+        "this backward (no output that got a gradient reaches them: the loss leaves an "
+        "output out), but the forward replay ran inside torch's DistributedDataParallel "
+        "with find_unused_parameters=False, which expects every parameter it manages to get "
+        "one. Eager DDP raises at the next forward (parameters that did not receive grad); "
+        "here autograd would still run their accumulators (the replay's node has an edge "
+        "to every parameter) and DDP would silently all-reduce zeros for them. Use every "
+        "output in the loss, or construct DDP with find_unused_parameters=True, as eager "
+        "DDP requires"), f"{where}: {found}"
+    assert found["graphed"]["head_grads_none"] == [True, True], f"{where}: {found}"
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return two_gloo_ranks(__file__, tmp_path_factory.mktemp("runtime_ddp"), timeout=300)
@@ -175,24 +198,7 @@ def test_r29_an_output_left_out_of_the_loss_is_refused_inside_ddp_as_eager_ddp_r
     two_ranks, mode
 ):
     for rank, report in enumerate(two_ranks):
-        found = report[mode]["left_out"]
-        # Eager DDP raises at the next forward: the head's parameters got no gradient.
-        assert found["eager"]["raised"] == ["forward", 1], f"rank {rank}: {found}"
-        assert "Expected to have finished reduction in the prior iteration" in (
-            found["eager"]["error"]), f"rank {rank}: {found}"
-        # The replay refuses at the first backward, before DDP could reduce anything.
-        assert found["graphed"]["raised"] == ["backward", 0], f"rank {rank}: {found}"
-        assert found["graphed"]["error"] == (
-            "callable 0 (TwoOutputs) parameters 'head.weight', 'head.bias' get no gradient in "
-            "this backward (no output that got a gradient reaches them: the loss leaves an "
-            "output out), but the forward replay ran inside torch's DistributedDataParallel "
-            "with find_unused_parameters=False, which expects every parameter it manages to get "
-            "one. Eager DDP raises at the next forward (parameters that did not receive grad); "
-            "here autograd would still run their accumulators (the replay's node has an edge "
-            "to every parameter) and DDP would silently all-reduce zeros for them. Use every "
-            "output in the loss, or construct DDP with find_unused_parameters=True, as eager "
-            "DDP requires"), f"rank {rank}: {found}"
-        assert found["graphed"]["head_grads_none"] == [True, True], f"rank {rank}: {found}"
+        _check_refused(report[mode]["left_out"], f"rank {rank}")
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -214,6 +220,20 @@ def test_r29_an_output_left_out_under_no_sync_or_for_ignored_parameters_is_accep
     for rank, report in enumerate(two_ranks):
         assert report[mode]["no_sync"]["mismatches"] == [], f"rank {rank}: {report[mode]}"
         assert report[mode]["ignored"]["mismatches"] == [], f"rank {rank}: {report[mode]}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", list(MODES))
+def test_cuda_r29_over_nccl_refused_as_eager_ddp_raises_and_trains_like_eager_otherwise(
+    nccl_world_of_one, mode
+):
+    """The same on CUDA, in an NCCL world of one: the refusal where eager DDP raises, and
+    bitwise eager's training with every output in the loss or find_unused_parameters=True."""
+    _check_refused(_left_out(mode, 0, device="cuda"), "cuda")
+    always: UsesAux = lambda step, micro: True  # noqa: E731
+    sometimes: UsesAux = lambda step, micro: step != 1  # noqa: E731
+    assert _compare(mode, 0, always, device="cuda")["mismatches"] == []
+    assert _compare(mode, 0, sometimes, find_unused=True, device="cuda")["mismatches"] == []
 
 
 if __name__ == "__main__":
