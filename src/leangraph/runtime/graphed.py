@@ -686,6 +686,7 @@ class _Replay(torch.autograd.Function):
         token.node = weakref.ref(ctx)
         if owner._frozen_outputs:
             ctx.mark_non_differentiable(*(outputs[i] for i in owner._frozen_outputs))
+        ctx.ddp = None
         if owner._outputs_may_lack_grads:
             ctx.set_materialize_grads(False)
             # A backward may leave parameters without a gradient: which DDP expects one (R29).
@@ -701,8 +702,7 @@ class _Replay(torch.autograd.Function):
 
 def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     owner: GraphedCallable = ctx.owner
-    ddp = ctx.ddp if owner._outputs_may_lack_grads else None
-    grad_inputs, unreached = owner._replay_backward(grads, ctx.generation, ddp)
+    grad_inputs, unreached = owner._replay_backward(grads, ctx.generation, ctx.ddp)
     if unreached:
         _skip_unreached_hooks(owner, unreached)
     _call_accumulator_hooks(owner, unreached)
@@ -724,9 +724,8 @@ def _backward_once(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None,
     torch's ``once_differentiable`` would raise without the name). The usual backward, with
     grad mode off, goes around this."""
     owner: GraphedCallable = ctx.owner
-    ddp = ctx.ddp if owner._outputs_may_lack_grads else None
     with torch.no_grad():
-        grad_inputs, unreached = owner._replay_backward(grads, ctx.generation, ddp)
+        grad_inputs, unreached = owner._replay_backward(grads, ctx.generation, ctx.ddp)
     if unreached:
         _skip_unreached_hooks(owner, unreached)
     _call_accumulator_hooks(owner, unreached)  # in the pass's grad mode, as autograd runs them
