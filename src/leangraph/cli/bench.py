@@ -58,12 +58,12 @@ from leangraph import (
     plot_memory,
     reset_all,
 )
-from leangraph.order import Layout, StepKind, parse_order
+from leangraph.order import Layout, StepKind
 from leangraph.progress import ProgressCallback
 from leangraph.report import MemoryReport, TimelinePoint
 from leangraph.schedules import interleaved_1f1b
 
-from .local_pipeline import LayerLookup, run_order
+from .local_pipeline import LayerLookup, order_steps, run_steps
 from .phases import PhaseProgress
 from .workloads import (
     BlockShape,
@@ -426,6 +426,8 @@ class BenchWorkload:
         )
         self.layers_per_chunk = [config.layers_per_chunk] * config.vp_size
         self.layout = Layout(tuple(self.layers_per_chunk), config.num_microbatches)
+        # Parsed once, as a training loop parses its schedule: not a cost of any method's step.
+        self.steps = order_steps(self.order, self.layers_per_chunk, config.num_microbatches)
         made = make_blocks(self.layout.num_callables, config.shape, config.device)
         self.blocks: list[torch.nn.Module] = (
             [block.to("cpu") for block in made] if config.initial_on_host else list(made)
@@ -459,8 +461,13 @@ class BenchWorkload:
         targets = self.targets if targets is None else targets
         for block in blocks:
             block.zero_grad(set_to_none=True)
-        result = run_order(
-            self.order,
+        steps = (
+            self.steps
+            if len(inputs) == self.config.num_microbatches
+            else order_steps(self.order, self.layers_per_chunk, len(inputs))
+        )
+        result = run_steps(
+            steps,
             self.layers_per_chunk,
             lookup,
             inputs,
@@ -497,7 +504,19 @@ class BenchWorkload:
 
     def eager_lookup(self, blocks: list[torch.nn.Module]) -> LayerLookup:
         """What to run per (chunk, microbatch, layer) eagerly: the layer's block itself."""
-        return lambda c, m, l: blocks[self.layout.callable_index(c, l)]
+        return self.tabled(lambda c, m, l: blocks[self.layout.callable_index(c, l)])
+
+    def tabled(self, pick: Callable[[int, int, int], Any]) -> LayerLookup:
+        """``pick`` as a lookup that reads a table of its results for every graph of the
+        layout: one dict read per layer call, whichever method it is (a layout's validated
+        index arithmetic would cost some methods more host time per step than others)."""
+        table = {
+            (c, m, l): pick(c, m, l)
+            for c, layers in enumerate(self.layers_per_chunk, start=1)
+            for m in range(self.config.num_microbatches)
+            for l in range(layers)
+        }
+        return lambda c, m, l: table[(c, m, l)]
 
 
 class GradReadyHooks:
@@ -567,14 +586,8 @@ class Captured:
 
 def _forward_positions(work: BenchWorkload) -> dict[tuple[int, int, int], int]:
     """(chunk, microbatch, layer) -> position in the schedule's forward order."""
-    _, steps = parse_order(
-        work.order,
-        num_callables=work.layout.num_callables,
-        num_samples=work.layout.num_graphs,
-        num_layers_per_chunk=work.layers_per_chunk,
-    )
     positions: dict[tuple[int, int, int], int] = {}
-    for step in steps:
+    for step in work.steps:
         if step.kind is StepKind.FORWARD:
             for layer in range(work.layers_per_chunk[step.chunk - 1]):
                 positions[(step.chunk, step.microbatch, layer)] = len(positions)
@@ -609,7 +622,7 @@ def capture_torch(work: BenchWorkload, blocks: list[torch.nn.Module]) -> Capture
         num_warmup_iters=work.config.warmup_iters,
     )
     modules = cast(tuple[torch.nn.Module, ...], graphed)  # a tuple of modules in, modules out
-    return Captured(work, blocks, lambda c, m, l: modules[positions[(c, m, l)]])
+    return Captured(work, blocks, work.tabled(lambda c, m, l: modules[positions[(c, m, l)]]))
 
 
 def capture_leangraph(
@@ -633,9 +646,8 @@ def capture_leangraph(
         progress=progress,
         **options,
     )
-    return Captured(
-        work, blocks, lambda c, m, l: graphed[work.layout.graph_index(c, m, l)], graphed
-    )
+    lookup = work.tabled(lambda c, m, l: graphed[work.layout.graph_index(c, m, l)])
+    return Captured(work, blocks, lookup, graphed)
 
 
 class WholeStepGraph:

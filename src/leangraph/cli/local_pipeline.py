@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from leangraph.order import OrderEntry, StepKind, parse_order
+from leangraph.order import OrderEntry, Step, StepKind, parse_order
 
-__all__ = ["LayerLookup", "LossFn", "StepResult", "run_order"]
+__all__ = ["LayerLookup", "LossFn", "StepResult", "order_steps", "run_order", "run_steps"]
 
 LayerLookup = Callable[[int, int, int], Callable[[torch.Tensor], torch.Tensor]]
 """``(chunk, microbatch, layer) -> callable``; chunk 1-based, the others 0-based."""
@@ -30,6 +30,24 @@ class StepResult:
 
     losses: list[torch.Tensor] = field(default_factory=list)
     input_grads: list[torch.Tensor] = field(default_factory=list)
+
+
+def order_steps(
+    order: Sequence[OrderEntry], layers_per_chunk: Sequence[int], num_microbatches: int
+) -> tuple[Step, ...]:
+    """``order`` validated and expanded into its steps, for :func:`run_steps` (a training
+    loop parses its schedule once, not at every step).
+
+    Raises:
+        ValueError: for a malformed order, or one whose counts do not match the layout.
+    """
+    _, steps = parse_order(
+        order,
+        num_callables=sum(layers_per_chunk),
+        num_samples=sum(layers_per_chunk) * num_microbatches,
+        num_layers_per_chunk=list(layers_per_chunk),
+    )
+    return steps
 
 
 def run_order(
@@ -57,13 +75,23 @@ def run_order(
         ValueError: for a malformed order, or one whose chunk ``c + 1`` forward of a
             microbatch comes before chunk ``c``'s (the hand-over would not exist yet).
     """
+    steps = order_steps(order, layers_per_chunk, len(inputs))
+    return run_steps(steps, layers_per_chunk, layer, inputs, loss_fn)
+
+
+def run_steps(
+    steps: Sequence[Step],
+    layers_per_chunk: Sequence[int],
+    layer: LayerLookup,
+    inputs: Sequence[torch.Tensor],
+    loss_fn: LossFn,
+) -> StepResult:
+    """:func:`run_order` over steps :func:`order_steps` gave for ``len(inputs)`` microbatches.
+
+    Raises:
+        ValueError: for a chunk ``c + 1`` forward of a microbatch before chunk ``c``'s.
+    """
     num_chunks = len(layers_per_chunk)
-    _, steps = parse_order(
-        order,
-        num_callables=sum(layers_per_chunk),
-        num_samples=sum(layers_per_chunk) * len(inputs),
-        num_layers_per_chunk=list(layers_per_chunk),
-    )
     chunk_inputs: dict[tuple[int, int], torch.Tensor] = {}
     chunk_outputs: dict[tuple[int, int], torch.Tensor] = {}
     losses: dict[int, torch.Tensor] = {}
