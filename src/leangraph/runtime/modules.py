@@ -49,6 +49,7 @@ class ModuleWatch:
         self._parents = state.parents
         self._local_names = state.local_names
         self._training = state.training
+        self._submodule_training = state.training[1:]
         self._hooked_from = 1 if root_hooks_run else 0
         root = state.root()
         modules = () if root is None else (root, *self._submodules)
@@ -86,8 +87,9 @@ class ModuleWatch:
         root = self._root()
         if root is None:
             return True
-        modules = (root, *self._submodules)
-        return all(map(operator.is_, map(_TRAINING, modules), self._training))
+        return root.training is self._training[0] and all(
+            map(operator.is_, map(_TRAINING, self._submodules), self._submodule_training)
+        )
 
     def check_replayable(self) -> None:
         """Refuse a replay of a module changed since capture in what its graphs cannot follow.
@@ -108,20 +110,31 @@ class ModuleWatch:
                 if replaced:
                     self._raise_replaced()
                 self._check_hooks((root, *self._submodules)[self._hooked_from :])
-        self._check_parameters()
-        self._check_buffers()
+        # The usual replay, nothing changed, in C-level loops (no call of the methods below).
+        registered = map(dict.get, self._param_dicts, self._param_locals)
+        if not (
+            all(map(operator.is_, registered, self._params))
+            and all(map(operator.eq, map(_DATA_PTR, self._params), self._param_pointers))
+        ):
+            self._refuse_parameters()
+        if self._buffers and not (
+            all(
+                map(
+                    operator.is_,
+                    map(dict.get, self._buffer_dicts, self._buffer_locals),
+                    self._buffers,
+                )
+            )
+            and all(map(operator.eq, map(_DATA_PTR, self._pointed), self._pointers))
+        ):
+            self._refuse_buffers()
 
-    def _check_parameters(self) -> None:
+    def _refuse_parameters(self) -> None:
         """Refuse a replay of a module whose parameters were replaced after capture (FSDP2's
         ``fully_shard`` swaps in sharded and all-gathered ones), or whose data was swapped
         (``param.data = ...``, a module's ``.half()`` or ``.to()``, a sharding library
         re-pointing it): the graphs read and train the captured tensors' memory only, so the
         new parameters or data would be neither used nor trained."""
-        registered = map(dict.get, self._param_dicts, self._param_locals)
-        if all(map(operator.is_, registered, self._params)) and all(
-            map(operator.eq, map(_DATA_PTR, self._params), self._param_pointers)
-        ):
-            return
         for name, owned, local, param in zip(
             self._param_names, self._param_dicts, self._param_locals, self._params
         ):
@@ -144,16 +157,11 @@ class ModuleWatch:
                     "param.data = ...) before capture, or capture again"
                 )
 
-    def _check_buffers(self) -> None:
+    def _refuse_buffers(self) -> None:
         """Refuse a replay of a module whose buffers were replaced, removed or moved since
         capture (an assignment, ``module.to()``, ``load_state_dict(assign=True)``,
         ``buf.data = ...``): the graphs read the captured tensors' memory, so they would not
         see the new values. Writes in place (``buf.copy_``, BatchNorm's statistics) are fine."""
-        registered = map(dict.get, self._buffer_dicts, self._buffer_locals)
-        if all(map(operator.is_, registered, self._buffers)) and all(
-            map(operator.eq, map(_DATA_PTR, self._pointed), self._pointers)
-        ):
-            return
         if self._root() is None:
             return
         pointers = dict(zip(map(id, self._pointed), self._pointers))

@@ -160,7 +160,8 @@ class ReplaySequence:
             self._no_backward.discard(graph)
             if graph in self._last_kind:
                 self._in_flight.add(graph)
-        self._finish_step(graph, kind)
+        else:
+            self._finish_step(graph, kind)
         self._next = (self._next + 1) % len(self._steps)
 
     def _finish_step(self, graph: int, kind: StepKind) -> None:
