@@ -189,6 +189,39 @@ def test_graph_methods_graph_a_copy_whose_steps_match_eager():
     assert all(graph.is_reset for graph in captured.graphed)
 
 
+
+def test_workload_steps_are_its_order_parsed_once_and_lookups_read_one_table():
+    from leangraph.cli.local_pipeline import order_steps, run_order
+
+    work = BenchWorkload(_tiny())
+    count = work.config.num_microbatches
+    assert work.steps == order_steps(work.order, work.layers_per_chunk, count)
+    lookup = work.eager_lookup(work.blocks)
+    last = work.layers_per_chunk[-1] - 1
+    assert lookup(1, 0, 0) is work.blocks[work.layout.callable_index(1, 0)]
+    assert lookup(2, count - 1, last) is work.blocks[work.layout.callable_index(2, last)]
+    with pytest.raises(KeyError):
+        lookup(3, 0, 0)  # a chunk outside the layout is no layer of another chunk
+    # The pre-parsed step trains exactly as run_order parsing the order itself.
+    blocks = work.copy_blocks()
+    losses = [float(loss) for loss in work.train_step(lookup, work.blocks)]
+    mse = torch.nn.functional.mse_loss
+    parsed = run_order(
+        work.order,
+        work.layers_per_chunk,
+        lambda c, m, l: blocks[work.layout.callable_index(c, l)],
+        work.inputs,
+        lambda out, m: mse(out.float(), work.targets[m].float()),
+    )
+    assert [float(loss) for loss in parsed.losses] == losses
+    for block, copy_ in zip(work.blocks, blocks):
+        for p, q in zip(block.parameters(), copy_.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    # Fewer inputs than the config's microbatches: parsed for their count.
+    with pytest.raises(ValueError):
+        work.train_step(lookup, work.blocks, work.inputs[:1], work.targets[:1])
+
+
 # -------------------------------------------------------------------------------- plots
 
 
