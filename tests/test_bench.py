@@ -189,7 +189,6 @@ def test_graph_methods_graph_a_copy_whose_steps_match_eager():
     assert all(graph.is_reset for graph in captured.graphed)
 
 
-
 def test_workload_steps_are_its_order_parsed_once_and_lookups_read_one_table():
     from leangraph.cli.local_pipeline import order_steps, run_order
 

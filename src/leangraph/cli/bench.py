@@ -510,11 +510,10 @@ class BenchWorkload:
         """``pick`` as a lookup that reads a table of its results for every graph of the
         layout: one dict read per layer call, whichever method it is (a layout's validated
         index arithmetic would cost some methods more host time per step than others)."""
+        graph_ids = map(self.layout.graph_id, range(self.layout.num_graphs))
         table = {
-            (c, m, l): pick(c, m, l)
-            for c, layers in enumerate(self.layers_per_chunk, start=1)
-            for m in range(self.config.num_microbatches)
-            for l in range(layers)
+            (g.chunk, g.microbatch, g.layer): pick(g.chunk, g.microbatch, g.layer)
+            for g in graph_ids
         }
         return lambda c, m, l: table[(c, m, l)]
 

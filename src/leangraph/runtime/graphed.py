@@ -349,16 +349,9 @@ class GraphedCallable:
         the torch DDP the forward replay ran inside (``strict_ddp``), if any (R29)."""
         with self._lock:
             record = self._require_ready("run a backward")
-            if generation != self._forward_generation or (
-                generation == self._backward_generation and not record.retain_graph
-            ):
-                _refuse_stale_backward(
-                    self._label,
-                    record,
-                    generation,
-                    self._forward_generation,
-                    self._backward_generation,
-                )
+            _refuse_stale_backward(
+                self._label, record, generation, self._forward_generation, self._backward_generation
+            )
             fused = self._fused if self._weight is None else None  # else: at the weight step
             # Every refusal comes before the replay order moves past this step: a refused
             # backward has not run, and may run once its cause is fixed.

@@ -111,20 +111,15 @@ class ModuleWatch:
                     self._raise_replaced()
                 self._check_hooks((root, *self._submodules)[self._hooked_from :])
         # The usual replay, nothing changed, in C-level loops (no call of the methods below).
-        registered = map(dict.get, self._param_dicts, self._param_locals)
+        params = map(dict.get, self._param_dicts, self._param_locals)
         if not (
-            all(map(operator.is_, registered, self._params))
+            all(map(operator.is_, params, self._params))
             and all(map(operator.eq, map(_DATA_PTR, self._params), self._param_pointers))
         ):
             self._refuse_parameters()
+        buffers = map(dict.get, self._buffer_dicts, self._buffer_locals)
         if self._buffers and not (
-            all(
-                map(
-                    operator.is_,
-                    map(dict.get, self._buffer_dicts, self._buffer_locals),
-                    self._buffers,
-                )
-            )
+            all(map(operator.is_, buffers, self._buffers))
             and all(map(operator.eq, map(_DATA_PTR, self._pointed), self._pointers))
         ):
             self._refuse_buffers()
