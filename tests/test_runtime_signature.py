@@ -539,5 +539,7 @@ def test_r16_a_torch_func_transform_is_refused_naming_the_callable(transform):
     with raises(RuntimeError, "callable 0 (Block) cannot run under a torch.func transform"):
         run()
     after = graphed[0].forward.static_tensors()
-    assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing was copied in
+    # Nothing was copied in. Bits, not values: a buffer no replay wrote yet holds whatever
+    # the allocator left there, NaN patterns included, which torch.equal calls unequal.
+    torch.testing.assert_close(after, before, rtol=0, atol=0, equal_nan=True)
     graphed[2](graphed[1](graphed[0](x))).sum().backward()  # outside it, replays as before
