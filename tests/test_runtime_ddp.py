@@ -54,13 +54,22 @@ class Model(nn.Module):
         return self.layer(self.embed(x))
 
 
+class DropsAux(Model):
+    """The same, but the DDP model returns ``y`` alone (twice): ``head(y)`` is left out inside
+    it, so no output of DDP's forward reaches the head's parameters."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, _ = self.layer(self.embed(x))
+        return y, y
+
+
 UsesAux = Callable[[int, int], bool]  # (step, microbatch) -> whether the loss takes head(y)
 
 
-def _models(mode: str, device: str = "cpu") -> tuple[Model, Model]:
+def _models(mode: str, device: str = "cpu", model: type[Model] = Model) -> tuple[Model, Model]:
     """The eager model and a copy whose layer is graphed (drop-in), in ``mode``."""
     torch.manual_seed(0)
-    eager = Model().to(device)
+    eager = model().to(device)
     graphed = copy.deepcopy(eager)
     leangraph.make_graphed_callables(
         graphed.layer, (torch.randn(4, 8, device=device, requires_grad=True),), **MODES[mode]
@@ -69,7 +78,7 @@ def _models(mode: str, device: str = "cpu") -> tuple[Model, Model]:
 
 
 def _train(model: Model, rank: int, uses_aux: UsesAux, *, find_unused: bool = False,
-           microbatches: int = 1, ignored: tuple[str, ...] = (),
+           static_graph: bool = False, microbatches: int = 1, ignored: tuple[str, ...] = (),
            device: str = "cpu") -> dict[str, Any]:
     """``STEPS`` SGD steps of ``model`` under DDP, ``microbatches`` a step (all but the last
     under ``no_sync()``), each rank on its own data. The gradients after each step's last
@@ -77,7 +86,9 @@ def _train(model: Model, rank: int, uses_aux: UsesAux, *, find_unused: bool = Fa
     or backward, and the step) and what."""
     if ignored:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(ignored))
-    ddp = DistributedDataParallel(model, find_unused_parameters=find_unused)
+    ddp = DistributedDataParallel(
+        model, find_unused_parameters=find_unused, static_graph=static_graph
+    )
     optim = torch.optim.SGD(ddp.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(10 + rank)
     history: list[list[torch.Tensor | None]] = []
@@ -117,16 +128,19 @@ def _mismatches(eager: dict[str, Any], graphed: dict[str, Any]) -> list[str]:
     return found
 
 
-def _compare(mode: str, rank: int, uses_aux: UsesAux, **options: Any) -> dict[str, Any]:
+def _compare(mode: str, rank: int, uses_aux: UsesAux, model: type[Model] = Model,
+             **options: Any) -> dict[str, Any]:
     """Eager and graphed trained alike: their mismatches, and the sums of the graphed model's
     first gradients (the all-reduce makes them one across ranks)."""
-    eager_model, graphed_model = _models(mode, options.get("device", "cpu"))
+    eager_model, graphed_model = _models(mode, options.get("device", "cpu"), model)
     eager = _train(eager_model, rank, uses_aux, **options)
     graphed = _train(graphed_model, rank, uses_aux, **options)
     leangraph.reset_all(graphed_model.layer)
     first = graphed["history"][0] if graphed["history"] else []
+    second = graphed["history"][2] if len(graphed["history"]) > 2 else []
     return {"mismatches": _mismatches(eager, graphed),
-            "grad_sums": [None if g is None else float(g.sum()) for g in first]}
+            "grad_sums": [None if g is None else float(g.sum()) for g in first],
+            "late_head_sums": [None if g is None else float(g.sum()) for g in second[-2:]]}
 
 
 def _left_out(mode: str, rank: int, device: str = "cpu") -> dict[str, Any]:
@@ -153,6 +167,13 @@ def _cases(rank: int) -> dict[str, Any]:
             # Left out under no_sync() only: the reducer waits for no parameter there.
             "no_sync": _compare(mode, rank, lambda step, micro: micro == 1, microbatches=2),
             "ignored": _compare(mode, rank, lambda step, micro: False, ignored=HEAD),
+            # static_graph: nothing is refused; what eager's static graph trains, the same.
+            "static_all_used": _compare(mode, rank, always, static_graph=True),
+            "static_dropped": _compare(mode, rank, always, DropsAux, static_graph=True),
+            # The head first reached at step 1: eager's static graph learned it unused at
+            # step 0 and never all-reduces it (each rank keeps its own), and so do the replays.
+            "static_late": _compare(mode, rank, lambda step, micro: step >= 1,
+                                    static_graph=True),
         }
     return report
 
@@ -220,6 +241,26 @@ def test_r29_an_output_left_out_under_no_sync_or_for_ignored_parameters_is_accep
     for rank, report in enumerate(two_ranks):
         assert report[mode]["no_sync"]["mismatches"] == [], f"rank {rank}: {report[mode]}"
         assert report[mode]["ignored"]["mismatches"] == [], f"rank {rank}: {report[mode]}"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_r29_with_static_graph_nothing_is_refused_and_training_is_eager_static_graphs(
+    two_ranks, mode
+):
+    """``static_graph=True``: every output in the loss, the head's output left out inside the
+    DDP model, and the head first reached after DDP's first step (where eager's static graph
+    silently keeps each rank's head gradients unreduced) train bitwise as eager does."""
+    for rank, report in enumerate(two_ranks):
+        for case in ("static_all_used", "static_dropped", "static_late"):
+            assert report[mode][case]["mismatches"] == [], f"rank {rank} {case}: {report[mode]}"
+    sums = [report[mode]["static_all_used"]["grad_sums"] for report in two_ranks]
+    assert sums[0] == sums[1] and None not in sums[0], sums
+    # Left out inside the model: the head's parameters get no gradient, on every step.
+    dropped = two_ranks[0][mode]["static_dropped"]["grad_sums"]
+    assert dropped[-2:] == [None, None] and None not in dropped[:-2], dropped
+    # Reached late: eager's static graph reduces the head's gradients on neither rank.
+    late = [report[mode]["static_late"]["late_head_sums"] for report in two_ranks]
+    assert late[0] != late[1], late
 
 
 @pytest.mark.cuda
