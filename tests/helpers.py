@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from models import Block
 from torch.utils._pytree import tree_map
 
 import leangraph
@@ -26,7 +27,6 @@ from leangraph.buffers import plan_buffers
 from leangraph.build.builder import build_graphs
 from leangraph.hooks import normalize_hooks
 from leangraph.probe import probe
-from models import Block
 
 NOTES = sys.version_info >= (3, 11)  # exc.__notes__ / add_note
 needs_notes = pytest.mark.skipif(not NOTES, reason="exception notes need Python >= 3.11")

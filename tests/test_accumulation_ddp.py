@@ -9,13 +9,14 @@ inside DDP's forward is refused in both (R17)."""
 from __future__ import annotations
 
 import copy
+
 import pytest
 import torch
+from helpers import gloo_rank, two_gloo_ranks
+from models import Block
 from torch.nn.parallel import DistributedDataParallel
 
 import leangraph
-from helpers import gloo_rank, two_gloo_ranks
-from models import Block
 
 STEPS, MICROBATCHES = 3, 3
 

@@ -15,11 +15,11 @@ import copy
 
 import pytest
 import torch
+from helpers import raises
+from models import Block, ThreeOutputs, TwoOutputs, assert_histories_equal, train_both
 
 import leangraph
 import leangraph.schedules
-from helpers import raises
-from models import Block, ThreeOutputs, TwoOutputs, assert_histories_equal, train_both
 
 ZB = [1, 2, 1, -2, 2, -1, -2.5, -2, -1.5, -1, -2.5, -1.5]
 

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import NOTES, blocks, needs_notes, notes, sample
+from models import Block, assert_histories_equal, train_both
 
 import leangraph
-from helpers import NOTES, blocks, needs_notes, notes, sample
 from leangraph import GraphedCallable
 from leangraph.backends import CpuBackend
 from leangraph.order import parse_order
-from models import Block, assert_histories_equal, train_both
 
 ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
 MEGATRON_PP2_VP2_RANK0 = [1, 1, 2, 2, 1, -2, 1, -2, 2, -1, 2, -1, -2, -2, -1, -1]

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import raises, sample
+from models import Block
 
 import leangraph
-from helpers import raises, sample
 from leangraph.backends import CpuBackend, make_backend
-from models import Block
 
 mgc = leangraph.make_graphed_callables
 

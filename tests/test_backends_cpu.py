@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_replays_like_eager, notes, raises, sample
+from models import Block
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import leangraph
-from helpers import assert_replays_like_eager, notes, raises, sample
 from leangraph.backends import CpuBackend
 from leangraph.cli.workloads import BlockShape, TransformerBlock
-from models import Block
 
 NOTES = sys.version_info >= (3, 11)  # exc.__notes__ / add_note
 HERE = Path(__file__).name

@@ -6,13 +6,13 @@ import copy
 
 import pytest
 import torch
+from models import Block, assert_histories_equal, train_both
 
 import leangraph
 from leangraph.buffers import BufferKey, Chained, plan_buffers
 from leangraph.order import parse_order
 from leangraph.plan import build_plan
 from leangraph.schedules import interleaved_1f1b
-from models import Block, assert_histories_equal, train_both
 
 KEY = BufferKey((4, 8), torch.float32, torch.device("cpu"), True)
 

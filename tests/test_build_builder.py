@@ -9,16 +9,16 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import build_stage, sample
+from models import Block
 
 import leangraph
-from helpers import build_stage, sample
 from leangraph._call import CaptureOptions, validate_call
 from leangraph.backends import CpuBackend
 from leangraph.build.builder import graph_sources, parameter_sharing
 from leangraph.hooks import normalize_hooks
 from leangraph.order import GraphId
 from leangraph.probe import probe
-from models import Block
 
 
 def _sources(callables, sample_args, *, order=None, share_buffers=True):

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import raises
+from models import Block
 
 import leangraph
-from helpers import raises
 from leangraph._call import validate_call
 from leangraph.buffers import BufferKey, plan_buffers
 from leangraph.schedules import interleaved_1f1b
-from models import Block
 
 mgc = leangraph.make_graphed_callables
 

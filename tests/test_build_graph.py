@@ -8,10 +8,10 @@ import copy
 
 import pytest
 import torch
-
-import leangraph
 from helpers import needs_notes, notes, raises, sample
 from models import Block
+
+import leangraph
 
 mgc = leangraph.make_graphed_callables
 

@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 import torch
-
 from helpers import build_stage, sample
+from models import Block
+
 from leangraph.build.record import ModuleBinding
 from leangraph.order import GraphId
-from models import Block
 
 
 def double(x: torch.Tensor) -> torch.Tensor:

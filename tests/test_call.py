@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import Opaque, blocks, raises, sample, scale
+from models import Block
 
 import leangraph
-from helpers import Opaque, blocks, raises, sample, scale
 from leangraph import GraphedCallable
 from leangraph._call import CaptureOptions, check_capturable, validate_call
 from leangraph.order import Step, StepKind
-from models import Block
 
 # Two chunks of one layer, two microbatches: graph (chunk c, microbatch m) is at 2 (c-1) + m.
 ORDER = [1, 2, -2, -1, 1, 2, -2, -1]

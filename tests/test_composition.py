@@ -26,12 +26,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import assert_replays_like_eager, gloo_rank, raises, two_gloo_ranks
+from models import Block
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import leangraph
-from helpers import assert_replays_like_eager, gloo_rank, raises, two_gloo_ranks
-from models import Block
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ class Gated(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.linear = torch.nn.Linear(4, 4)
-        self.armed: Optional[str] = None  # "forward" or "backward": block there once
+        self.armed: str | None = None  # "forward" or "backward": block there once
         self.entered = threading.Event()
         self.release = threading.Event()
         self.passed: list[str] = []  # where the gate was passed, in order
@@ -90,7 +91,7 @@ def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]
     def run() -> None:
         try:
             result["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+        except BaseException as exc:
             result["error"] = exc
 
     thread = threading.Thread(target=run, daemon=True)
@@ -159,7 +160,7 @@ class Paused(torch.Tensor):
     dtype, shape, device or ``requires_grad`` is read), before the replay takes the
     callable's lock."""
 
-    gate: Optional[tuple[threading.Event, threading.Event]] = None  # (entered, release)
+    gate: tuple[threading.Event, threading.Event] | None = None  # (entered, release)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

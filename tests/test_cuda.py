@@ -7,12 +7,12 @@ import gc
 
 import pytest
 import torch
+from models import Block, assert_histories_equal, replay_step, train_both
+from test_build_warmup import MEGATRON_PP2_VP2_RANK0, ORDER, expected_alive
 
 import leangraph
 from leangraph.cli.local_pipeline import run_order
 from leangraph.order import parse_order
-from models import Block, assert_histories_equal, replay_step, train_both
-from test_build_warmup import MEGATRON_PP2_VP2_RANK0, ORDER, expected_alive
 
 pytestmark = pytest.mark.cuda
 

@@ -15,12 +15,12 @@ import gc
 
 import pytest
 import torch
-
-import leangraph
-from models import Block
 from helpers import NOTES, notes
+from models import Block
 from test_api import PHASES, Faulty
 from test_backends_cpu import DEVICE_FORMS, Reads
+
+import leangraph
 
 pytestmark = pytest.mark.cuda
 

@@ -9,10 +9,10 @@ import copy
 
 import pytest
 import torch
+from models import Block, assert_histories_equal, train_both
 
 import leangraph
 import leangraph.schedules
-from models import Block, assert_histories_equal, train_both
 
 pytestmark = pytest.mark.cuda
 

@@ -120,8 +120,8 @@ def test_python_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
         try:
             # Padded so that tracebacks give the line numbers of the page itself.
             code = compile("\n" * (block.line - 1) + block.source, str(page), "exec")
-            exec(code, module.__dict__)  # noqa: S102 - running the documentation is the test
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure, with its place
+            exec(code, module.__dict__)
+        except (Exception, SystemExit) as exc:
             details = "".join(traceback.format_exception(exc))
             failures.append(f"{where} failed: {type(exc).__name__}: {exc}\n\n{details}")
     if failures:

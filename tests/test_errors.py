@@ -8,9 +8,9 @@ import pathlib
 import re
 
 import pytest
+from helpers import needs_notes, notes
 
 import leangraph
-from helpers import needs_notes, notes
 from leangraph.errors import phase_note
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "errors.md"

@@ -32,9 +32,10 @@ from torch import nn
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (extra 'megatron')")
 
-import leangraph  # noqa: E402
-from helpers import free_port, rank_reports  # noqa: E402
-from leangraph.integrations import megatron as lgm  # noqa: E402
+from helpers import free_port, rank_reports
+
+import leangraph
+from leangraph.integrations import megatron as lgm
 from leangraph.schedules import interleaved_1f1b, one_f_one_b
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -380,7 +381,7 @@ def _megatron_refusals(example: Any, setup: Any) -> dict[str, Any]:
         try:
             helper.create_cudagraphs()
             out[key] = "accepted"
-        except Exception as exc:  # noqa: BLE001 - reported to the test
+        except Exception as exc:
             out[key] = f"{type(exc).__name__}: {exc}"
         out[f"{key}-warmed"] = bool(warmed)
         out[f"{key}-capturing-after"] = cuda_graphs.is_graph_capturing()
@@ -445,7 +446,7 @@ def _megatron_refusals(example: Any, setup: Any) -> dict[str, Any]:
                            ("variable-seq-lengths", variable_lengths), ("failed", failed)):
         try:
             scenario()
-        except Exception:  # noqa: BLE001 - reported to the test
+        except Exception:
             out[f"{name}-error"] = traceback.format_exc()
         finally:
             if cuda_graphs.is_graph_capturing():  # left on by a failure the test reports

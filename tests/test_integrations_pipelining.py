@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import rank_worker, two_ranks
+from models import Block
 from torch import nn
 from torch.distributed import pipelining
 
@@ -37,8 +39,6 @@ from leangraph.integrations.pipelining import (
     graph_pipeline_stages,
     stage_placement,
 )
-from helpers import rank_worker, two_ranks
-from models import Block
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pipelining_torch.py"

@@ -16,7 +16,7 @@ model of that order; a replay the model says is out of order must raise and chan
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -68,7 +68,7 @@ class Pending:
 class Lifecycle(RuleBasedStateMachine):
     """Three callables graphed together; ``ORDER`` None (modules come back) or an order."""
 
-    ORDER: Optional[list[int]] = None
+    ORDER: list[int] | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -86,7 +86,7 @@ class Lifecycle(RuleBasedStateMachine):
             self.graphs = list(self.graphed)
         assert all(isinstance(g, GraphedCallable) for g in self.graphs)
         self.is_reset = [False] * COUNT
-        self.pending: list[Optional[Pending]] = [None] * COUNT
+        self.pending: list[Pending | None] = [None] * COUNT
         self.next = 0  # position in STEPS
         self.stale: list[Pending] = []  # outputs produced before their callable's reset
 

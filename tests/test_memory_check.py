@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import Block
 
 import leangraph
 from leangraph.memory import check_fits
-from models import Block
 
 
 def _plan() -> leangraph.MemoryPlan:

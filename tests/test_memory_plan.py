@@ -6,8 +6,8 @@ import dataclasses
 import gc
 import importlib.util
 import sys
-from pathlib import Path
 import weakref
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -16,9 +16,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from leangraph.cli.workloads import BlockShape, make_blocks, sample_hidden
 from leangraph.memory import LayerMemory, MemoryPlan, format_bytes, plan_memory
 from leangraph.schedules import gpipe, interleaved_1f1b, max_in_flight, one_f_one_b
-from leangraph.cli.workloads import BlockShape, make_blocks, sample_hidden
 
 DEVICES = ["cpu", "meta"]
 F32 = 4

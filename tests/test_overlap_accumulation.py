@@ -6,15 +6,14 @@ the option too.) ``test_cuda_overlap.py`` runs it on a GPU, where the additions 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
-import leangraph
 from helpers import one_graph, raises
-from leangraph import GraphResetError
 from models import Block, assert_histories_equal, train_both
 from test_runtime_accumulation import ZB
+
+import leangraph
+from leangraph import GraphResetError
 
 ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import backward_keeping, detached_copy, sgd_history
 from torch import nn
 
 import leangraph
-from helpers import backward_keeping, detached_copy, sgd_history
 
 MODES = ["drop-in", "ordered"]
 # share_buffers=False too, where the buffer model shows: outputs and inputs in every form.

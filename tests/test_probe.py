@@ -6,13 +6,13 @@ import contextlib
 
 import pytest
 import torch
+from helpers import Opaque, raises, sample
+from models import Block
 
 import leangraph
-from helpers import Opaque, raises, sample
 from leangraph._call import validate_call
 from leangraph.buffers import BufferKey
 from leangraph.probe import probe
-from models import Block
 
 mgc = leangraph.make_graphed_callables
 

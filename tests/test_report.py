@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from models import Block
 
 import leangraph
-from models import Block
 
 ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
 

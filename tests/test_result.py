@@ -8,11 +8,11 @@ import gc
 
 import pytest
 import torch
+from helpers import graphed_blocks, raises, sample
+from models import Block
 
 import leangraph
-from helpers import graphed_blocks, raises, sample
 from leangraph import GraphedCallable, GraphedSet
-from models import Block
 
 mgc = leangraph.make_graphed_callables
 

@@ -12,11 +12,11 @@ import warnings
 
 import pytest
 import torch
+from helpers import raises
+from models import Block, TwoOutputs, assert_histories_equal, train_both
 
 import leangraph
 import leangraph.schedules
-from helpers import raises
-from models import Block, TwoOutputs, assert_histories_equal, train_both
 
 ZB = [1, 2, 1, -2, 2, -1, -2.5, -2, -1.5, -1, -2.5, -1.5]
 # The two ways a fused replay fires the accumulators' hooks: autograd's relay, or leangraph

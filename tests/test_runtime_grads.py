@@ -10,12 +10,12 @@ import copy
 
 import pytest
 import torch
+from helpers import one_graph, three_graphs
+from models import Block, ThreeOutputs, assert_histories_equal, train_both
 
 import leangraph
-from helpers import one_graph, three_graphs
 from leangraph.runtime.grads import copies
 from leangraph.runtime.pending import PendingBackwards
-from models import Block, ThreeOutputs, assert_histories_equal, train_both
 
 ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
 

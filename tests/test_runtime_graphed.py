@@ -12,11 +12,11 @@ import weakref
 
 import pytest
 import torch
+from helpers import blocks, graphed_blocks, raises, sample, three_graphs
+from models import Block
 
 import leangraph
-from helpers import blocks, graphed_blocks, raises, sample, three_graphs
 from leangraph import GraphResetError
-from models import Block
 
 mgc = leangraph.make_graphed_callables
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import sample
+from models import Block
 
 import leangraph
-from helpers import sample
 from leangraph.runtime.guard import GuardedOutput
-from models import Block
 
 mgc = leangraph.make_graphed_callables
 

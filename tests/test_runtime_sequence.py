@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 
 import torch
-
 from helpers import blocks, graphed_blocks, mgc, raises, sample
 
 
@@ -56,7 +55,7 @@ def test_r12_a_pass_abandoned_midway_may_start_over():
                 "must be the backward of graph (chunk 1, microbatch 1, layer 0)"):
         graphed[0](sample())
     second.sum().backward()
-    graphed[0](sample()).sum().backward  # a new pass: forward, then its output dropped
+    graphed[0](sample())  # a new pass: forward, then its output dropped
 
 
 def test_r12_an_abandoned_zero_bubble_pass_drains_its_due_weight_steps_and_starts_over():

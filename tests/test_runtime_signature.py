@@ -10,11 +10,11 @@ import warnings
 
 import pytest
 import torch
+from helpers import blocks, graphed_blocks, raises, sample, scale, three_graphs
+from models import Block
 
 import leangraph
-from helpers import blocks, graphed_blocks, raises, sample, scale, three_graphs
 from leangraph import GraphedCallable, GraphResetError
-from models import Block
 
 # Two chunks of one layer, two microbatches: graph (chunk c, microbatch m) is at 2 (c-1) + m.
 ORDER = [1, 2, -2, -1, 1, 2, -2, -1]

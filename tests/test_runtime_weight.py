@@ -8,9 +8,10 @@ import copy
 
 import pytest
 import torch
+from models import Block, TwoOutputs
 
 import leangraph
-from models import Block, TwoOutputs
+
 
 def _zb_graphs():
     """One layer, one microbatch: forward, input-gradient backward, weight step."""

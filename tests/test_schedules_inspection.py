@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import TORCH_ZERO_BUBBLE_SCHEDULES
+from reference_orders import megatron_accepts
 from torch.distributed import pipelining as pl
 
 from leangraph.order import Step
@@ -18,8 +20,6 @@ from leangraph.schedules import (
     one_f_one_b,
     validate_order,
 )
-from models import TORCH_ZERO_BUBBLE_SCHEDULES
-from reference_orders import megatron_accepts
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from reference_orders import megatron_accepts, megatron_reference, parse_one_layer_per_chunk
 
 from leangraph.order import StepKind
 from leangraph.schedules import (
@@ -16,7 +17,6 @@ from leangraph.schedules import (
     one_f_one_b,
     validate_order,
 )
-from reference_orders import megatron_accepts, megatron_reference, parse_one_layer_per_chunk
 
 
 def _leading_forwards(order: list[int]) -> int:

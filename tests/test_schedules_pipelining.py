@@ -21,6 +21,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from models import TORCH_ZERO_BUBBLE_SCHEDULES
+from reference_orders import megatron_accepts, megatron_reference, parse_one_layer_per_chunk
 from torch.distributed import pipelining as pl
 
 from leangraph.order import parse_order
@@ -32,8 +34,6 @@ from leangraph.schedules import (
     validate_order,
 )
 from leangraph.schedules.pipelining import order_from_actions
-from models import TORCH_ZERO_BUBBLE_SCHEDULES
-from reference_orders import megatron_accepts, megatron_reference, parse_one_layer_per_chunk
 
 # --------------------------------------------------------------------------------------------
 # Helpers: torch's own actions

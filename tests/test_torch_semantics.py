@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import backward_keeping, sgd_history
 from torch import nn
 from torch.utils import _pytree as pytree
 
 import leangraph
-from helpers import backward_keeping, sgd_history
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = [

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from models import TORCH_ZERO_BUBBLE_SCHEDULES
 from torch import nn
 from torch.distributed import pipelining
 from torch.utils.checkpoint import checkpoint
@@ -25,7 +26,6 @@ from torch.utils.checkpoint import checkpoint
 import leangraph
 from leangraph.order import Layout, StepKind, parse_order
 from leangraph.schedules import from_pipelining, interleaved_1f1b
-from models import TORCH_ZERO_BUBBLE_SCHEDULES
 
 # A loop whose first steps overflow steps its scheduler past a skipped optimizer step, as
 # GradScaler loops do.

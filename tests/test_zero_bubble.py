@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import TORCH_ZERO_BUBBLE_SCHEDULES, Block, assert_histories_equal, train_both
 
 import leangraph
 import leangraph.schedules
 from leangraph.buffers import BufferKey, plan_buffers
 from leangraph.order import StepKind, parse_order
 from leangraph.plan import build_plan
-from models import TORCH_ZERO_BUBBLE_SCHEDULES, Block, assert_histories_equal, train_both
 
 # 2 chunks x 1 layer, 2 microbatches; weight steps deferred past other work.
 ZB = [1, 2, 1, -2, 2, -1, -2.5, -2, -1.5, -1, -2.5, -1.5]
