@@ -209,6 +209,63 @@ def test_r14_replaced_grad_held_elsewhere_is_refused_naming_the_parameter(held):
         graphed(torch.randn(4, 8)).sum().backward()
 
 
+def _swap_grad_memory(buffer: torch.Tensor, how: str) -> None:
+    fresh = torch.ones_like(buffer)
+    if how == "set_":
+        buffer.set_(fresh)
+    else:
+        buffer.data = fresh
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("how", ["data", "set_", "data while cleared"])
+def test_r14_a_grad_whose_memory_was_swapped_is_refused_and_the_backward_keeps_its_place(
+    how, device
+):
+    """``.grad.data = t`` (or ``.grad.set_(t)``) keeps the tensor the graph adds into but not
+    its memory: the graph would add into the captured memory, which is no longer the
+    gradient, and eager's backward would add into the new one. Refused at the backward replay,
+    before anything changed: with the memory given back the same backward trains as eager."""
+    eager, module = _block_pair()
+    eager, module = eager.to(device), module.to(device)
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, device=device, requires_grad=True),),
+        fuse_grad_accumulation=True)
+    x0, x1 = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device)
+    graphed(x0).sum().backward()
+    eager(x0).sum().backward()
+    buffer = module.up.weight.grad
+    captured = buffer.detach()  # the captured memory, to give back
+    if how == "data while cleared":
+        module.zero_grad(set_to_none=True)  # the buffer is attached again at the next backward
+        eager.zero_grad(set_to_none=True)
+        captured.zero_()  # what the attaching does; eager starts from None
+    _swap_grad_memory(buffer, "data" if how.startswith("data") else how)
+    out = graphed(x1)
+    with raises(RuntimeError, "callable 0 (Block) parameter 'up.weight': the .grad tensor the "
+                "backward graph adds into holds other memory than at capture (.grad.data = ... "
+                "or .grad.set_(...) swapped it)", "Change the .grad in place"):
+        out.sum().backward()
+    buffer.data = captured
+    out.sum().backward()  # the refused backward ran nothing: it may run now
+    eager(x1).sum().backward()
+    for (name, a), b in zip(module.named_parameters(), eager.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    assert module.up.weight.grad is buffer
+
+
+def test_r14_a_main_grad_whose_memory_was_swapped_is_refused():
+    _, module = _block_pair()
+    _Megatron(module, overlap_grad_reduce=False)
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
+    graphed(torch.randn(4, 8)).sum().backward()
+    module.down.bias.main_grad.data = torch.zeros(8)
+    with raises(RuntimeError, "parameter 'down.bias': the main_grad tensor the backward graph "
+                "adds into holds other memory than at capture", "Change the main_grad in place"):
+        graphed(torch.randn(4, 8)).sum().backward()
+
+
 @HOOK_MODES
 def test_a_new_grad_nothing_else_holds_is_adopted_and_trains_as_eager(hooks):
     """A ``.grad`` that only the parameter refers to (assigned afresh, or made by autograd for

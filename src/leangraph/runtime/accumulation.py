@@ -68,6 +68,10 @@ class InGraphAccumulation:
         self._grad_buffers = tuple(t.buffer for t in grad_targets)
         self._main_params = tuple(t.param for t in main_targets)
         self._main_buffers = tuple(t.buffer for t in main_targets)
+        # The memory each buffer had at capture, which the graph adds into: a buffer's data
+        # swapped since (``.grad.data = t``, ``.set_(t)``) keeps its identity, not its memory.
+        self._buffers = tuple(t.buffer for t in fused.targets)
+        self._pointers = tuple(map(_DATA_PTR, self._buffers))
         # Megatron-core's DDP marks the parameters it manages with this flag; its gradient-ready
         # hook adds .grad into main_grad unless the flag says that happened already.
         self._megatron = tuple(
@@ -94,18 +98,21 @@ class InGraphAccumulation:
 
         Raises:
             RuntimeError: for a parameter frozen since capture, with a tensor hook added
-                since, or whose ``.grad`` or ``main_grad`` is another tensor than the one the
-                graph adds into (and that something else holds); without accumulator hooks,
+                since, whose ``.grad`` or ``main_grad`` is another tensor than the one the
+                graph adds into (and that something else holds), or whose buffer's memory was
+                swapped (``.data = ...``, ``.set_(...)``); without accumulator hooks,
                 for one that got a post-accumulate-grad hook since.
         """
         if self._as_captured():
             return False
-        for target in self._targets:
-            self._check_target(target)
+        for target, pointer in zip(self._targets, self._pointers):
+            self._check_target(target, pointer)
         return True
 
-    def _check_target(self, target: AccumulationTarget) -> None:
+    def _check_target(self, target: AccumulationTarget, pointer: int) -> None:
         param = target.param
+        if target.buffer.data_ptr() != pointer:
+            raise RuntimeError(self._swapped(target))
         if _TENSOR_HOOKS(param):
             raise RuntimeError(
                 f"{self._label} parameter {target.name!r} got a tensor hook (register_hook) "
@@ -185,8 +192,9 @@ class InGraphAccumulation:
         )
 
     def _as_captured(self) -> bool:
-        """Whether every target is its parameter's gradient as at capture, every parameter
-        still requires grad, and (without accumulator hooks) none got a hook since."""
+        """Whether every target is its parameter's gradient as at capture, on the captured
+        memory, every parameter still requires grad, and (without accumulator hooks) none
+        got a hook since."""
         try:
             return (
                 all(map(_REQUIRES_GRAD, self._params))
@@ -194,6 +202,7 @@ class InGraphAccumulation:
                 and all(map(operator.is_, map(_MAIN_GRAD, self._main_params), self._main_buffers))
                 and (self._hooks or not any(map(post_accumulate_hooks, self._params)))
                 and not any(map(_TENSOR_HOOKS, self._params))
+                and all(map(operator.eq, map(_DATA_PTR, self._buffers), self._pointers))
             )
         except AttributeError:  # a main_grad deleted: the full check names it
             return False
@@ -234,6 +243,17 @@ class InGraphAccumulation:
         """
         if self._python_hooks is not None:
             call_python_hooks(self._label, self._python_hooks, skip=unreached)
+
+    def _swapped(self, target: AccumulationTarget) -> str:
+        what = "main_grad" if target.into_main_grad else ".grad"
+        return (
+            f"{self._label} parameter {target.name!r}: the {what} tensor the backward graph "
+            f"adds into holds other memory than at capture ({what}.data = ... or "
+            f"{what}.set_(...) swapped it); with fuse_grad_accumulation=True the graph adds "
+            "into the captured memory, so the new memory would get no gradient and this "
+            f"replay would train wrongly. Change the {what} in place (copy_, zero_, mul_), or "
+            "capture again"
+        )
 
     def _replaced(self, target: AccumulationTarget, what: str) -> str:
         if what == ".grad":
@@ -306,3 +326,4 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
 _GRAD = operator.attrgetter("grad")
 _MAIN_GRAD = operator.attrgetter("main_grad")
+_DATA_PTR = torch.Tensor.data_ptr
