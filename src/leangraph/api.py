@@ -38,6 +38,7 @@ from .probe import probe
 from .progress import ProgressCallback
 from .result import GraphedSet
 from .runtime.graphed import GraphedCallable, autocast_state
+from .runtime.kernels import KernelSettings
 from .runtime.pending import PendingBackwards
 from .runtime.sequence import ReplaySequence
 
@@ -319,6 +320,7 @@ def _hand_back(call: Call, built: Built, options: CaptureOptions) -> Any:
     get it as their ``forward``; torch's return form."""
     graphed_set = GraphedSet(built.capture, single=call.single)
     pending = PendingBackwards(len(built.records))
+    settings = KernelSettings(call.device.type)  # one capture, one device type
     sequence = ReplaySequence(
         _replay_steps(call, built.records),
         [record.label for record in built.records],
@@ -334,6 +336,7 @@ def _hand_back(call: Call, built: Built, options: CaptureOptions) -> Any:
             overlap_grad_accumulation=options.overlap_grad_accumulation,
             captured_under_no_grad=not call.grad_enabled,
             autocast_at_capture=autocast_state(call.device.type),
+            kernel_settings=settings,
         )
         for record in built.records
     ]

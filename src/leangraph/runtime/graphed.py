@@ -31,6 +31,7 @@ from .accumulation import InGraphAccumulation
 from .ddp import refuse_unreached_in_ddp, strict_ddp
 from .grads import GradRouting, trained_elsewhere_in_pass
 from .guard import OutputGuard
+from .kernels import KernelSettings
 from .modules import ModuleWatch
 from .overlap import side_stream_accumulators
 from .pending import BackwardToken, PendingBackwards
@@ -80,6 +81,7 @@ class GraphedCallable:
         overlap_grad_accumulation: bool = False,
         captured_under_no_grad: bool = False,
         autocast_at_capture: tuple[bool, torch.dtype | None] | None = None,
+        kernel_settings: KernelSettings | None = None,
     ) -> None:
         self._guard: OutputGuard | None = None  # first: __del__ may run after a failed init
         self._record: GraphRecord | None = record
@@ -133,6 +135,8 @@ class GraphedCallable:
         self._backward_generation = -1
         # The autocast (of the device's type) the graphs' kernels were chosen under.
         self._autocast, self._device_type = autocast_at_capture, _device_of(record).type
+        # The process-wide settings that chose those kernels (TF32, determinism, ...).
+        self._kernels = kernel_settings
 
     # ----------------------------------------------------------------------------- public
 
@@ -177,7 +181,9 @@ class GraphedCallable:
                 ``UserWarning``), a chained layer's input is not the previous layer's output
                 itself, or a parameter frozen at capture requires grad now.
             RuntimeError: out of the capture order, or while the outputs of the previous
-                replay still await their backward; under another autocast than capture's;
+                replay still await their backward; under another autocast than capture's, or
+                other kernel settings (TF32 and reduced precision, deterministic algorithms,
+                cuDNN or oneDNN on or off, the attention kernels enabled);
                 for a parameter whose ``requires_grad`` the forward read, frozen since; under
                 a ``torch.func`` transform; for a module changed since
                 capture (a submodule replaced, a module hook added inside it, a parameter or
@@ -198,6 +204,8 @@ class GraphedCallable:
         record = self._require_ready("call")
         if self._autocast is not None and autocast_state(self._device_type) != self._autocast:
             _refuse_other_autocast(self._label, self._autocast, self._device_type)
+        if self._kernels is not None and self._kernels.read() != self._kernels.captured:
+            self._kernels.check(self._label)
         if _TRANSFORMS_ACTIVE():
             raise RuntimeError(
                 f"{self._label} cannot run under a torch.func transform (vmap, grad, jvp, "
