@@ -449,3 +449,31 @@ def test_a_parameter_two_calls_train_in_one_backward_pass_gets_eagers_gradient(t
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     leangraph.reset_all(graphs_a)
     leangraph.reset_all(graphs_b)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("mode", [{}, {"overlap_grad_accumulation": True}],
+                         ids=["default", "overlap"])
+def test_a_tensor_hook_added_after_capture_keeps_eager_gradients_not_the_buffer(mode, device):
+    """A parameter's ``register_hook`` hook sees the gradient autograd is handed; one that
+    keeps it (gradient logging, say) holds eager's fresh gradient. Handed the static buffer
+    (the parameter's ``.grad`` exists) it would hold memory the next replay overwrites."""
+    torch.manual_seed(0)
+    layer = Block(8).to(device)
+    eager = copy.deepcopy(layer)
+    graphed = leangraph.make_graphed_callables(
+        layer, (torch.randn(4, 8, device=device, requires_grad=True),), **mode)
+    kept: dict[str, list[torch.Tensor]] = {"graphed": [], "eager": []}
+    for key, module in (("graphed", layer), ("eager", eager)):
+        module.up.weight.register_hook(kept[key].append)
+    for _ in range(3):
+        x = torch.randn(4, 8, device=device)
+        graphed(x).sum().backward()
+        eager(x).sum().backward()
+    assert len(kept["graphed"]) == len(kept["eager"]) == 3
+    for step, (got, want) in enumerate(zip(kept["graphed"], kept["eager"])):
+        if device == "cpu":
+            assert torch.equal(got, want), step
+        else:  # cuBLAS may choose other kernels for tiny matmuls under capture
+            torch.testing.assert_close(got, want, msg=f"step {step}")
+    assert kept["graphed"][1].data_ptr() != kept["graphed"][2].data_ptr()

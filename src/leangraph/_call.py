@@ -10,6 +10,7 @@ modules); :class:`CaptureOptions` holds the options of ``make_graphed_callables`
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -404,6 +405,9 @@ def check_options(call: Call, options: CaptureOptions) -> None:
 
 # The hooks a module call runs, per module and (``_global`` prefixed) for every module.
 MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# A tensor's Tensor.register_hook hooks (torch keeps them there, publicly unlisted): None or a
+# dict, empty once every hook was removed.
+TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
 
 
 def global_module_hooks() -> tuple[dict[int, Any], ...]:
@@ -528,9 +532,7 @@ def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[An
                 "which graphs cannot replay; remove them before capture"
             )
     for name, param in fn.named_parameters():
-        if (
-            param._backward_hooks
-        ):  # torch keeps Tensor.register_hook's hooks here, publicly unlisted
+        if TENSOR_HOOKS(param):
             raise ValueError(
                 f"callables[{index}] ({type(fn).__name__}): parameter {name!r} has a tensor hook "
                 "(register_hook); the captured backward would run it and autograd would run it "

@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from .._call import TENSOR_HOOKS
 from ..build.accumulation import (
     AccumulationTarget,
     FusedGradients,
@@ -113,7 +114,7 @@ class InGraphAccumulation:
         param = target.param
         if target.buffer.data_ptr() != pointer:
             raise RuntimeError(self._swapped(target))
-        if _TENSOR_HOOKS(param):
+        if TENSOR_HOOKS(param):
             raise RuntimeError(
                 f"{self._label} parameter {target.name!r} got a tensor hook (register_hook) "
                 "since capture; with fuse_grad_accumulation=True the backward graph adds its "
@@ -201,7 +202,7 @@ class InGraphAccumulation:
                 and all(map(operator.is_, map(_GRAD, self._grad_params), self._grad_buffers))
                 and all(map(operator.is_, map(_MAIN_GRAD, self._main_params), self._main_buffers))
                 and (self._hooks or not any(map(post_accumulate_hooks, self._params)))
-                and not any(map(_TENSOR_HOOKS, self._params))
+                and not any(map(TENSOR_HOOKS, self._params))
                 and all(map(operator.eq, map(_DATA_PTR, self._buffers), self._pointers))
             )
         except AttributeError:  # a main_grad deleted: the full check names it
@@ -322,8 +323,6 @@ _DDP_NO_HOOKS = (
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-# Tensor.register_hook's hooks (torch keeps them here, publicly unlisted): None or a dict.
-_TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
 _GRAD = operator.attrgetter("grad")
 _MAIN_GRAD = operator.attrgetter("main_grad")
 _DATA_PTR = torch.Tensor.data_ptr

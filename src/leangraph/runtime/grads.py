@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .._call import TENSOR_HOOKS
 from ..build.record import GraphRecord
 from .pending import PendingBackwards
 
@@ -28,7 +29,8 @@ class GradRouting:
     """The gradients of one graph's backward replay, in ``_Replay.apply``'s argument order.
 
     A gradient autograd may store (a leaf input's ``.grad``, or a parameter whose ``.grad`` is
-    still None, which autograd would take over) is copied, so no stored gradient aliases a
+    still None, which autograd would take over), or a tensor hook on the parameter may keep, is
+    copied, so no stored gradient aliases a
     buffer that a later replay overwrites. A parameter that already has a ``.grad`` gets the
     buffer: autograd adds it into that ``.grad`` right away, unless another graph training the same
     parameter still has to run in this backward pass (several microbatches, or tied weights,
@@ -87,10 +89,16 @@ class GradRouting:
         shared = self._other_calls_ids
         if self._shared_param_ids and self._pending.reached_now(self._peers):
             shared = shared | self._shared_param_ids
+        # A tensor hook on a parameter (register_hook) sees the gradient handed and may keep
+        # it, as eager's hooks may keep the fresh gradient they see: a copy too.
         if shared:
-            copy_at += [i for i, p in self._params_with_grad if p.grad is None or id(p) in shared]
+            copy_at += [
+                i
+                for i, p in self._params_with_grad
+                if p.grad is None or id(p) in shared or TENSOR_HOOKS(p)
+            ]
         else:
-            copy_at += [i for i, p in self._params_with_grad if p.grad is None]
+            copy_at += [i for i, p in self._params_with_grad if p.grad is None or TENSOR_HOOKS(p)]
         if not copy_at:
             return grads
         handed = list(grads)

@@ -65,9 +65,10 @@ class GraphedCallable:
     the call's next replays reuse them: the gradient of a chained layer's input (the previous
     layer's seed, read in place by that layer's backward replay), and that of a parameter
     whose ``.grad`` already exists (autograd adds it in at once; ``torch.autograd.grad`` with
-    respect to such a parameter returns the buffer). With ``fuse_grad_accumulation`` the
-    parameters' ``.grad`` or ``main_grad`` are buffers the backward graphs add into, until
-    :meth:`reset` (docs/concepts.md: static buffers and how long outputs stay valid).
+    respect to such a parameter returns the buffer; a tensor hook on it gets a copy). With
+    ``fuse_grad_accumulation`` the parameters' ``.grad`` or ``main_grad`` are buffers the
+    backward graphs add into, until :meth:`reset` (docs/concepts.md: static buffers and how
+    long outputs stay valid).
     """
 
     def __init__(
