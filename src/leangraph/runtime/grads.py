@@ -30,8 +30,8 @@ class GradRouting:
 
     A gradient autograd may store (a leaf input's ``.grad``, or a parameter whose ``.grad`` is
     still None, which autograd would take over), or a tensor hook on the parameter may keep, is
-    copied, so no stored gradient aliases a
-    buffer that a later replay overwrites. A parameter that already has a ``.grad`` gets the
+    copied, so no stored gradient aliases a buffer that a later replay overwrites. A
+    parameter that already has a ``.grad`` (and no tensor hook) gets the
     buffer: autograd adds it into that ``.grad`` right away, unless another graph training the same
     parameter still has to run in this backward pass (several microbatches, or tied weights,
     differentiated together): autograd then waits for that graph's gradient too, whose replay
