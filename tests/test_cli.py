@@ -462,3 +462,15 @@ def test_plan_builds_its_blocks_on_meta_tensors():
 
     (block,) = make_blocks(1, BlockShape(hidden=8192, heads=64, sequence=16), "meta")
     assert {p.device.type for p in block.parameters()} == {"meta"}
+
+
+def test_a_closed_stderr_runs_without_progress():
+    """``leangraph demo 2>&-``: Python's sys.stderr is None; the run must still finish."""
+    done = subprocess.run(
+        [sys.executable, "-m", "leangraph", "demo", "--device", "cpu", "--steps", "1",
+         "--microbatches", "2", "--hidden", "8", "--sequence", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=_env(), cwd=ROOT, text=True,
+        timeout=120, check=False, preexec_fn=lambda: os.close(2),
+    )
+    assert done.returncode == 0, done.stdout
+    assert "graphed loss" in done.stdout and "progress:" not in done.stdout

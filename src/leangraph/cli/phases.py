@@ -180,7 +180,7 @@ def _rich_available() -> bool:
 def phase_display(enabled: bool = True) -> Iterator[PhaseProgress | None]:
     """The command line's progress on stderr: a rich bar on a terminal, else one line per
     phase (a log); None when ``enabled`` is False."""
-    if not enabled:
+    if not enabled or sys.stderr is None:  # None: the process started with stderr closed
         yield None
     elif sys.stderr.isatty() and _rich_available():
         with _rich_display() as show:
@@ -196,7 +196,7 @@ def progress_bar(enabled: bool = True) -> Iterator[PhaseProgress | None]:
     Yields None (no bar) when disabled, when rich is missing or stderr is not a terminal.
     Call :meth:`PhaseProgress.expect_capture` first for per-pass counts.
     """
-    if not (enabled and sys.stderr.isatty() and _rich_available()):
+    if not (enabled and sys.stderr is not None and sys.stderr.isatty() and _rich_available()):
         yield None
         return
     with _rich_display() as show:
