@@ -464,6 +464,21 @@ def test_plan_builds_its_blocks_on_meta_tensors():
     assert {p.device.type for p in block.parameters()} == {"meta"}
 
 
+def test_demo_fails_when_a_graphed_loss_is_nan(monkeypatch, capsys):
+    """A NaN compares False with any tolerance: it must fail the check, not pass it."""
+    from leangraph.cli import commands
+    from leangraph.cli.demo import DemoResult
+
+    def nan_run(config, progress=None):
+        return DemoResult("cpu", [1, -1], eager_losses=[1.0, 0.9],
+                          graphed_losses=[1.0, float("nan")])
+
+    monkeypatch.setattr(commands, "run_demo", nan_run)
+    status, out, err = run_cli(["demo", "--device", "cpu", "--no-progress"], capsys)
+    assert status == 1, out
+    assert_one_line(err, "graphed and eager losses differ", "leangraph demo")
+
+
 def test_a_closed_stderr_runs_without_progress():
     """``leangraph demo 2>&-``: Python's sys.stderr is None; the run must still finish."""
     done = subprocess.run(

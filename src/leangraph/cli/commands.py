@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import importlib.util
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -373,9 +374,10 @@ def _demo(args: argparse.Namespace) -> int:
     with _intra_op_threads(args.threads, device), phase_display(not args.no_progress) as progress:
         result = run_demo(config, progress=progress)
     _print_demo(config, result, "--device cpu" if args.device == "cpu" else "No GPU found")
-    worst = max(abs(e - g) for e, g in zip(result.eager_losses, result.graphed_losses))
+    diffs = [abs(e - g) for e, g in zip(result.eager_losses, result.graphed_losses)]
+    worst = max(diffs, key=lambda d: math.inf if math.isnan(d) else d)  # NaN: the worst
     tolerance = 1e-5 * max(1.0, max(result.eager_losses))
-    if worst > tolerance:
+    if not worst <= tolerance:  # a NaN loss fails too
         raise CommandError(
             f"graphed and eager losses differ by up to {worst:.2e}, above the tolerance "
             f"{tolerance:.2e}"
