@@ -173,6 +173,8 @@ USAGE_ERRORS = [
     (["plan", "--function", "no_such_module_xyz:make"], "leangraph plan",
      "no module 'no_such_module_xyz' in the working folder"),
     (["plan", "--function", "make"], "leangraph plan", "expected module:function"),
+    (["plan", "--function", ""], "leangraph plan",  # not the default workload's plan
+     "--function '': expected module:function"),
     (["plan", "--function", "os:no_such_function"], "leangraph plan",
      "module os has no attribute 'no_such_function'"),
     (["plan", "--function", "os:sep"], "leangraph plan", "os.sep is a str, not a function"),

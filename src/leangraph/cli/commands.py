@@ -729,7 +729,7 @@ def _workload_of(spec: str) -> tuple[Any, Any, dict[str, Any]]:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    if args.function:
+    if args.function is not None:
         given = _workload_given(args)
         if given:
             them = "them" if len(given) > 1 else "it"
