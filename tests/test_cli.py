@@ -175,6 +175,10 @@ USAGE_ERRORS = [
     (["plan", "--function", "make"], "leangraph plan", "expected module:function"),
     (["plan", "--function", ""], "leangraph plan",  # not the default workload's plan
      "--function '': expected module:function"),
+    (["bench", "--device", "cpu", "--json", "x" * 300 + ".json"], "leangraph bench",
+     "cannot be written (File name too long)"),
+    (["bench", "--device", "cpu", "--json", "out.png", "--bars", "./out.png"], "leangraph bench",
+     "--json out.png, --bars ./out.png: the same file twice"),
     (["plan", "--function", "os:no_such_function"], "leangraph plan",
      "module os has no attribute 'no_such_function'"),
     (["plan", "--function", "os:sep"], "leangraph plan", "os.sep is a str, not a function"),

@@ -310,7 +310,13 @@ def _output_file(path: str | None, flag: str) -> None:
         return
     if not path.strip():
         raise UsageError(f"{flag} {path!r}: an empty file name; give a file name")
-    target = Path(path)
+    try:  # a name the system refuses (too long, say) fails these checks as the open would
+        _check_output_file(Path(path), path, flag)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot be written ({exc.strerror})") from None
+
+
+def _check_output_file(target: Path, path: str, flag: str) -> None:
     if target.is_dir():
         raise UsageError(f"{flag} {path}: is a folder; give a file name")
     folder = target.resolve().parent
@@ -318,13 +324,26 @@ def _output_file(path: str | None, flag: str) -> None:
         what = "is a file, not a folder" if folder.exists() else "does not exist; create it first"
         raise UsageError(f"{flag} {path}: folder {target.parent} {what}")
     existed = target.exists()
-    try:  # opened as the run will open it, so that a run is not lost at its end
-        with open(target, "a"):
-            pass
-    except OSError as exc:
-        raise UsageError(f"{flag} {path}: cannot be written ({exc.strerror})") from None
+    with open(target, "a"):  # opened as the run will open it, so that a run is not lost at its end
+        pass
     if not existed:
         target.unlink(missing_ok=True)
+
+
+def _distinct_outputs(outputs: Sequence[tuple[str, str | None]]) -> None:
+    """Refuse two output flags naming one file: the later write would replace the earlier."""
+    seen: dict[Path, str] = {}
+    for flag, path in outputs:
+        if path is None:
+            continue
+        key = Path(path).resolve()
+        if key in seen:
+            first = seen[key]
+            raise UsageError(
+                f"{first}, {flag} {path}: the same file twice (the second would overwrite the "
+                "first); give each its own file"
+            )
+        seen[key] = f"{flag} {path}"
 
 
 def _needs_matplotlib(flag: str) -> None:
@@ -462,8 +481,10 @@ def _bench_methods(
 
 
 def _check_bench_outputs(args: argparse.Namespace, device: str, methods: Sequence[str]) -> None:
-    for flag, path in (("--json", args.json), ("--plot", args.plot), ("--bars", args.bars)):
+    outputs = (("--json", args.json), ("--plot", args.plot), ("--bars", args.bars))
+    for flag, path in outputs:
         _output_file(path, flag)
+    _distinct_outputs(outputs)
     for flag, path in (("--plot", args.plot), ("--bars", args.bars)):
         if path is None:
             continue
