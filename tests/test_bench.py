@@ -98,6 +98,9 @@ def test_bench_cli_writes_json(tmp_path, capsys):
                                     "leangraph-fused", "leangraph-fused-python",
                                     "leangraph-fused-nohooks"}
     assert len(data["leangraph_timeline"]) > 0
+    # The CPU measures no memory: null, as every other byte figure, not a measured 0.
+    assert {point["allocated_bytes"] for point in data["leangraph_timeline"]} == {None}
+    assert {m["step_peak_bytes"] for m in data["methods"].values()} == {None}
     printed = capsys.readouterr().out
     assert "CPU reference backend" in printed and f"wrote {out}" in printed
 

@@ -343,7 +343,12 @@ class BenchResult:
         if self.unavailable:
             data["unavailable"] = self.unavailable
         if self.report is not None:
-            data["leangraph_timeline"] = [asdict(p) for p in self.report.timeline]
+            # The CPU backend samples no allocator: its points' 0 is no figure, so null.
+            measured = self.report.record.baseline_bytes is not None
+            data["leangraph_timeline"] = [
+                {**asdict(p), **({} if measured else {"allocated_bytes": None})}
+                for p in self.report.timeline
+            ]
         return data
 
     def ratio(self, method: str, figure: str) -> float | None:
