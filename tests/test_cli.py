@@ -308,6 +308,13 @@ def test_a_workload_plan_memory_rejects_is_one_line_status_1(tmp_path, monkeypat
     assert "run again with --debug for the traceback" in err
 
 
+def test_plan_counts_one_of_a_kind_in_the_singular(capsys):
+    status, out, _ = run_cli(["plan", "--pp", "1", "--vp", "1", "--microbatches", "1",
+                              "--layers", "1", "--heads", "1", "--hidden", "8"], capsys)
+    assert status == 0
+    assert "1 chunk x 1 block, 1 microbatch, hidden 8, 1 head, sequence" in out
+
+
 def test_plan_prints_a_plan_without_a_gpu(capsys):
     status, out, _ = run_cli(["plan", "--microbatches", "8", "--hidden", "256", "--heads", "4",
                               "--sequence", "128"], capsys)

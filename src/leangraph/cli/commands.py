@@ -151,8 +151,9 @@ class Workload:
         """``rank 0 of PP4 x VP2, 2 chunks x 4 blocks, hidden 1024, ...``."""
         chunks = f"{plural(self.vp, 'chunk')} x {plural(self.layers, 'block')}"
         return (
-            f"rank {self.rank} of PP{self.pp} x VP{self.vp}, {chunks}, {self.microbatches} "
-            f"microbatches, hidden {self.hidden}, {self.heads} heads, sequence {self.sequence}, "
+            f"rank {self.rank} of PP{self.pp} x VP{self.vp}, {chunks}, "
+            f"{self.microbatches} microbatch{'' if self.microbatches == 1 else 'es'}, hidden "
+            f"{self.hidden}, {plural(self.heads, 'head')}, sequence {self.sequence}, "
             f"micro-batch {self.micro_batch}, {self.dtype}"
         )
 
@@ -540,7 +541,7 @@ def _bench(args: argparse.Namespace) -> int:
         print("".join(f"Note: {note[0].upper()}{note[1:]}.\n" for note in notes), end="")
     hooked = "; a gradient-ready hook on every parameter" if config.grad_hooks else ""
     print(
-        f"workload: {described}; {', '.join(config.methods)}; {config.steps} timed steps "
+        f"workload: {described}; {', '.join(config.methods)}; {plural(config.steps, 'timed step')} "
         f"each{hooked}"
     )
     with _intra_op_threads(args.threads, device), phase_display(not args.no_progress) as progress:
