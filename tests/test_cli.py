@@ -299,6 +299,17 @@ def test_a_failing_function_or_module_is_one_line_status_1(body, fragment, tmp_p
     assert_one_line(err, fragment, "leangraph plan")
 
 
+def test_a_keyword_plan_memory_does_not_take_is_a_usage_error_naming_it(tmp_path, monkeypatch,
+                                                                      capsys):
+    body = WORKLOAD.replace("{'order'", "{'ordr'")
+    _write_module(tmp_path, "lg_workload_keyword", body, monkeypatch)
+    status, out, err = run_cli(["plan", "--function", "lg_workload_keyword:make"], capsys)
+    assert status == 2 and out == ""
+    assert_one_line(err, "--function lg_workload_keyword:make: the dict returned must hold "
+                    "plan_memory keywords (sample_kwargs, order, num_layers_per_chunk, "
+                    "meta_attention), got 'ordr'", "leangraph plan")
+
+
 def test_a_workload_plan_memory_rejects_is_one_line_status_1(tmp_path, monkeypatch, capsys):
     body = WORKLOAD.replace("range(4)", "range(3)")  # 3 samples for 2 layers x 2 microbatches
     _write_module(tmp_path, "lg_workload_counts", body, monkeypatch)

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -746,6 +747,14 @@ def _workload_of(spec: str) -> tuple[Any, Any, dict[str, Any]]:
         raise UsageError(
             f"--function {spec}: the third item returned must be a dict of plan_memory "
             f"keywords, got {type(keywords).__name__}"
+        )
+    parameters = inspect.signature(leangraph.plan_memory).parameters.values()
+    taken = [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    unknown = [key for key in keywords if key not in taken]
+    if unknown:
+        raise UsageError(
+            f"--function {spec}: the dict returned must hold plan_memory keywords "
+            f"({', '.join(taken)}), got {', '.join(map(repr, unknown))}"
         )
     return made[0], made[1], keywords
 
