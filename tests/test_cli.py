@@ -481,6 +481,27 @@ def test_an_output_file_that_cannot_be_written_is_refused_before_the_run(capsys)
     assert err.count("\n") == 1 and "--json /proc/leangraph.json: cannot be written" in err
 
 
+def test_output_checks_follow_a_symbolic_link_and_leave_it_as_it_was(tmp_path, monkeypatch,
+                                                                     capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    status, _, err = run_cli(["bench", "--device", "cpu", "--json", "loop"], capsys)
+    assert status == 2
+    assert_one_line(err, "--json loop: cannot be written (", "leangraph bench")  # a loop
+
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone" / "b.json")
+    status, _, err = run_cli(["bench", "--device", "cpu", "--json", "dangling"], capsys)
+    assert status == 2
+    assert_one_line(err, f"--json dangling: folder {tmp_path / 'gone'} does not exist",
+                    "leangraph bench")
+
+    (tmp_path / "link").symlink_to(tmp_path / "b.json")  # a link to a file still to write
+    status, _, err = run_cli(["bench", "--device", "cpu", "--json", "link", "--plot", "t.png"],
+                             capsys)
+    assert status == 2 and "--plot: nothing to draw on the CPU" in err  # after the checks
+    assert (tmp_path / "link").is_symlink() and not (tmp_path / "b.json").exists()
+
+
 def test_plan_builds_its_blocks_on_meta_tensors():
     from leangraph.cli.workloads import BlockShape, make_blocks
 

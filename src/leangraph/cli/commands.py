@@ -316,20 +316,24 @@ def _output_file(path: str | None, flag: str) -> None:
         _check_output_file(Path(path), path, flag)
     except OSError as exc:
         raise UsageError(f"{flag} {path}: cannot be written ({exc.strerror})") from None
+    except RuntimeError as exc:  # Path.resolve's symlink loop before Python 3.13
+        raise UsageError(f"{flag} {path}: cannot be written ({exc})") from None
 
 
 def _check_output_file(target: Path, path: str, flag: str) -> None:
     if target.is_dir():
         raise UsageError(f"{flag} {path}: is a folder; give a file name")
-    folder = target.resolve().parent
+    resolved = target.resolve()  # where a symbolic link leads: the file the run writes
+    folder = resolved.parent
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "does not exist; create it first"
-        raise UsageError(f"{flag} {path}: folder {target.parent} {what}")
-    existed = target.exists()
+        named = f"{target.parent}" if folder == target.parent.resolve() else f"{folder}"
+        raise UsageError(f"{flag} {path}: folder {named} {what}")
+    existed = resolved.exists()
     with open(target, "a"):  # opened as the run will open it, so that a run is not lost at its end
         pass
-    if not existed:
-        target.unlink(missing_ok=True)
+    if not existed:  # the file the open made, not a link to it
+        resolved.unlink(missing_ok=True)
 
 
 def _distinct_outputs(outputs: Sequence[tuple[str, str | None]]) -> None:
