@@ -139,6 +139,8 @@ USAGE_ERRORS = [
     (["bench", "--device", "cpu", "--hidden", "102"], "leangraph bench",
      "--hidden 102 must be a multiple of --heads 4"),
     (["bench", "--rounds", "-1"], "leangraph bench", "argument --rounds: must be at least 0"),
+    (["bench", "--device", "cpu", "--methods", "eager", "--rounds", "2"], "leangraph bench",
+     "--rounds 2 captures and times the graphed methods again, and --methods eager has none"),
     (["demo", "--threads", "1000000"], "leangraph demo",
      "argument --threads: must be at most"),  # torch's thread pool would crash the process
     (["bench", "--threads", str(4 * (os.cpu_count() or 1) + 1)], "leangraph bench",

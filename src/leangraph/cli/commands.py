@@ -31,6 +31,7 @@ from .bench import (
     FUSED,
     FUSED_NO_HOOKS,
     FUSED_PYTHON_HOOKS,
+    GRAPHED_METHODS,
     LEANGRAPH_METHODS,
     METHODS,
     OPT_IN_METHODS,
@@ -500,6 +501,12 @@ def _check_bench_outputs(args: argparse.Namespace, device: str, methods: Sequenc
                 f"run on a GPU or drop {flag}"
             )
         _needs_matplotlib(flag)
+    if args.rounds and not any(name in GRAPHED_METHODS for name in methods):
+        raise UsageError(
+            f"--rounds {args.rounds} captures and times the graphed methods again, and "
+            f"--methods {','.join(methods)} has none; add one ({','.join(GRAPHED_METHODS)}) or "
+            "drop --rounds"
+        )
     if args.plot is not None and "leangraph" not in methods:
         raise UsageError("--plot draws leangraph's memory timeline: add leangraph to --methods")
     if args.launches and device == "cpu":
