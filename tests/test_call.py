@@ -263,18 +263,26 @@ def test_v14_sample_kwargs_count_and_type():
         mgc((scale,), ((sample(),),), sample_kwargs=({}, {}))
     with raises(TypeError, "sample_kwargs[0] must be a dict, got list"):
         mgc((scale,), ((sample(),),), sample_kwargs=([],))
+    # A key Python could not pass as a keyword (torch's probe failed: "keywords must be strings").
+    with raises(TypeError, "sample_kwargs[0] must map keyword names (str) to arguments",
+                "got the key 1 (int)"):
+        mgc(scale, (sample(),), sample_kwargs={1: sample()})
 
 
 def test_v15_one_device_for_samples_and_parameters():
     with raises(
-        ValueError, "must share one device", "sample_args[0] is on cpu", "sample_args[1] is on meta"
+        ValueError, "must share one device", "sample_args[0][0] is on cpu",
+        "sample_args[1][0] is on meta"
     ):
         mgc(blocks(2), ((sample(),), (torch.randn(2, 4, device="meta"),)))
-    with raises(ValueError, "must share one device", "sample_kwargs[0] is on meta"):
+    with raises(ValueError, "must share one device", "sample_kwargs[0]['factor'] is on meta"):
         mgc((scale,), ((sample(),),), sample_kwargs=({"factor": torch.tensor(2.0, device="meta")},))
+    # Two tensors of one sample are named apart, by their leaves (both were sample_args[0]).
+    with raises(ValueError, "sample_args[0][0] is on cpu, but sample_args[0][1]['m'] is on meta"):
+        mgc((lambda x, d: x * d["m"],), ((sample(), {"m": torch.ones(4, device="meta")}),))
     with raises(
         ValueError,
-        "sample_args[0] is on meta",
+        "sample_args[0][0] is on meta",
         "callables[0] (Block) parameter 'norm.weight' is on cpu",
     ):
         mgc(Block(4), (torch.randn(2, 4, device="meta"),))

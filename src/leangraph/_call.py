@@ -204,6 +204,12 @@ def _normalize_samples(sample_args: Any, sample_kwargs: Any, count: int) -> tupl
             )
         if not isinstance(kwargs, dict):
             raise TypeError(f"sample_kwargs[{index}] must be a dict, got {type(kwargs).__name__}")
+        key = next((key for key in kwargs if not isinstance(key, str)), None)
+        if key is not None:
+            raise TypeError(
+                f"sample_kwargs[{index}] must map keyword names (str) to arguments, got the key "
+                f"{key!r} ({type(key).__name__}): a call's keywords are strings"
+            )
         _check_leaves(index, tuple(args), kwargs)
         samples.append((tuple(args), dict(kwargs)))
     return tuple(samples)
@@ -299,13 +305,10 @@ def _common_device(samples: Sequence[Sample], callables: Sequence[Any]) -> torch
 def _device_owners(
     samples: Sequence[Sample], callables: Sequence[Any]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    for index, (args, kwargs) in enumerate(samples):
-        for tensor in pytree.tree_leaves(args):
+    for index, sample in enumerate(samples):
+        for path, tensor in pytree.tree_flatten_with_path(sample)[0]:
             if isinstance(tensor, torch.Tensor):
-                yield f"sample_args[{index}]", tensor
-        for tensor in pytree.tree_leaves(kwargs):
-            if isinstance(tensor, torch.Tensor):
-                yield f"sample_kwargs[{index}]", tensor
+                yield _leaf_path(index, path), tensor
     for index, fn in enumerate(callables):
         if isinstance(fn, torch.nn.Module):
             for name, param in fn.named_parameters():
