@@ -205,6 +205,12 @@ def test_v10_sample_args_count_with_an_order():
         ([1, 2, -2, -1], [1, 2], ["num_layers_per_chunk [1, 2] sums to 3 layers but 2 callables"]),
         ([1, 2, -2, -1], [2], ["order[1] = 2: unknown chunk 2, the model has 1 chunks"]),
         ([1, -1], [1, 1], ["order runs 0 forwards of chunk 2 but 1 of chunk 1"]),
+        # Refused before anything is sized by the chunk id (a billion-entry table, an overflow).
+        ([1, -1, 10**30, -(10**30)], None,
+         ["order[2] = 1000000000000000000000000000000: chunk 10", "cannot be run by an order of 4 "
+          "entries", "needs 2000000000000000000000000000000 entries at least"]),
+        ([Step(StepKind.FORWARD, 10**9, 0), Step(StepKind.BACKWARD, 10**9, 0)], None,
+         ["order[0] = F c1000000000 m0: chunk 1000000000 cannot be run by an order of 2 entries"]),
         ([1, 2, -2, -1], [0, 2], ["num_layers_per_chunk for chunk 1 must be an int >= 1, got 0"]),
         ([], None, ["order is empty"]),
         ("1,2,-2,-1", None, ["order must be a list of chunk ids, got str"]),

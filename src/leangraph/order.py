@@ -407,6 +407,7 @@ def _order_steps(
     """One :class:`Step` per entry of ``order``, and the number of chunks of the model."""
     if _is_explicit(order):
         steps = _explicit_steps(order)  # type: ignore[arg-type]
+        _check_reachable(order, [step.chunk for step in steps], num_layers_per_chunk)
         num_chunks = _num_chunks(max(step.chunk for step in steps), num_layers_per_chunk)
         bad = next((step for step in steps if step.chunk > num_chunks), None)
         if bad is not None:
@@ -416,8 +417,29 @@ def _order_steps(
             )
         return steps, num_chunks
     entries = [_entry(position, entry) for position, entry in enumerate(order)]
+    _check_reachable(order, [chunk for _, chunk in entries], num_layers_per_chunk)
     num_chunks = _num_chunks(max(chunk for _, chunk in entries), num_layers_per_chunk)
     return _count_steps(order, entries, num_chunks), num_chunks
+
+
+def _check_reachable(
+    order: Sequence[object], chunks: Sequence[int], num_layers_per_chunk: object
+) -> None:
+    """Refuse a chunk id that no order of this length can run, before anything is sized by
+    it: chunks ``1..c`` each run a forward and a backward, so ``c`` is at most the entries.
+    (Unchecked, ``10**9`` made per-chunk tables of a billion entries; ``10**30`` overflowed.)
+    With ``num_layers_per_chunk`` a sequence, its length is the model's chunks, and a chunk
+    past it is unknown (checked where the entries are counted)."""
+    if isinstance(num_layers_per_chunk, Sequence):
+        return
+    position = max(range(len(chunks)), key=chunks.__getitem__)
+    chunk = chunks[position]
+    if chunk > len(order):
+        raise ValueError(
+            f"order[{position}] = {order[position]}: chunk {chunk} cannot be run by an order "
+            f"of {len(order)} entries; chunks are numbered 1..N and each runs a forward and a "
+            f"backward of every microbatch, so chunk {chunk} needs {2 * chunk} entries at least"
+        )
 
 
 def _per_chunk(steps: Sequence[Step], kind: StepKind, num_chunks: int) -> list[int]:
