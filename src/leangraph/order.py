@@ -115,8 +115,10 @@ class Layout:
             )
         if self.num_microbatches < 1:
             raise ValueError(f"Layout: num_microbatches must be >= 1, got {self.num_microbatches}")
-        # A list would make the frozen record unhashable and mutable from outside.
+        # A list would make the frozen record unhashable and mutable from outside; numpy ints
+        # would make it print and compare as another record.
         object.__setattr__(self, "layers_per_chunk", tuple(int(n) for n in chunks))
+        object.__setattr__(self, "num_microbatches", int(self.num_microbatches))
 
     @property
     def num_chunks(self) -> int:
@@ -184,8 +186,13 @@ class Layout:
 
     def graph_id(self, index: int) -> GraphId:
         """Inverse of :meth:`graph_index`."""
-        if not 0 <= index < self.num_graphs:
-            raise IndexError(f"graph index {index} out of range [0, {self.num_graphs})")
+        if not (_is_int(index) and 0 <= index < self.num_graphs):
+            # Unchecked, 1.5 and True passed as indices and named graphs that do not exist.
+            raise IndexError(
+                f"Layout.graph_id: graph index must be an int in [0, {self.num_graphs}), got "
+                f"{_described(index)}"
+            )
+        index = int(index)
         start = 0
         for chunk, layers in enumerate(self.layers_per_chunk, start=1):
             size = layers * self.num_microbatches
