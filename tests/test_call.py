@@ -124,6 +124,24 @@ def test_v6_buffers_that_require_grad_are_refused():
         mgc((Block(4), Stats()), ((sample(),), (sample(),)))
 
 
+def test_v38_torchscript_modules_are_refused_before_warm_up():
+    """A scripted or traced module's parameters sit behind C++ wrappers: the capture went
+    through and the first replay failed inside leangraph ("descriptor 'get' for 'dict' objects
+    doesn't apply to a 'OrderedDictWrapper' object")."""
+    calls = []
+    scripted = torch.jit.script(torch.nn.Linear(4, 4))
+    traced = torch.jit.trace(torch.nn.Linear(4, 4), torch.randn(2, 4))
+    with raises(ValueError, "callables[0] (RecursiveScriptModule): the module is a TorchScript "
+                "module (RecursiveScriptModule, from torch.jit.script or torch.jit.trace)",
+                "expected an eager nn.Module: graph the module before scripting or tracing it"):
+        mgc(scripted, (sample(),), pre_warmup_hook=lambda: calls.append(1))
+    with raises(ValueError, "callables[1] (Sequential): submodule '0' is a TorchScript module "
+                "(TopLevelTracedModule"):
+        mgc((Block(4), torch.nn.Sequential(traced, torch.nn.ReLU())), ((sample(),), (sample(),)),
+            pre_warmup_hook=lambda: calls.append(1))
+    assert calls == [] and not isinstance(scripted.__dict__.get("forward"), GraphedCallable)
+
+
 def test_v7_the_same_module_twice_without_an_order():
     layer = Block(4)
     with raises(ValueError, "callables[1] is the same module as callables[0]"):

@@ -449,8 +449,8 @@ def check_capturable(call: Call, already_graphed: Callable[[Any], bool]) -> None
     Raises:
         RuntimeError: for autocast with its cache enabled, or inference mode.
         ValueError: for modules with hooks, buffers that require grad, an already graphed
-            module or submodule, a graphed callable, or (without an order) the same module
-            given twice.
+            module or submodule, a TorchScript module or submodule, a graphed callable, or
+            (without an order) the same module given twice.
     """
     if torch.is_inference_mode_enabled():
         raise RuntimeError(
@@ -520,6 +520,14 @@ def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[An
                 f"make_graphed_callables (its forward is a graphed callable): {_NESTED}. Graph "
                 "the outer module from eager submodules (copy it before graphing the "
                 "submodule), or graph the submodule alone"
+            )
+        if isinstance(module, torch.jit.ScriptModule):
+            raise ValueError(
+                f"callables[{index}] ({type(fn).__name__}): {where} is a TorchScript module "
+                f"({type(module).__name__}, from torch.jit.script or torch.jit.trace), whose "
+                "parameters, buffers and submodules live in C++ behind wrappers that are not "
+                "the dicts a replay checks them in; expected an eager nn.Module: graph the "
+                "module before scripting or tracing it"
             )
         if fsdp is not None and isinstance(module, fsdp):
             raise ValueError(
