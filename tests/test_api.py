@@ -287,6 +287,44 @@ def test_w6_a_failed_fused_capture_gives_back_a_grad_of_another_layout():
     leangraph.reset_all(graphed)
 
 
+class _LeaksModes(torch.nn.Module):
+    """Switches grad mode and autocast off the context-manager way, then raises."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.calls, self.fail_at = 0, fail_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            torch.set_grad_enabled(False)
+            torch.set_autocast_enabled("cpu", True)
+            torch.set_autocast_dtype("cpu", torch.float16)
+            torch.set_autocast_cache_enabled(False)
+            raise KeyboardInterrupt("interrupted")
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 5])  # the probe, warm-up, capture
+def test_w6_a_callable_that_leaves_grad_mode_or_autocast_switched_gets_them_put_back(fail_at):
+    dtype = torch.get_autocast_dtype("cpu")
+    layer = _LeaksModes(fail_at)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="interrupted"):
+            mgc(layer, (sample(),))
+        assert layer.calls == fail_at
+        assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") == dtype and torch.is_autocast_cache_enabled()
+    finally:
+        torch.set_grad_enabled(True)
+        torch.set_autocast_enabled("cpu", False)
+        torch.set_autocast_dtype("cpu", dtype)
+        torch.set_autocast_cache_enabled(True)
+    layer.fail_at = 0
+    leangraph.reset_all(mgc(layer, (sample(),)))  # and capture works again
+
+
 def test_w6_success_leaves_grads_and_training_flags_alone():
     layers = blocks(2)
     for p in layers[0].parameters():

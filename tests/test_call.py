@@ -124,6 +124,24 @@ def test_v6_buffers_that_require_grad_are_refused():
         mgc((Block(4), Stats()), ((sample(),), (sample(),)))
 
 
+def test_v38_torchscript_modules_are_refused_before_warm_up():
+    """A scripted or traced module's parameters sit behind C++ wrappers: the capture went
+    through and the first replay failed inside leangraph ("descriptor 'get' for 'dict' objects
+    doesn't apply to a 'OrderedDictWrapper' object")."""
+    calls = []
+    scripted = torch.jit.script(torch.nn.Linear(4, 4))
+    traced = torch.jit.trace(torch.nn.Linear(4, 4), torch.randn(2, 4))
+    with raises(ValueError, "callables[0] (RecursiveScriptModule): the module is a TorchScript "
+                "module (RecursiveScriptModule, from torch.jit.script or torch.jit.trace)",
+                "expected an eager nn.Module: graph the module before scripting or tracing it"):
+        mgc(scripted, (sample(),), pre_warmup_hook=lambda: calls.append(1))
+    with raises(ValueError, "callables[1] (Sequential): submodule '0' is a TorchScript module "
+                "(TopLevelTracedModule"):
+        mgc((Block(4), torch.nn.Sequential(traced, torch.nn.ReLU())), ((sample(),), (sample(),)),
+            pre_warmup_hook=lambda: calls.append(1))
+    assert calls == [] and not isinstance(scripted.__dict__.get("forward"), GraphedCallable)
+
+
 def test_v7_the_same_module_twice_without_an_order():
     layer = Block(4)
     with raises(ValueError, "callables[1] is the same module as callables[0]"):
@@ -205,6 +223,12 @@ def test_v10_sample_args_count_with_an_order():
         ([1, 2, -2, -1], [1, 2], ["num_layers_per_chunk [1, 2] sums to 3 layers but 2 callables"]),
         ([1, 2, -2, -1], [2], ["order[1] = 2: unknown chunk 2, the model has 1 chunks"]),
         ([1, -1], [1, 1], ["order runs 0 forwards of chunk 2 but 1 of chunk 1"]),
+        # Refused before anything is sized by the chunk id (a billion-entry table, an overflow).
+        ([1, -1, 10**30, -(10**30)], None,
+         ["order[2] = 1000000000000000000000000000000: chunk 10", "cannot be run by an order of 4 "
+          "entries", "needs 2000000000000000000000000000000 entries at least"]),
+        ([Step(StepKind.FORWARD, 10**9, 0), Step(StepKind.BACKWARD, 10**9, 0)], None,
+         ["order[0] = F c1000000000 m0: chunk 1000000000 cannot be run by an order of 2 entries"]),
         ([1, 2, -2, -1], [0, 2], ["num_layers_per_chunk for chunk 1 must be an int >= 1, got 0"]),
         ([], None, ["order is empty"]),
         ("1,2,-2,-1", None, ["order must be a list of chunk ids, got str"]),
@@ -263,18 +287,26 @@ def test_v14_sample_kwargs_count_and_type():
         mgc((scale,), ((sample(),),), sample_kwargs=({}, {}))
     with raises(TypeError, "sample_kwargs[0] must be a dict, got list"):
         mgc((scale,), ((sample(),),), sample_kwargs=([],))
+    # A key Python could not pass as a keyword (torch's probe failed: "keywords must be strings").
+    with raises(TypeError, "sample_kwargs[0] must map keyword names (str) to arguments",
+                "got the key 1 (int)"):
+        mgc(scale, (sample(),), sample_kwargs={1: sample()})
 
 
 def test_v15_one_device_for_samples_and_parameters():
     with raises(
-        ValueError, "must share one device", "sample_args[0] is on cpu", "sample_args[1] is on meta"
+        ValueError, "must share one device", "sample_args[0][0] is on cpu",
+        "sample_args[1][0] is on meta"
     ):
         mgc(blocks(2), ((sample(),), (torch.randn(2, 4, device="meta"),)))
-    with raises(ValueError, "must share one device", "sample_kwargs[0] is on meta"):
+    with raises(ValueError, "must share one device", "sample_kwargs[0]['factor'] is on meta"):
         mgc((scale,), ((sample(),),), sample_kwargs=({"factor": torch.tensor(2.0, device="meta")},))
+    # Two tensors of one sample are named apart, by their leaves (both were sample_args[0]).
+    with raises(ValueError, "sample_args[0][0] is on cpu, but sample_args[0][1]['m'] is on meta"):
+        mgc((lambda x, d: x * d["m"],), ((sample(), {"m": torch.ones(4, device="meta")}),))
     with raises(
         ValueError,
-        "sample_args[0] is on meta",
+        "sample_args[0][0] is on meta",
         "callables[0] (Block) parameter 'norm.weight' is on cpu",
     ):
         mgc(Block(4), (torch.randn(2, 4, device="meta"),))

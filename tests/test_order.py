@@ -105,6 +105,12 @@ def test_orders_cannot_mix_chunk_ids_and_steps():
         ("graph_index", (1.0, 0, 0), r"chunk must be in \[1, 2\].*got 1.0"),
         ("callable_index", (0, 0), r"Layout.callable_index: chunk must be in \[1, 2\]"),
         ("callable_index", (2, 3), r"Layout.callable_index: layer must be in \[0, 3\).*got 3"),
+        # graph_id took 1.5 (GraphId(1, 0.0, 1.5)) and True; a str failed inside.
+        ("graph_id", (1.5,), r"Layout.graph_id: graph index must be an int in \[0, 20\), got "
+         r"float 1.5"),
+        ("graph_id", (True,), r"graph index must be an int in \[0, 20\), got bool True"),
+        ("graph_id", ("1",), r"graph index must be an int in \[0, 20\), got str '1'"),
+        ("graph_id", (20,), r"graph index must be an int in \[0, 20\), got int 20"),
     ],
 )
 def test_v36_a_layout_index_outside_the_layout_is_refused(method, args, message):
@@ -134,4 +140,8 @@ def test_v36_a_layout_no_order_can_have_is_refused(chunks, microbatches, kind, m
 def test_a_layout_given_a_list_holds_a_tuple_and_hashes():
     layout = Layout([2, 3], 4)
     assert layout.layers_per_chunk == (2, 3) and layout == Layout((2, 3), 4)
+    numpy = pytest.importorskip("numpy")
+    counted = Layout([numpy.int64(2), 3], numpy.int64(4))
+    assert type(counted.num_microbatches) is int and repr(counted) == repr(layout)
+    assert counted.graph_id(numpy.int64(5)) == layout.graph_id(5)
     assert hash(layout) == hash(Layout((2, 3), 4))

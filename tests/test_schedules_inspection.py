@@ -60,6 +60,7 @@ def test_in_flight_is_frozen() -> None:
         ([1, 1, -1], "2 forwards but 1 backwards of chunk 1"),
         ([1, 2, -2, -1, 1, -1], "1 forwards of chunk 2 but 2 of chunk 1"),
         ([2, -2], "1 forwards of chunk 2 but 0 of chunk 1"),
+        ([10**9, -(10**9)], r"order\[0\] = 1000000000: chunk 1000000000 cannot be run by an order of 2"),
         ([], "order is empty"),
         ("1-1", "must be a list"),
         (None, "must be a list"),

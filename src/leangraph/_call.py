@@ -204,6 +204,12 @@ def _normalize_samples(sample_args: Any, sample_kwargs: Any, count: int) -> tupl
             )
         if not isinstance(kwargs, dict):
             raise TypeError(f"sample_kwargs[{index}] must be a dict, got {type(kwargs).__name__}")
+        key = next((key for key in kwargs if not isinstance(key, str)), None)
+        if key is not None:
+            raise TypeError(
+                f"sample_kwargs[{index}] must map keyword names (str) to arguments, got the key "
+                f"{key!r} ({type(key).__name__}): a call's keywords are strings"
+            )
         _check_leaves(index, tuple(args), kwargs)
         samples.append((tuple(args), dict(kwargs)))
     return tuple(samples)
@@ -299,13 +305,10 @@ def _common_device(samples: Sequence[Sample], callables: Sequence[Any]) -> torch
 def _device_owners(
     samples: Sequence[Sample], callables: Sequence[Any]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    for index, (args, kwargs) in enumerate(samples):
-        for tensor in pytree.tree_leaves(args):
+    for index, sample in enumerate(samples):
+        for path, tensor in pytree.tree_flatten_with_path(sample)[0]:
             if isinstance(tensor, torch.Tensor):
-                yield f"sample_args[{index}]", tensor
-        for tensor in pytree.tree_leaves(kwargs):
-            if isinstance(tensor, torch.Tensor):
-                yield f"sample_kwargs[{index}]", tensor
+                yield _leaf_path(index, path), tensor
     for index, fn in enumerate(callables):
         if isinstance(fn, torch.nn.Module):
             for name, param in fn.named_parameters():
@@ -446,8 +449,8 @@ def check_capturable(call: Call, already_graphed: Callable[[Any], bool]) -> None
     Raises:
         RuntimeError: for autocast with its cache enabled, or inference mode.
         ValueError: for modules with hooks, buffers that require grad, an already graphed
-            module or submodule, a graphed callable, or (without an order) the same module
-            given twice.
+            module or submodule, a TorchScript module or submodule, a graphed callable, or
+            (without an order) the same module given twice.
     """
     if torch.is_inference_mode_enabled():
         raise RuntimeError(
@@ -517,6 +520,14 @@ def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[An
                 f"make_graphed_callables (its forward is a graphed callable): {_NESTED}. Graph "
                 "the outer module from eager submodules (copy it before graphing the "
                 "submodule), or graph the submodule alone"
+            )
+        if isinstance(module, torch.jit.ScriptModule):
+            raise ValueError(
+                f"callables[{index}] ({type(fn).__name__}): {where} is a TorchScript module "
+                f"({type(module).__name__}, from torch.jit.script or torch.jit.trace), whose "
+                "parameters, buffers and submodules live in C++ behind wrappers that are not "
+                "the dicts a replay checks them in; expected an eager nn.Module: graph the "
+                "module before scripting or tracing it"
             )
         if fsdp is not None and isinstance(module, fsdp):
             raise ValueError(

@@ -1,10 +1,11 @@
 """What a failed call puts back, and what it adds to an out-of-memory error.
 
 A failure in the probe, warm-up or capture must leave the caller's state as it found it:
-RNG states, modules' training flags and the tensors parameters have as ``.grad`` (warm-up and
-capture differentiate with ``torch.autograd.grad``, which never touches ``.grad``, but in-graph
-accumulation may attach a buffer of its own). Module buffers the probe, warm-up and a capture
-that runs its work write into are put back whether the call fails or not (:func:`values_kept`).
+RNG states, grad mode and autocast, modules' training flags and the tensors parameters have
+as ``.grad`` (warm-up and capture differentiate with ``torch.autograd.grad``, which never
+touches ``.grad``, but in-graph accumulation may attach a buffer of its own). Module buffers
+the probe, warm-up and a capture that runs its work write into are put back whether the call
+fails or not (:func:`values_kept`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ __all__ = [
 
 
 class SavedState:
-    """What a failed warm-up or capture puts back: RNG states, modules' training flags and
-    parameters' ``.grad`` tensors.
+    """What a failed warm-up or capture puts back: RNG states, grad mode and autocast,
+    modules' training flags and parameters' ``.grad`` tensors.
 
     Taken before the memory check and warm-up. On success nothing is restored, as in
     ``torch.cuda.make_graphed_callables``: warm-up and capture advance the RNGs the callables
@@ -58,6 +59,15 @@ class SavedState:
         # A forward that assigns a new tensor to its own buffer rebinds it at every run; the
         # values the failed phases wrote are put back in place, the tensors here too.
         self.buffers = buffer_bindings(callables)
+        # A callable that switches grad mode or autocast without a context manager
+        # (torch.set_grad_enabled(False), an autocast entered by hand) and then raises would
+        # leave the caller's process in its modes.
+        self.grad_enabled = torch.is_grad_enabled()
+        self.autocast = [
+            (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+            for device in _AUTOCAST_DEVICES
+        ]
+        self.autocast_cache = torch.is_autocast_cache_enabled()
 
     def restore(self, exc: BaseException) -> None:
         """Put everything back; a step that fails is noted on ``exc``, which stays the error."""
@@ -72,6 +82,7 @@ class SavedState:
                 step()
             except Exception as error:
                 _add_note(exc, f"leangraph: could not restore {what} after the failure: {error!r}")
+        self._restore_modes()
         for module, training in self.training:
             module.training = training
         for param, grad in self.grads:
@@ -79,6 +90,17 @@ class SavedState:
                 param.grad = grad
         for binding in self.buffers:
             binding.rebind()
+
+    def _restore_modes(self) -> None:
+        torch.set_grad_enabled(self.grad_enabled)
+        for device, enabled, dtype in self.autocast:
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+        torch.set_autocast_cache_enabled(self.autocast_cache)
+
+
+# The device types whose autocast state a failed call puts back (those capture can run on).
+_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)

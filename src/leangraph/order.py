@@ -115,8 +115,10 @@ class Layout:
             )
         if self.num_microbatches < 1:
             raise ValueError(f"Layout: num_microbatches must be >= 1, got {self.num_microbatches}")
-        # A list would make the frozen record unhashable and mutable from outside.
+        # A list would make the frozen record unhashable and mutable from outside; numpy ints
+        # would make it print and compare as another record.
         object.__setattr__(self, "layers_per_chunk", tuple(int(n) for n in chunks))
+        object.__setattr__(self, "num_microbatches", int(self.num_microbatches))
 
     @property
     def num_chunks(self) -> int:
@@ -184,8 +186,13 @@ class Layout:
 
     def graph_id(self, index: int) -> GraphId:
         """Inverse of :meth:`graph_index`."""
-        if not 0 <= index < self.num_graphs:
-            raise IndexError(f"graph index {index} out of range [0, {self.num_graphs})")
+        if not (_is_int(index) and 0 <= index < self.num_graphs):
+            # Unchecked, 1.5 and True passed as indices and named graphs that do not exist.
+            raise IndexError(
+                f"Layout.graph_id: graph index must be an int in [0, {self.num_graphs}), got "
+                f"{_described(index)}"
+            )
+        index = int(index)
         start = 0
         for chunk, layers in enumerate(self.layers_per_chunk, start=1):
             size = layers * self.num_microbatches
@@ -407,6 +414,7 @@ def _order_steps(
     """One :class:`Step` per entry of ``order``, and the number of chunks of the model."""
     if _is_explicit(order):
         steps = _explicit_steps(order)  # type: ignore[arg-type]
+        _check_reachable(order, [step.chunk for step in steps], num_layers_per_chunk)
         num_chunks = _num_chunks(max(step.chunk for step in steps), num_layers_per_chunk)
         bad = next((step for step in steps if step.chunk > num_chunks), None)
         if bad is not None:
@@ -416,8 +424,29 @@ def _order_steps(
             )
         return steps, num_chunks
     entries = [_entry(position, entry) for position, entry in enumerate(order)]
+    _check_reachable(order, [chunk for _, chunk in entries], num_layers_per_chunk)
     num_chunks = _num_chunks(max(chunk for _, chunk in entries), num_layers_per_chunk)
     return _count_steps(order, entries, num_chunks), num_chunks
+
+
+def _check_reachable(
+    order: Sequence[object], chunks: Sequence[int], num_layers_per_chunk: object
+) -> None:
+    """Refuse a chunk id that no order of this length can run, before anything is sized by
+    it: chunks ``1..c`` each run a forward and a backward, so ``c`` is at most the entries.
+    (Unchecked, ``10**9`` made per-chunk tables of a billion entries; ``10**30`` overflowed.)
+    With ``num_layers_per_chunk`` a sequence, its length is the model's chunks, and a chunk
+    past it is unknown (checked where the entries are counted)."""
+    if isinstance(num_layers_per_chunk, Sequence):
+        return
+    position = max(range(len(chunks)), key=chunks.__getitem__)
+    chunk = chunks[position]
+    if chunk > len(order):
+        raise ValueError(
+            f"order[{position}] = {order[position]}: chunk {chunk} cannot be run by an order "
+            f"of {len(order)} entries; chunks are numbered 1..N and each runs a forward and a "
+            f"backward of every microbatch, so chunk {chunk} needs {2 * chunk} entries at least"
+        )
 
 
 def _per_chunk(steps: Sequence[Step], kind: StepKind, num_chunks: int) -> list[int]:
