@@ -10,7 +10,7 @@ from models import TORCH_ZERO_BUBBLE_SCHEDULES
 from reference_orders import megatron_accepts
 from torch.distributed import pipelining as pl
 
-from leangraph.order import Step
+from leangraph.order import Step, StepKind
 from leangraph.schedules import (
     InFlight,
     from_pipelining,
@@ -60,6 +60,16 @@ def test_in_flight_is_frozen() -> None:
         ([1, 1, -1], "2 forwards but 1 backwards of chunk 1"),
         ([1, 2, -2, -1, 1, -1], "1 forwards of chunk 2 but 2 of chunk 1"),
         ([2, -2], "1 forwards of chunk 2 but 0 of chunk 1"),
+        # A chunk id far above the chunks an order can run: refused at once, not after
+        # counting every chunk up to it.
+        ([10**12, -(10**12)], "1 forwards of chunk 1000000000000 but 0 of chunk 1"),
+        ([1, -1, 10**12, -(10**12)], "0 forwards of chunk 2 but 1 of chunk 1"),
+        ([1, 1, -1, -1, 3, -3], "0 forwards of chunk 2 but 2 of chunk 1"),
+        # The lenient size reading leaves malformed Step fields to the order's own checks.
+        ([Step(StepKind.FORWARD, None, 0), Step(StepKind.BACKWARD, 1, 0)],  # type: ignore[arg-type]
+         r"order\[0\] = .*chunk must be an int, got NoneType None"),
+        ([Step(StepKind.FORWARD, 1, 0), Step(StepKind.BACKWARD, "1", 0)],  # type: ignore[arg-type]
+         r"order\[1\] = .*chunk must be an int, got str '1'"),
         ([], "order is empty"),
         ("1-1", "must be a list"),
         (None, "must be a list"),

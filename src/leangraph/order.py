@@ -15,6 +15,7 @@ and in the tuple :func:`leangraph.make_graphed_callables` returns.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import numbers
 from collections.abc import Sequence
@@ -287,7 +288,9 @@ def _count_steps(
     order: Sequence[object], entries: Sequence[tuple[StepKind, int]], num_chunks: int
 ) -> list[Step]:
     """Number each entry's microbatch (first in, first out per chunk and kind)."""
-    counts = {kind: [0] * num_chunks for kind in StepKind}
+    # By (kind, chunk), not in lists num_chunks long: a chunk id may be far above the chunks
+    # an order can run (refused by _refuse_missing_chunks, which must not wait for them).
+    counts: dict[tuple[StepKind, int], int] = {}
     steps = []
     for position, (kind, chunk) in enumerate(entries):
         entry = order[position]
@@ -297,15 +300,36 @@ def _count_steps(
                 f"has {num_chunks} chunks"
             )
         before = {StepKind.BACKWARD: StepKind.FORWARD, StepKind.WEIGHT: StepKind.BACKWARD}
-        if kind in before and counts[kind][chunk - 1] >= counts[before[kind]][chunk - 1]:
+        done = counts.get((kind, chunk), 0)
+        if kind in before and done >= counts.get((before[kind], chunk), 0):
             what = "backward" if kind is StepKind.BACKWARD else "weight step"
             needs = "forward" if kind is StepKind.BACKWARD else "backward"
             raise ValueError(
                 f"order[{position}] = {entry}: {what} of chunk {chunk} with no outstanding {needs}"
             )
-        steps.append(Step(kind, chunk, counts[kind][chunk - 1], position))
-        counts[kind][chunk - 1] += 1
+        steps.append(Step(kind, chunk, done, position))
+        counts[(kind, chunk)] = done + 1
     return steps
+
+
+def _refuse_missing_chunks(steps: Sequence[Step], num_chunks: int) -> None:
+    """Refuse an order of fewer steps than chunks (some chunk runs no forward) with the error
+    :func:`_check_counts` gives, counting only the chunks that run: the per-chunk counts are
+    lists ``num_chunks`` long, which for a chunk id such as ``10**9`` would take minutes and
+    gigabytes before saying so."""
+    forwards: dict[int, int] = {}
+    for step in steps:
+        if step.kind is StepKind.FORWARD:
+            forwards[step.chunk] = forwards.get(step.chunk, 0) + 1
+    first = forwards.get(1, 0)
+    differing = [chunk for chunk, count in forwards.items() if count != first]
+    if first:  # then the first chunk that runs no forward differs too
+        differing.append(next(c for c in itertools.count(1) if c not in forwards))
+    chunk = min(differing)  # some chunk in 1..num_chunks runs none, and every step one's
+    raise ValueError(
+        f"order runs {forwards.get(chunk, 0)} forwards of chunk {chunk} but {first} of chunk 1; "
+        "every chunk must run every microbatch"
+    )
 
 
 def _explicit_steps(order: Sequence[Step]) -> list[Step]:
@@ -470,6 +494,8 @@ def parse_order(
             that do not match.
     """
     steps, num_chunks = _order_steps(order, num_layers_per_chunk)
+    if num_chunks > len(steps):
+        _refuse_missing_chunks(steps, num_chunks)
     forwards = _per_chunk(steps, StepKind.FORWARD, num_chunks)
     backwards = _per_chunk(steps, StepKind.BACKWARD, num_chunks)
     _check_counts(forwards, backwards)
