@@ -10,6 +10,9 @@ import copy
 import torch
 from helpers import blocks, graphed_blocks, mgc, raises, sample
 
+from leangraph.cli.local_pipeline import run_order
+from leangraph.order import Layout
+
 
 def test_r12_replays_follow_the_capture_order():
     layers = blocks(1)
@@ -73,6 +76,39 @@ def test_r12_an_abandoned_zero_bubble_pass_drains_its_due_weight_steps_and_start
         graphed[1](sample()).sum().backward()
         graphed[0].backward_dw()
         graphed[1].backward_dw()
+
+
+def test_r12_a_pass_abandoned_with_a_reset_graphs_weight_step_due_may_start_over():
+    """Abandoned after chunk 2's first backward, whose weight step is due: once that graph is
+    reset its weight step can no longer come, so a new pass starts over (an eager layer in
+    the reset graph's place) instead of waiting for it forever, and trains as eager."""
+    order = [1, 2, 1, -2, 2, -1, -2.5, -2, -1.5, -1, -2.5, -1.5]
+    layers = blocks(2)
+    reference = copy.deepcopy(layers)
+    graphed = mgc(layers, tuple((sample(),) for _ in range(4)), order=order)
+    layout = Layout((1, 1), 2)
+    hidden = graphed[layout.graph_index(1, 0, 0)](sample())
+    out = graphed[layout.graph_index(2, 0, 0)](hidden.detach().requires_grad_())
+    pending = graphed[layout.graph_index(1, 1, 0)](sample())
+    out.sum().backward()  # then abandoned: its weight step is due
+    del hidden, out, pending
+    graphed[layout.graph_index(2, 0, 0)].reset()
+    for layer in layers:
+        layer.zero_grad()
+    inputs = [sample() for _ in range(2)]
+
+    def lookup(chunk, microbatch, layer):
+        if (chunk, microbatch) == (2, 0):
+            return layers[1]  # the reset graph's layer, eagerly
+        return graphed[layout.graph_index(chunk, microbatch, layer)]
+
+    for _ in range(2):  # a whole new pass, twice
+        run_order(order, [1, 1], lookup, inputs, lambda y, m: y.square().sum())
+        run_order(order, [1, 1], lambda c, m, l: reference[c - 1], inputs,
+                  lambda y, m: y.square().sum())
+    for layer, twin in zip(layers, reference):
+        for p, q in zip(layer.parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad)
 
 
 def test_r12_a_weight_step_may_not_run_early_while_another_forward_awaits_its_backward():

@@ -150,6 +150,36 @@ def test_a_weight_step_runs_once_per_backward():
         graphed[0].backward_dw()
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["autograd", "fused"])
+def test_l3_a_split_backward_runs_once_per_forward_replay_even_when_retained(fuse):
+    # Eager's two backwards through one forward add two weight gradients; a split backward's
+    # weight step replays one, so the second backward (or one after the weight step) would
+    # lose its weight gradients: refused, also with retain_graph_in_backward=True.
+    torch.manual_seed(0)
+    layers = (Block(8),)
+    (graph,) = leangraph.make_graphed_callables(
+        layers, ((torch.randn(4, 8, requires_grad=True),),), order=[1, -1, -1.5],
+        retain_graph_in_backward=True, fuse_grad_accumulation=fuse)
+    reference = copy.deepcopy(layers[0])
+    x = torch.randn(4, 8)
+    loss = graph(x.clone().requires_grad_()).square().sum()
+    loss.backward(retain_graph=True)
+    for weight_step_first in (False, True):
+        if weight_step_first:
+            graph.backward_dw()
+        with pytest.raises(RuntimeError, match=(
+                r"graph \(chunk 1, microbatch 0, layer 0\): second backward through forward "
+                r"replay 1: .*weight step \(backward_dw\(\)\)")):
+            loss.backward(retain_graph=True)
+    reference(x).square().sum().backward()
+    for p, q in zip(layers[0].parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)  # one backward's, as eager's one backward
+    y = graph(torch.randn(4, 8, requires_grad=True))  # the next pass replays as usual
+    y.sum().backward()
+    graph.backward_dw()
+    leangraph.reset_all((graph,))
+
+
 def test_a_weight_step_is_due_per_graph():
     # Both microbatches in flight, weight steps last: microbatch 1's replay is free while
     # microbatch 0's weight step is pending; microbatch 0's own next replay is not.

@@ -10,7 +10,7 @@ from models import TORCH_ZERO_BUBBLE_SCHEDULES
 from reference_orders import megatron_accepts
 from torch.distributed import pipelining as pl
 
-from leangraph.order import Step
+from leangraph.order import Step, StepKind
 from leangraph.schedules import (
     InFlight,
     from_pipelining,
@@ -61,6 +61,12 @@ def test_in_flight_is_frozen() -> None:
         ([1, 2, -2, -1, 1, -1], "1 forwards of chunk 2 but 2 of chunk 1"),
         ([2, -2], "1 forwards of chunk 2 but 0 of chunk 1"),
         ([10**9, -(10**9)], r"order\[0\] = 1000000000: chunk 1000000000 cannot be run by an order of 2"),
+        ([1, 1, -1, -1, 3, -3], "0 forwards of chunk 2 but 2 of chunk 1"),
+        # The lenient size reading leaves malformed Step fields to the order's own checks.
+        ([Step(StepKind.FORWARD, None, 0), Step(StepKind.BACKWARD, 1, 0)],  # type: ignore[arg-type]
+         r"order\[0\] = .*chunk must be an int, got NoneType None"),
+        ([Step(StepKind.FORWARD, 1, 0), Step(StepKind.BACKWARD, "1", 0)],  # type: ignore[arg-type]
+         r"order\[1\] = .*chunk must be an int, got str '1'"),
         ([], "order is empty"),
         ("1-1", "must be a list"),
         (None, "must be a list"),

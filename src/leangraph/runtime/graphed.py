@@ -473,6 +473,15 @@ def _refuse_stale_backward(
             "graph; to replay a backward more than once per forward, capture with "
             "retain_graph_in_backward=True"
         )
+    if generation == backward and record.split_backward:
+        # Eager's second backward adds a second weight gradient; the weight step replays one.
+        raise RuntimeError(
+            f"{label}: second backward through forward replay {generation}: with weight steps "
+            "(an order with -(c + 0.5) entries) the backward computes input gradients only and "
+            "its weight step (backward_dw()) the weight gradients of one backward, so a second "
+            "backward's would be lost, where eager's would add them; run one backward per "
+            "forward replay (retain_graph_in_backward=True does not lift this)"
+        )
 
 
 def _unreached_params(record: GraphRecord, reached: frozenset[int]) -> frozenset[int]:

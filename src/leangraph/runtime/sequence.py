@@ -150,9 +150,12 @@ class ReplaySequence:
                 self._no_backward.add(graph)  # after _advance, which clears it
 
     def drop(self, graph: int) -> None:
-        """``graph`` was reset: none of its steps will come again."""
+        """``graph`` was reset: none of its steps will come again, so nothing of it is in
+        flight (a weight step it owed no longer keeps a new pass from starting over)."""
         with self._lock:
             self._dropped.add(graph)
+            self._in_flight.discard(graph)
+            self._weight_due.discard(graph)
 
     def _advance(self) -> None:
         graph, kind = self._last = self._steps[self._next]

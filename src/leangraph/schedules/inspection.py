@@ -40,11 +40,17 @@ def _size(order: Sequence[object]) -> tuple[int, int]:
         return 1, 1
     if order and all(isinstance(e, Step) for e in order):
         explicit: Sequence[Step] = order  # type: ignore[assignment]
-        chunks = max(step.chunk for step in explicit)
+        # Only int chunks: parse_order names a field of another type itself.
+        chunks = max((s.chunk for s in explicit if _is_chunk(s.chunk)), default=1)
         return chunks, sum(1 for s in explicit if s.kind is StepKind.FORWARD and s.chunk == 1)
     ids = [int(e) for e in order if isinstance(e, numbers.Integral) and not isinstance(e, bool)]
     chunks = max((abs(e) for e in ids), default=1) or 1
     return chunks, sum(1 for e in ids if e == 1)
+
+
+def _is_chunk(value: object) -> bool:
+    """An int chunk id >= 1 (not a bool), as a lenient size reading may count."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1
 
 
 def _parse(order: Sequence[object]) -> tuple[Layout, tuple[Step, ...]]:
