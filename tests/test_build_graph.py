@@ -95,6 +95,26 @@ def test_w4_outputs_must_keep_which_of_them_are_one_tensor():
         mgc((sometimes_twice,), ((sample(),),))
 
 
+def test_w4_outputs_must_keep_which_of_them_view_another():
+    """A replay returns a view where the probe's forward returned one (as eager does), so a
+    callable that returns a tensor of its own there in a later run is refused."""
+    calls = []
+
+    def sometimes_a_view(x: torch.Tensor):
+        calls.append(None)
+        y = x * 2
+        return (y, y[0]) if len(calls) == 1 else (y, y[0].clone())
+
+    with raises(
+        RuntimeError,
+        "callable 0 (test_w4_outputs_must_keep_which_of_them_view_another.<locals>"
+        ".sometimes_a_view): outputs changed which of them are views of another between runs: "
+        "output 1 views output 0 then no output a view of another; a graph replays one "
+        "aliasing of its outputs",
+    ):
+        mgc((sometimes_a_view,), ((sample(),),))
+
+
 def test_w5_grad_only_through_closure_tensors():
     weight = torch.randn(4, requires_grad=True)
     with raises(

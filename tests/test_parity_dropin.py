@@ -9,6 +9,7 @@ refusals are tested where they are raised (docs/errors.md)."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -274,6 +275,47 @@ def _views_of_inputs() -> Case:
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_views_of_inputs_and_an_input_returned_as_is_train_like_eager(mode):
     assert_parity(_views_of_inputs, mode)
+
+
+class _Pooled(nn.Module):
+    """Hidden states and views of them (a pooled column, a flat slice, the transpose)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = self.proj(x)
+        return y, y[:, 0], y.view(-1)[2:7], y.t()
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_outputs_that_view_another_output_share_its_memory_as_in_eager(mode):
+    """Eager's outputs share memory, so a write into one shows in the others and in their
+    gradients; the replay's do too. (Not with debug_outputs=True, whose guarded outputs
+    autograd refuses to write into in place.)"""
+    torch.manual_seed(0)
+    eager = _Pooled()
+    layer = copy.deepcopy(eager)
+    options: dict[str, Any] = {"share_buffers": False} if mode == "unshared" else {}
+    if mode == "ordered":
+        options["order"] = [1, -1]
+    graphed = leangraph.make_graphed_callables(layer, (_leaf(3, 4),), **options)
+    for step in range(3):
+        x = _leaf(3, 4)
+        results = []
+        for used, model in ((eager, eager), (graphed, layer)):
+            x_used = x.detach().requires_grad_()
+            y, first, flat, transposed = used(x_used)
+            first.mul_(3)  # in place on a view: y, flat and transposed see it
+            assert torch.equal(y[:, 0], first) and torch.equal(transposed.t(), y)
+            loss = y.square().sum() + flat.sin().sum() + (transposed * 2).sum()
+            loss.backward()
+            results.append([loss, x_used.grad, *(p.grad.clone() for p in model.parameters())])
+            model.zero_grad()
+        for a, b in zip(*results):
+            assert torch.equal(a, b), step
+    leangraph.reset_all(graphed)
 
 
 def _mse(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -102,6 +102,10 @@ class GraphFacts:
             same tensor object (its own where none is): ``return y, y`` gives ``(0, 0)``.
             A replay returns one tensor there too, so its gradients add up in autograd as
             eager's do. Empty where no output repeats another.
+        views: The tensor outputs that are views of an earlier, contiguous tensor output
+            (``return y, y[:, 0]``), as :class:`OutputView` records: a replay returns them
+            as views of that output too, so an in-place write into one shows in the other,
+            as in eager. Empty where no output views another.
     """
 
     memory: LayerMemory
@@ -113,6 +117,7 @@ class GraphFacts:
     reads_requires_grad: tuple[int, ...] = ()
     saved_params: tuple[int, ...] = ()
     repeats: tuple[int, ...] = ()
+    views: tuple[OutputView, ...] = ()
 
     @property
     def inputs(self) -> tuple[BufferKey, ...]:
@@ -319,6 +324,7 @@ def _measure(
         tuple(sorted(reads.read)),
         saved_params,
         output_repeats(outputs),
+        output_views(outputs),
     )
 
 
@@ -328,6 +334,49 @@ def output_repeats(outputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
     first: dict[int, int] = {}
     repeats = tuple(first.setdefault(id(o), i) for i, o in enumerate(outputs))
     return repeats if len(first) < len(outputs) else ()
+
+
+@dataclass(frozen=True)
+class OutputView:
+    """Tensor output ``position`` as eager returned it: a view of tensor output ``base``
+    with ``size`` and ``stride``, ``offset`` elements into the base's memory."""
+
+    position: int
+    base: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def output_views(outputs: Sequence[torch.Tensor]) -> tuple[OutputView, ...]:
+    """The outputs that are views of an earlier contiguous output, their elements within
+    its (see :attr:`GraphFacts.views`); outputs that are the same tensor are repeats, not
+    views."""
+    views: list[OutputView] = []
+    for position, output in enumerate(outputs):
+        viewed = {view.position for view in views}
+        for base, candidate in enumerate(outputs[:position]):
+            if candidate is output or base in viewed:
+                continue
+            offset = _offset_within(output, candidate)
+            if offset is not None:
+                views.append(
+                    OutputView(position, base, tuple(output.shape), output.stride(), offset)
+                )
+                break
+    return tuple(views)
+
+
+def _offset_within(view: torch.Tensor, base: torch.Tensor) -> int | None:
+    """Where ``view``'s elements start in the contiguous ``base``'s memory, if all of them
+    lie in it; else None."""
+    if not base.is_contiguous() or view.numel() == 0 or min(view.stride(), default=0) < 0:
+        return None
+    if view.untyped_storage()._cdata != base.untyped_storage()._cdata:
+        return None
+    offset = int(view.storage_offset() - base.storage_offset())
+    last = offset + sum((n - 1) * s for n, s in zip(view.shape, view.stride()))
+    return offset if offset >= 0 and last < base.numel() else None
 
 
 def _reach(

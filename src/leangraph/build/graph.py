@@ -19,7 +19,7 @@ from ..backends.base import GraphBackend, GraphPair
 from ..buffers import BufferKey, same_buffer
 from ..hooks import CaptureHooks
 from ..order import GraphId, StepKind
-from ..probe import GraphFacts, output_repeats, output_template
+from ..probe import GraphFacts, OutputView, output_repeats, output_template, output_views
 from ..runtime.signature import CallSignature
 from .accumulation import (
     AccumulationTarget,
@@ -360,6 +360,7 @@ class GraphBuilder:
             output_tree=source.facts.output_tree,
             output_template=source.facts.output_template,
             output_repeats=source.facts.repeats,
+            output_views=source.facts.views,
             output_requires_grad=self._output_requires_grad,
             saved_outputs=source.facts.saved_outputs,
             saved_params=source.facts.saved_params,
@@ -459,7 +460,20 @@ def _run_callable(source: GraphSource, leaves: Sequence[torch.Tensor]) -> tuple[
             "replays one aliasing of its outputs, so the callable must return the same "
             "tensor in the same places on every call"
         )
+    views = output_views(outputs)
+    if views != expected.views:
+        raise RuntimeError(
+            f"{source.label}: outputs changed which of them are views of another between "
+            f"runs: {_viewing(expected.views)} then {_viewing(views)}; a graph replays one "
+            "aliasing of its outputs, so the callable must return views of the same outputs "
+            "on every call"
+        )
     return tuple(outputs)
+
+
+def _viewing(views: Sequence[OutputView]) -> str:
+    pairs = [f"output {v.position} views output {v.base}" for v in views]
+    return ", ".join(pairs) or "no output a view of another"
 
 
 def _repeated(repeats: Sequence[int]) -> str:

@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 from ..backends.base import GraphPair
 from ..leaves import LeafTemplate
 from ..order import GraphId
+from ..probe import OutputView
 from ..runtime.signature import CallSignature
 from .accumulation import FusedGradients
 
@@ -105,6 +106,9 @@ class GraphRecord:
         output_repeats: Per output, the first output that is the same tensor (its own
             where none is): a replay returns one tensor there, as eager did; empty where
             every output is a tensor of its own.
+        output_views: The outputs eager returned as views of another output
+            (:class:`leangraph.probe.OutputView`): a replay returns them as views of its
+            own output there.
         output_requires_grad: Per output, whether it needs a gradient.
         saved_outputs: Positions of outputs the backward graph reads (saved for it).
         saved_params: Positions among ``params`` of those the backward graph reads.
@@ -142,6 +146,7 @@ class GraphRecord:
     output_tree: pytree.TreeSpec
     output_template: LeafTemplate
     output_repeats: tuple[int, ...]
+    output_views: tuple[OutputView, ...]
     output_requires_grad: tuple[bool, ...]
     saved_outputs: tuple[int, ...]
     saved_params: tuple[int, ...]

@@ -26,6 +26,7 @@ from ..build.accumulation import accumulator_node
 from ..build.record import GraphRecord
 from ..errors import GraphResetError
 from ..order import GraphId, StepKind
+from ..probe import OutputView
 from ..result import GraphedSet
 from .accumulation import InGraphAccumulation
 from .ddp import refuse_unreached_in_ddp, strict_ddp
@@ -100,6 +101,9 @@ class GraphedCallable:
         self._single_output = record.output_tree.is_leaf()
         # ``return y, y`` comes back as one tensor, as in eager (its gradients add up in order).
         self._repeats = record.output_repeats
+        # ``return y, y[:, 0]`` comes back as an output and a view of it, as in eager (a write
+        # into one shows in the other).
+        self._views = record.output_views
         # Outputs and parameters the backward graph reads (R24, R28).
         self._saved_reads = SavedReads.of(record.label, record)
         # Facts of the capture the hot path would otherwise derive at every replay.
@@ -236,6 +240,8 @@ class GraphedCallable:
             self._sequence.without_backward(self._index)  # grad mode off: no backward comes
         if self._single_output:
             return outputs[0]
+        if self._views:
+            outputs = _as_views(outputs, self._views)
         if self._repeats:
             outputs = tuple(outputs[i] for i in self._repeats)
         return pytree.tree_unflatten(record.output_template.fill(outputs), record.output_tree)
@@ -596,6 +602,19 @@ def _refuse_frozen_read(label: str, record: GraphRecord) -> None:
                 "function, other gradients) than the captured one the graphs replay. Freeze "
                 "it before capture, or capture again after freezing it"
             )
+
+
+def _as_views(outputs: Sequence[torch.Tensor], views: Sequence[OutputView]) -> tuple[Any, ...]:
+    """``outputs`` with those eager returned as views of another output made views of that
+    output's replayed tensor: a write into one shows in the other, and autograd takes their
+    gradients through the view, as eager's did. Their own slots get no gradient."""
+    rebuilt = list(outputs)
+    for view in views:
+        base = outputs[view.base]
+        rebuilt[view.position] = base.as_strided(
+            view.size, view.stride, base.storage_offset() + view.offset
+        )
+    return tuple(rebuilt)
 
 
 def _warn_ungraded(
