@@ -220,3 +220,20 @@ def test_a_callable_reading_its_inputs_only_passes_the_write_check():
     graphed = leangraph.make_graphed_callables(module, (x,))
     graphed(torch.randn(2, 4)).sum().backward()
     leangraph.reset_all(graphed)
+
+
+def test_importing_leangraph_leaves_dynamo_unimported():
+    """``import leangraph`` costs what torch costs: the probe's dynamo opt-out is applied at
+    the first probe, not at import (where it imported torch._dynamo, a second)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; before = 'torch._dynamo' in sys.modules; import leangraph; "
+        "print(before, 'torch._dynamo' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    before, after = result.stdout.split()
+    assert after == before, result.stdout

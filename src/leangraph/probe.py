@@ -224,13 +224,8 @@ class _RequiresGradReads(TorchFunctionMode):
         super().__init__()
         self._position = {id(t): i for i, t in enumerate(watched)}
         self.read: set[int] = set()
+        _skip_dynamo(type(self))
 
-    # Never compiled: the eager ops of a compiled callable reach this method as a frame that
-    # dynamo compiles on its own, recompiling per arity; once that frame passed its recompile
-    # limit (tests/test_parity.py, test_runtime_accumulation.py then test_workflows.py in one
-    # process, torch 2.13) a ``.float()`` in the callable returned a ``torch.Size``. Skipped,
-    # the mode stays a plain Python observer.
-    @torch.compiler.disable(recursive=False)
     def __torch_function__(
         self,
         func: Any,
@@ -243,6 +238,27 @@ class _RequiresGradReads(TorchFunctionMode):
             if position is not None:
                 self.read.add(position)
         return func(*args, **(kwargs or {}))
+
+
+def _skip_dynamo(mode: type[_RequiresGradReads]) -> None:
+    """Make ``mode.__torch_function__`` one dynamo never compiles, once, at the first probe.
+
+    The eager ops of a compiled callable reach that method as a frame that dynamo compiles
+    on its own, recompiling per arity; once that frame passed its recompile limit
+    (tests/test_parity.py, test_runtime_accumulation.py then test_workflows.py in one
+    process, torch 2.13) a ``.float()`` in the callable returned a ``torch.Size``. Skipped,
+    the mode stays a plain Python observer. Done here rather than as a decorator because
+    ``torch.compiler.disable`` imports dynamo: a second of ``import leangraph`` otherwise.
+    """
+    if mode not in _UNCOMPILED:
+        method = mode.__dict__["__torch_function__"]
+        mode.__torch_function__ = torch.compiler.disable(  # type: ignore[method-assign]
+            method, recursive=False
+        )
+        _UNCOMPILED.add(mode)
+
+
+_UNCOMPILED: set[type] = set()
 
 
 @contextlib.contextmanager
