@@ -240,10 +240,8 @@ class GraphedCallable:
             self._sequence.without_backward(self._index)  # grad mode off: no backward comes
         if self._single_output:
             return outputs[0]
-        if self._views:
-            outputs = _as_views(outputs, self._views)
-        if self._repeats:
-            outputs = tuple(outputs[i] for i in self._repeats)
+        if self._views or self._repeats:
+            outputs = _as_eager_returned(outputs, self._views, self._repeats)
         return pytree.tree_unflatten(record.output_template.fill(outputs), record.output_tree)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -604,17 +602,20 @@ def _refuse_frozen_read(label: str, record: GraphRecord) -> None:
             )
 
 
-def _as_views(outputs: Sequence[torch.Tensor], views: Sequence[OutputView]) -> tuple[Any, ...]:
-    """``outputs`` with those eager returned as views of another output made views of that
-    output's replayed tensor: a write into one shows in the other, and autograd takes their
-    gradients through the view, as eager's did. Their own slots get no gradient."""
+def _as_eager_returned(
+    outputs: Sequence[torch.Tensor], views: Sequence[OutputView], repeats: Sequence[int]
+) -> tuple[Any, ...]:
+    """``outputs`` aliased as eager returned them: those that were views of another output
+    made views of that output's replayed tensor (a write into one shows in the other, and
+    autograd takes their gradients through the view, as eager's did; their own slots get
+    no gradient), then each repeated output the one tensor it repeats."""
     rebuilt = list(outputs)
     for view in views:
         base = outputs[view.base]
         rebuilt[view.position] = base.as_strided(
             view.size, view.stride, base.storage_offset() + view.offset
         )
-    return tuple(rebuilt)
+    return tuple(rebuilt[i] for i in repeats) if repeats else tuple(rebuilt)
 
 
 def _warn_ungraded(
