@@ -23,7 +23,7 @@ from leangraph.cli import main, progress_bar
 from leangraph.cli.commands import UsageError
 from leangraph.cli.demo import DemoConfig, run_demo
 from leangraph.cli.phases import Phase, PhaseProgress, line_display
-from leangraph.cli.workloads import BlockShape
+from leangraph.cli.workloads import BlockShape, plural
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_GPU = not torch.cuda.is_available()
@@ -326,6 +326,12 @@ def test_plan_counts_one_of_a_kind_in_the_singular(capsys):
                               "--layers", "1", "--heads", "1", "--hidden", "8"], capsys)
     assert status == 0
     assert "1 chunk x 1 block, 1 microbatch, hidden 8, 1 head, sequence" in out
+
+
+def test_plural_takes_an_irregular_plural():
+    assert plural(1, "microbatch", "microbatches") == "1 microbatch"
+    assert plural(8, "microbatch", "microbatches") == "8 microbatches"
+    assert plural(2, "block") == "2 blocks"
 
 
 def test_plan_prints_a_plan_without_a_gpu(capsys):

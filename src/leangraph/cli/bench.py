@@ -1354,8 +1354,9 @@ def _workload_title(result: BenchResult) -> str:
     dtype = str(shape["dtype"]).replace("torch.", "")
     chunks = f"{plural(c['vp_size'], 'chunk')} x {plural(c['layers_per_chunk'], 'block')}"
     return (
-        f"rank {c['rank']} of PP{c['pp_size']}/VP{c['vp_size']}, {c['num_microbatches']} "
-        f"microbatches, {chunks}, hidden {shape['hidden']}, sequence {shape['sequence']}, {dtype}"
+        f"rank {c['rank']} of PP{c['pp_size']}/VP{c['vp_size']}, "
+        f"{plural(c['num_microbatches'], 'microbatch', 'microbatches')}, {chunks}, hidden "
+        f"{shape['hidden']}, sequence {shape['sequence']}, {dtype}"
     )
 
 

@@ -154,7 +154,7 @@ class Workload:
         chunks = f"{plural(self.vp, 'chunk')} x {plural(self.layers, 'block')}"
         return (
             f"rank {self.rank} of PP{self.pp} x VP{self.vp}, {chunks}, "
-            f"{self.microbatches} microbatch{'' if self.microbatches == 1 else 'es'}, hidden "
+            f"{plural(self.microbatches, 'microbatch', 'microbatches')}, hidden "
             f"{self.hidden}, {plural(self.heads, 'head')}, sequence {self.sequence}, "
             f"micro-batch {self.micro_batch}, {self.dtype}"
         )

@@ -252,6 +252,7 @@ def hidden_batches(
     ]
 
 
-def plural(count: int, noun: str) -> str:
-    """``1 block``, ``4 blocks``: how the tools count things in their output."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``1 block``, ``4 blocks``: how the tools count things in their output; ``nouns`` where
+    the plural is not ``noun`` + s (``microbatch``, ``microbatches``)."""
+    return f"{count} {noun if count == 1 else nouns or noun + 's'}"
