@@ -11,6 +11,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from ..order import Layout, Step, StepKind, parse_order
 from ..plan import build_plan
@@ -41,16 +42,16 @@ def _size(order: Sequence[object]) -> tuple[int, int]:
     if order and all(isinstance(e, Step) for e in order):
         explicit: Sequence[Step] = order  # type: ignore[assignment]
         # Only int chunks: parse_order names a field of another type itself.
-        chunks = max((s.chunk for s in explicit if _is_chunk(s.chunk)), default=1)
+        chunks = max((s.chunk for s in explicit if _is_id(s.chunk) and s.chunk >= 1), default=1)
         return chunks, sum(1 for s in explicit if s.kind is StepKind.FORWARD and s.chunk == 1)
-    ids = [int(e) for e in order if isinstance(e, numbers.Integral) and not isinstance(e, bool)]
+    ids = [int(e) for e in order if _is_id(e)]
     chunks = max((abs(e) for e in ids), default=1) or 1
     return chunks, sum(1 for e in ids if e == 1)
 
 
-def _is_chunk(value: object) -> bool:
-    """An int chunk id >= 1 (not a bool), as a lenient size reading may count."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1
+def _is_id(value: object) -> TypeGuard[int]:
+    """An int entry or chunk id (not a bool), as a lenient size reading may count."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _parse(order: Sequence[object]) -> tuple[Layout, tuple[Step, ...]]:
