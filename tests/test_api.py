@@ -266,8 +266,11 @@ class _FailsAtCall(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.calls == self.fail_at:
-            raise KeyboardInterrupt("interrupted at capture")
+            self.fail()
         return self.lin(x)
+
+    def fail(self) -> None:
+        raise KeyboardInterrupt("interrupted at capture")
 
 
 def test_w6_a_failed_fused_capture_gives_back_a_grad_of_another_layout():
@@ -287,23 +290,15 @@ def test_w6_a_failed_fused_capture_gives_back_a_grad_of_another_layout():
     leangraph.reset_all(graphed)
 
 
-class _LeaksModes(torch.nn.Module):
+class _LeaksModes(_FailsAtCall):
     """Switches grad mode and autocast off the context-manager way, then raises."""
 
-    def __init__(self, fail_at: int) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 4)
-        self.calls, self.fail_at = 0, fail_at
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.calls == self.fail_at:
-            torch.set_grad_enabled(False)
-            torch.set_autocast_enabled("cpu", True)
-            torch.set_autocast_dtype("cpu", torch.float16)
-            torch.set_autocast_cache_enabled(False)
-            raise KeyboardInterrupt("interrupted")
-        return self.lin(x)
+    def fail(self) -> None:
+        torch.set_grad_enabled(False)
+        torch.set_autocast_enabled("cpu", True)
+        torch.set_autocast_dtype("cpu", torch.float16)
+        torch.set_autocast_cache_enabled(False)
+        raise KeyboardInterrupt("interrupted")
 
 
 @pytest.mark.parametrize("fail_at", [1, 2, 5])  # the probe, warm-up, capture
