@@ -341,3 +341,57 @@ def test_w12_the_device_forms_the_cpu_backend_captures_replay_as_eager_on_cuda(n
 # differed from eager's in the last bits, their forwards bitwise equal; the cause (which
 # kernel the backward's solves or products take under capture) was not found.
 _BACKWARD_ROUNDED_ON_CUDA = frozenset({"cholesky_ex", "inv_ex", "qr"})
+
+
+def test_v39_a_call_inside_a_cuda_capture_is_refused_and_the_capture_survives():
+    """Called inside the user's own ``torch.cuda.graph``, the warm-up's eager work broke that
+    capture ("operation failed due to a previous error during capture") and left the CUDA
+    generator in capture mode: every later random op and capture of the process raised
+    "Offset increment outside graph capture". Refused before any work: the outer capture
+    goes on and ends cleanly."""
+    _prime()
+    layer, sample_x = Block(WIDTH).cuda(), _sample()
+    outer, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        static = torch.zeros(8, device="cuda")
+        with torch.cuda.graph(outer):
+            with pytest.raises(RuntimeError, match="must not run while a CUDA stream captures"):
+                mgc(layer, (sample_x,))
+            static.add_(1)  # the outer capture still records
+    torch.cuda.current_stream().wait_stream(side)
+    outer.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, torch.ones(8, device="cuda"))  # the replay's add (capture runs none)
+    torch.nn.functional.dropout(_sample(), 0.5)  # the generator left capture mode
+    graphed = mgc(layer, (_sample(),))
+    graphed(_sample()).sum().backward()
+    leangraph.reset_all([graphed])
+
+
+def test_a_host_sync_in_capture_is_explained_and_leaves_nothing_broken():
+    """``.item()`` inside the forward passes warm-up (eager) and then fails CUDA's capture
+    with cudaErrorStreamCaptureUnsupported; the error keeps torch's type and message, with
+    notes naming the callable and what to do instead, and the process captures again."""
+
+    class Reads(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Block(WIDTH)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.inner(x)
+            return y * y.sum().item()
+
+    _prime()
+    with pytest.raises(Exception, match="operation not permitted when stream is capturing") as info:
+        mgc(Reads().cuda(), (_sample(),))
+    if NOTES:
+        text = notes(info.value)
+        assert "raised during capture of callable 0 (Reads)" in text, text
+        assert "synchronizes the host with the GPU" in text and ".item()" in text, text
+    assert not torch.cuda.is_current_stream_capturing()
+    torch.nn.functional.dropout(_sample(), 0.5)
+    graphed = mgc(Block(WIDTH).cuda(), (_sample(),))
+    graphed(_sample()).sum().backward()
+    leangraph.reset_all([graphed])

@@ -447,7 +447,8 @@ def check_capturable(call: Call, already_graphed: Callable[[Any], bool]) -> None
     ``forward`` is one.
 
     Raises:
-        RuntimeError: for autocast with its cache enabled, or inference mode.
+        RuntimeError: for autocast with its cache enabled, inference mode, or a CUDA stream
+            capturing a graph.
         ValueError: for modules with hooks, buffers that require grad, an already graphed
             module or submodule, a TorchScript module or submodule, a graphed callable, or
             (without an order) the same module given twice.
@@ -459,6 +460,13 @@ def check_capturable(call: Call, already_graphed: Callable[[Any], bool]) -> None
             "outside inference_mode cannot write into; call it outside inference_mode, "
             "under torch.no_grad() for forward-only graphs (which replay under "
             "inference_mode too)"
+        )
+    if _stream_capturing():
+        raise RuntimeError(
+            "make_graphed_callables must not run while a CUDA stream captures (inside "
+            "torch.cuda.graph or between CUDAGraph.capture_begin and capture_end): its warm-up "
+            "runs the callables eagerly and its captures need a stream of their own, so CUDA "
+            "would invalidate the outer capture; call it before or after that capture"
         )
     enabled = any(torch.is_autocast_enabled(d) for d in ("cuda", "cpu"))
     if enabled and torch.is_autocast_cache_enabled():
@@ -476,6 +484,11 @@ def check_capturable(call: Call, already_graphed: Callable[[Any], bool]) -> None
             )
     if not call.plan.ordered:
         _check_distinct_modules(call.callables)
+
+
+def _stream_capturing() -> bool:
+    """Whether the current CUDA stream captures a graph (never where CUDA was not started)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _fsdp_module_class() -> type | None:

@@ -50,9 +50,21 @@ def phase_note(phase: str, label: str, position: str) -> Iterator[None]:
             add_note(f"leangraph: raised during {phase} of {label}, at {position}")
             if "CUDAGeneratorImpl" in str(exc):
                 add_note(_GENERATOR_HINT)
+            elif _CAPTURE_UNSUPPORTED in str(exc):
+                add_note(_SYNC_HINT)
         raise
 
 
+# cudaErrorStreamCaptureUnsupported, CUDA's refusal of a host sync while a stream captures.
+_CAPTURE_UNSUPPORTED = "operation not permitted when stream is capturing"
+_SYNC_HINT = (
+    "leangraph: the callable synchronizes the host with the GPU during capture, which a CUDA "
+    "graph cannot record: it reads a tensor's values on the host (.item(), .tolist(), "
+    "bool(tensor), printing one), or makes a tensor whose shape depends on its values "
+    "(nonzero, boolean-mask indexing, unique); a replay reruns kernels only, never that host "
+    "decision. Keep the computation on the device (torch.where instead of an if, a fixed-size "
+    "mask), or leave that part outside the graphed callable"
+)
 _GENERATOR_HINT = (
     "leangraph: CUDA refuses to read or set the CUDA generator while a graph captures; "
     "torch.utils.checkpoint does both (preserve_rng_state=True, its default). Checkpoint "
