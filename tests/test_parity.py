@@ -10,6 +10,7 @@ sizes. Then what real models bring: parameter hooks, ``torch.compile``.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -326,6 +327,44 @@ def test_compiled_functions_and_modules_in_an_order():
         torch.testing.assert_close(out, project(layers[0](x), weight))
         out.sum().backward()
     leangraph.reset_all(graphed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_around_a_graphed_module_replays_it_at_every_call(device):
+    """A graphed module inside a model that torch.compile compiles is a graph break: its call
+    runs eagerly, with every frame it runs. Before, dynamo compiled the frames the call ran
+    after its graph breaks (the CPU backend's replay of recorded ops among them: Inductor's
+    kernels then computed other values than capture's, off by 1e-7)."""
+    torch.manual_seed(0)
+    inner = Scaled().to(device)
+    reference = copy.deepcopy(inner)
+    leangraph.make_graphed_callables(inner, (torch.randn(2, 4, device=device, requires_grad=True),))
+    model = nn.Sequential(nn.Hardtanh(-2.0, 2.0), inner, nn.ReLU())
+    eager = nn.Sequential(nn.Hardtanh(-2.0, 2.0), reference, nn.ReLU())
+    traced_from: list[str] = []  # the source lines of every op dynamo hands a backend
+
+    def backend(graph_module: torch.fx.GraphModule, example_inputs: list) -> object:
+        for node in graph_module.graph.nodes:
+            traced_from.append(node.meta.get("stack_trace") or "")
+        return graph_module.forward
+
+    compiled = torch.compile(model, backend=backend)
+    for _ in range(3):
+        x = torch.randn(2, 4, device=device, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        out, expected = compiled(x), eager(x_eager)
+        assert torch.equal(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+        assert torch.equal(x.grad, x_eager.grad)
+    for p, q in zip(inner.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    leangraph_dir = str(Path(leangraph.__file__).parent)
+    assert not [t for t in traced_from if leangraph_dir in t]  # none of leangraph's frames
+    inner.lin.weight.data = inner.lin.weight.data.clone()  # the graphs train the old memory
+    with pytest.raises(RuntimeError, match="must keep the data it was captured with"):
+        compiled(torch.randn(2, 4, device=device, requires_grad=True))
+    leangraph.reset_all(inner)
 
 
 @CUDA

@@ -86,6 +86,7 @@ class GraphedCallable:
         kernel_settings: KernelSettings | None = None,
     ) -> None:
         self._guard: OutputGuard | None = None  # first: __del__ may run after a failed init
+        _make_uncompiled_call()
         self._record: GraphRecord | None = record
         self._label = record.label
         self._graph_id = record.graph_id
@@ -197,6 +198,8 @@ class GraphedCallable:
                 ``DistributedDataParallel``; captured under ``torch.no_grad()``, with grad
                 mode on where eager's outputs would require grad.
         """
+        if _COMPILING():
+            return _UNCOMPILED_CALL[0](self, *args, **kwargs)
         record = self._record
         if record is not None and self._modules is not None:
             if not self._modules.modes_as_captured():
@@ -778,12 +781,29 @@ def _backward_once(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None,
     return refusal(*[None if o is None else o.detach().requires_grad_() for o in outputs])  # type: ignore[arg-type]
 
 
+def _make_uncompiled_call() -> None:
+    """Make :meth:`GraphedCallable.__call__` as torch.compile must see it, once: a graph break,
+    then the call run eagerly with every frame it runs. Otherwise dynamo compiles the frames
+    the call runs after its graph breaks: the replay's checks and bookkeeping, and the CPU
+    backend's replay of recorded ops (whose compiled kernels compute other values than
+    capture's). Made at the first capture, not at import (``torch.compiler.disable`` imports
+    dynamo, a second of ``import leangraph``) nor while tracing (dynamo would trace the
+    making); its wrapper costs about a microsecond, so only calls under tracing take it."""
+    if not _UNCOMPILED_CALL:
+        _UNCOMPILED_CALL.append(torch.compiler.disable(GraphedCallable.__call__))
+
+
+_UNCOMPILED_CALL: list[Callable[..., Any]] = []
+
+
 # ``Function.apply`` is a Python wrapper around autograd's C implementation that, outside
 # torch.func transforms (which a replay refuses), only unwraps dead functorch wrappers among the
 # arguments before calling it; that walk over every parameter costs about as much as the node
 # itself. A replay unwraps its inputs (a captured parameter is never a wrapper) and calls the C
 # implementation directly.
 _C_APPLY = super(torch.autograd.Function, _Replay).apply
+# True only while dynamo traces (torch >= 2.3; before, nothing is told apart).
+_COMPILING = getattr(torch.compiler, "is_compiling", lambda: False)
 # Both have been there since torch 2.0; looked up defensively all the same.
 _TRANSFORMS_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 _UNWRAP_IF_DEAD = getattr(torch._C._functorch, "unwrap_if_dead", lambda tensor: tensor)
