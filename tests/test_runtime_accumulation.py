@@ -523,6 +523,46 @@ def test_r18_a_backward_pass_that_accumulates_into_no_parameter_is_refused(hooks
         assert torch.equal(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("wrt", ["parameters", "input and parameters"])
+def test_r18_autograd_grad_with_respect_to_the_parameters_is_refused_with_the_relay(wrt):
+    """``torch.autograd.grad`` asked for the relay's parameters themselves: autograd captures
+    their gradients instead of running their accumulators (torch's check of a captured leaf
+    raised its own "A leaf node was passed to _will_engine_execute_node"); refused as R18,
+    and a plain backward of the same replay then trains as eager's."""
+    eager, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    out = graphed(x).square().sum()
+    inputs = list(module.parameters()) + ([x] if wrt != "parameters" else [])
+    with raises(RuntimeError, "callable 0 (Block): this backward pass accumulates no gradient "
+                "into some or all of its parameters (torch.autograd.grad"):
+        torch.autograd.grad(out, inputs, retain_graph=True)
+    assert all(p.grad is None for p in module.parameters())
+    eager(x).square().sum().backward()
+    out.backward()
+    for a, b in zip(eager.parameters(), module.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    leangraph.reset_all(graphed)
+
+
+def test_r18_autograd_grad_of_a_parameter_also_used_outside_the_graph_with_python_hooks():
+    """With ``accumulator_hooks="python"`` the replay checks that no accumulator of its
+    parameters runs outside it; ``torch.autograd.grad`` asking for one that eager code uses
+    too captured it, and torch's helper raised its own error there: refused as R18."""
+    _, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+        accumulator_hooks="python")
+    weight = module.norm.weight
+    out = graphed(torch.randn(4, 8) * weight).sum()
+    with raises(RuntimeError, "callable 0 (Block): this backward pass accumulates no gradient "
+                "into some or all of its parameters (torch.autograd.grad"):
+        torch.autograd.grad(out, [weight])
+    assert all(p.grad is None for p in module.parameters())
+    leangraph.reset_all(graphed)
+
+
 def test_r18_with_the_relay_a_backward_into_some_parameters_is_refused():
     """``backward(inputs=[...])`` accumulates into the parameters named only. The relay
     hands autograd every parameter, so it sees which; without it (``"python"``, False) the

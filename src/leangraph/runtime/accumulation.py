@@ -24,6 +24,7 @@ from ..build.accumulation import (
     accumulator_node,
     call_python_hooks,
     check_python_hooks_alone,
+    engine_runs_all,
     has_post_accumulate_hooks,
     post_accumulate_hook_refusal,
     post_accumulate_hooks,
@@ -180,7 +181,7 @@ class InGraphAccumulation:
         """
         if self._python_hooks is not None:
             check_python_hooks_alone(self._label, self._python_hooks)
-        if all(map(_WILL_ENGINE_EXECUTE, self._watched)):
+        if engine_runs_all(self._watched):
             return
         if not all(map(_REQUIRES_GRAD, self._params)):
             return  # a parameter frozen since capture has no edge: check_targets names it
@@ -298,7 +299,6 @@ def _adoptable(param: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 
 _STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
-_WILL_ENGINE_EXECUTE = torch._C._will_engine_execute_node
 _QUEUE_AT_PASS_END = torch.autograd.Variable._execution_engine.queue_callback
 
 
