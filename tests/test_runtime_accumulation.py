@@ -172,6 +172,54 @@ def test_main_grad_follows_megatrons_protocol_exactly_in_bf16(overlap_grad_reduc
             ddp.zero_grad_buffer()
 
 
+@pytest.mark.parametrize("use", ["beside", "before", "after"])
+@pytest.mark.parametrize("overlap_grad_reduce", [False, True])
+def test_main_grad_of_a_parameter_also_used_eagerly_in_the_pass_gets_both_gradients(
+        overlap_grad_reduce, use):
+    """Megatron's protocol with the relay, for a parameter the backward pass reaches through
+    the graph and eagerly (beside the graph's output, feeding its input, reading its
+    output): autograd adds the eager gradient into ``.grad``, and Megatron's hook must add it
+    into ``main_grad`` as eager's adds the sum. The stand-in ``.grad`` (a broadcast zero)
+    made autograd's in-place addition fail with torch's "more than one element of the
+    written-to tensor refers to a single memory location", and the flag would have had the
+    hook drop the eager gradient."""
+    eager, module = _block_pair()
+    ddp_eager = _Megatron(eager, overlap_grad_reduce)
+    ddp_graphed = _Megatron(module, overlap_grad_reduce)
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
+
+    def loss(layer, m, x):
+        weight = m.down.weight  # (8, 16)
+        if use == "beside":
+            return layer(x).square().sum() + (weight * 3).square().sum()
+        if use == "before":
+            return layer(x + weight[:, :8].sum()).square().sum()
+        return (layer(x) @ weight).square().sum()
+
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        for _ in range(3):
+            x = torch.randn(4, 8, generator=gen)
+            loss(eager, eager, x).backward()
+            loss(graphed, module, x).backward()
+        assert ddp_graphed.ready == ddp_eager.ready and len(ddp_eager.ready) == 3 * 6
+        for a, b in zip(eager.parameters(), module.parameters()):
+            torch.testing.assert_close(a.main_grad, b.main_grad, rtol=1e-6, atol=1e-5)
+            assert a.grad is None and b.grad is None
+            assert not b.grad_added_to_main_grad
+        for ddp in (ddp_eager, ddp_graphed):
+            ddp.ready.clear()
+            ddp.zero_grad_buffer()
+    # The first microbatch onto zeroed buffers: the two sums round alike.
+    x = torch.randn(4, 8, generator=gen)
+    loss(eager, eager, x).backward()
+    loss(graphed, module, x).backward()
+    for a, b in zip(eager.parameters(), module.parameters()):
+        assert torch.equal(a.main_grad, b.main_grad)
+    leangraph.reset_all(graphed)
+
+
 @HOOK_MODES
 def test_a_parameter_shared_by_two_graphs_fires_its_hooks_once_per_backward(hooks):
     torch.manual_seed(0)

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import operator
 import sys
+import weakref
+from collections.abc import Iterable
 
 import torch
 
 from .._call import TENSOR_HOOKS
 from ..build.accumulation import (
+    MEGATRON_DDP_FLAG,
     AccumulationTarget,
     FusedGradients,
     HookDelivery,
@@ -26,6 +29,7 @@ from ..build.accumulation import (
     check_python_hooks_alone,
     engine_runs_all,
     has_post_accumulate_hooks,
+    node_hook_dicts,
     post_accumulate_hook_refusal,
     post_accumulate_hooks,
 )
@@ -81,6 +85,10 @@ class InGraphAccumulation:
             for t in fused.targets
             if t.into_main_grad and hasattr(t.param, "grad_added_to_main_grad")
         )
+        if fused.relay is not None:
+            # An eager use of such a parameter in the same backward pass brings autograd's
+            # accumulator a gradient, which Megatron's hook must add as eager's does.
+            _hand_eager_gradients_to_megatron(param for param, _ in self._megatron)
 
     def before_forward(self) -> None:
         """With ``accumulator_hooks="python"`` or ``False``, refuse a forward replay inside
@@ -272,6 +280,51 @@ class InGraphAccumulation:
             "(set_to_none=True or False) instead of assigning a tensor you keep, or capture "
             "again"
         )
+
+
+class _EagerGradientToMainGrad:
+    """A pre-hook on the accumulator of a parameter under Megatron-LM's protocol whose
+    graphs hand autograd the relay. The relay brings the accumulator no gradient; one that
+    arrives all the same comes from an eager use of the parameter in the same backward pass
+    (a weight tied to eager code, an eager layer reading it), and autograd adds it into
+    ``.grad``. Where a replay has set ``grad_added_to_main_grad`` (its gradient is in
+    ``main_grad`` already), Megatron's hook would drop that ``.grad``, and autograd could not
+    add into the broadcast zero standing in as ``.grad``: clear the flag and the stand-in, so
+    that autograd makes ``.grad`` the eager gradient and the hook adds it into ``main_grad``,
+    as eager's hook adds the sum of both."""
+
+    __slots__ = ("param",)
+
+    def __init__(self, param: torch.nn.Parameter) -> None:
+        self.param = weakref.ref(param)
+
+    def __call__(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        param = self.param()
+        if param is None or grads[0] is None or not getattr(param, MEGATRON_DDP_FLAG, False):
+            return
+        setattr(param, MEGATRON_DDP_FLAG, False)
+        grad = param.grad
+        if grad is not None and _is_stand_in(grad):
+            param.grad = None
+
+
+def _hand_eager_gradients_to_megatron(params: Iterable[torch.nn.Parameter]) -> None:
+    """Give each of ``params``' accumulator nodes (held by the relay) one
+    :class:`_EagerGradientToMainGrad` pre-hook (another graph of the parameter may have given
+    it one already)."""
+    with torch.enable_grad():
+        for param in params:
+            node = accumulator_node(param)
+            pre_hooks, _ = node_hook_dicts(node)
+            if not any(isinstance(h, _EagerGradientToMainGrad) for h in pre_hooks.values()):
+                node.register_prehook(_EagerGradientToMainGrad(param))
+
+
+def _is_stand_in(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` is a stand-in ``.grad`` of :meth:`InGraphAccumulation.after_replay`:
+    a 0-dim zero broadcast to the parameter's shape (autograd makes no such ``.grad``)."""
+    base = grad._base
+    return base is not None and base.dim() == 0 and not any(grad.stride())
 
 
 def _adoptable(param: torch.Tensor, buffer: torch.Tensor) -> bool:
