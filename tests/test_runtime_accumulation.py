@@ -647,6 +647,45 @@ def test_two_calls_training_one_parameter_share_its_buffer():
             module.zero_grad(set_to_none=step == 0)
 
 
+@pytest.mark.parametrize("between", ["an eager backward", "zero_grad and an eager backward"])
+@pytest.mark.parametrize("grad_at_first", [False, True], ids=["no-grad", "grad"])
+def test_two_calls_share_the_buffer_whatever_grad_the_second_capture_finds(
+        grad_at_first, between):
+    """The same module graphed by two calls (one per batch size), with an eager backward of
+    it between the captures (a step run eagerly, say): the second call found a ``.grad``
+    autograd made and added into that, the first into its own buffer, so every replay after
+    was refused (R14, '.grad is another tensor than at capture, which something else holds
+    too'). The second call adds into the first's buffer, given the ``.grad`` values."""
+    torch.manual_seed(0)
+    module = torch.nn.Linear(8, 8)
+    eager = copy.deepcopy(module)
+    if grad_at_first:  # the first call adopts this .grad as its buffer
+        x = torch.randn(3, 8)
+        for m in (eager, module):
+            m(x).sum().backward()
+    first = leangraph.make_graphed_callables(
+        (module,), ((torch.randn(4, 8, requires_grad=True),),), order=[1, -1],
+        fuse_grad_accumulation=True)[0]
+    gen = torch.Generator().manual_seed(1)
+    for m in (eager, module):
+        if between.startswith("zero_grad"):
+            m.zero_grad()
+        m(torch.randn(2, 8, generator=torch.Generator().manual_seed(2))).square().sum().backward()
+    second = leangraph.make_graphed_callables(
+        (module,), ((torch.randn(2, 8, requires_grad=True),),), order=[1, -1],
+        fuse_grad_accumulation=True)[0]
+    for step in range(2):
+        for graphed, rows in ((first, 4), (second, 2), (first, 4)):
+            x = torch.randn(rows, 8, generator=gen)
+            eager(x).square().sum().backward()
+            graphed(x).square().sum().backward()
+        for a, b in zip(eager.parameters(), module.parameters()):
+            assert torch.equal(a.grad, b.grad)
+        for m in (eager, module):
+            m.zero_grad(set_to_none=step == 0)
+    leangraph.reset_all((first, second))
+
+
 @pytest.mark.parametrize("hooks", [True, "python", False], ids=["relay", "python", "none"])
 def test_r14_a_tensor_hook_added_to_a_parameter_after_capture_is_refused(hooks):
     """Fused, the graph adds the gradient itself: a ``register_hook`` hook could neither see

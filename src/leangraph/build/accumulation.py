@@ -548,24 +548,27 @@ def _make_target(name: str, param: torch.nn.Parameter) -> AccumulationTarget:
     if main_grad is not None:
         return AccumulationTarget(param, name, main_grad, into_main_grad=True)
     grad = param.grad
-    if grad is not None and _has_layout_of(grad, param):
-        return AccumulationTarget(param, name, grad, into_main_grad=False)
-    # Another call's graphs may add into a buffer for this parameter that is not attached
-    # yet (.grad None until their first replay): share it, as graphs of one call do.
+    # Another call's graphs may add into a buffer for this parameter: share it, as graphs
+    # of one call do. It need not be attached (.grad None until their first replay, or a
+    # .grad autograd made in an eager backward since, which their replay would adopt).
     earlier = _BUFFERS.get(param)
     buffer = None if earlier is None else earlier()
-    if grad is not None or buffer is None:
+    if buffer is None and grad is not None and _has_layout_of(grad, param):
+        buffer = grad
+        _BUFFERS[param] = weakref.ref(buffer)
+    elif buffer is None:
         buffer = torch.zeros_like(param, memory_format=torch.preserve_format)
         _BUFFERS[param] = weakref.ref(buffer)
-    if grad is not None:
-        buffer.copy_(grad)
+    if grad is not None and grad is not buffer:
+        with torch.no_grad():
+            buffer.copy_(grad)
         param.grad = buffer
     return AccumulationTarget(param, name, buffer, into_main_grad=False)
 
 
-# The buffer leangraph last allocated for a parameter's gradient, while anything holds it
-# (a call's targets, or the parameter as .grad): keyed by identity, as a tensor's == is
-# elementwise.
+# The buffer the graphs of the latest call add a parameter's gradient into (allocated, or
+# the .grad adopted), while anything holds it (a call's targets, or the parameter as .grad):
+# keyed by identity, as a tensor's == is elementwise.
 _BUFFERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
