@@ -370,8 +370,13 @@ def test_replaced_main_grad_and_a_parameter_frozen_since_capture_are_refused():
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
     module.down.bias.main_grad = torch.zeros(8)
+    out = graphed(torch.randn(4, 8)).sum()
     with raises(RuntimeError, "parameter 'down.bias': main_grad is another tensor than at capture"):
-        graphed(torch.randn(4, 8)).sum().backward()
+        out.backward(retain_graph=True)
+    del module.down.bias.main_grad  # named as deleted, not as "another tensor"
+    with raises(RuntimeError, "parameter 'down.bias': main_grad was deleted (or set to None) "
+                "since capture", "got no main_grad"):
+        out.backward()
     _, module = _block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)

@@ -139,7 +139,15 @@ class InGraphAccumulation:
                 "whatever it requires; capture again to freeze it"
             )
         if target.into_main_grad:
-            if getattr(param, "main_grad", None) is not target.buffer:
+            main_grad = getattr(param, "main_grad", None)
+            if main_grad is None:
+                raise RuntimeError(
+                    f"{self._label} parameter {target.name!r}: main_grad was deleted (or set "
+                    "to None) since capture; with fuse_grad_accumulation=True the backward "
+                    "graph adds its gradient into the main_grad it saw then, got no main_grad. "
+                    "Zero main_grad in place instead, or capture again"
+                )
+            if main_grad is not target.buffer:
                 raise RuntimeError(self._replaced(target, "main_grad"))
             return
         grad = param.grad
