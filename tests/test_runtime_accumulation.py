@@ -172,6 +172,54 @@ def test_main_grad_follows_megatrons_protocol_exactly_in_bf16(overlap_grad_reduc
             ddp.zero_grad_buffer()
 
 
+@pytest.mark.parametrize("use", ["beside", "before", "after"])
+@pytest.mark.parametrize("overlap_grad_reduce", [False, True])
+def test_main_grad_of_a_parameter_also_used_eagerly_in_the_pass_gets_both_gradients(
+        overlap_grad_reduce, use):
+    """Megatron's protocol with the relay, for a parameter the backward pass reaches through
+    the graph and eagerly (beside the graph's output, feeding its input, reading its
+    output): autograd adds the eager gradient into ``.grad``, and Megatron's hook must add it
+    into ``main_grad`` as eager's adds the sum. The stand-in ``.grad`` (a broadcast zero)
+    made autograd's in-place addition fail with torch's "more than one element of the
+    written-to tensor refers to a single memory location", and the flag would have had the
+    hook drop the eager gradient."""
+    eager, module = _block_pair()
+    ddp_eager = _Megatron(eager, overlap_grad_reduce)
+    ddp_graphed = _Megatron(module, overlap_grad_reduce)
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
+
+    def loss(layer, m, x):
+        weight = m.down.weight  # (8, 16)
+        if use == "beside":
+            return layer(x).square().sum() + (weight * 3).square().sum()
+        if use == "before":
+            return layer(x + weight[:, :8].sum()).square().sum()
+        return (layer(x) @ weight).square().sum()
+
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        for _ in range(3):
+            x = torch.randn(4, 8, generator=gen)
+            loss(eager, eager, x).backward()
+            loss(graphed, module, x).backward()
+        assert ddp_graphed.ready == ddp_eager.ready and len(ddp_eager.ready) == 3 * 6
+        for a, b in zip(eager.parameters(), module.parameters()):
+            torch.testing.assert_close(a.main_grad, b.main_grad, rtol=1e-6, atol=1e-5)
+            assert a.grad is None and b.grad is None
+            assert not b.grad_added_to_main_grad
+        for ddp in (ddp_eager, ddp_graphed):
+            ddp.ready.clear()
+            ddp.zero_grad_buffer()
+    # The first microbatch onto zeroed buffers: the two sums round alike.
+    x = torch.randn(4, 8, generator=gen)
+    loss(eager, eager, x).backward()
+    loss(graphed, module, x).backward()
+    for a, b in zip(eager.parameters(), module.parameters()):
+        assert torch.equal(a.main_grad, b.main_grad)
+    leangraph.reset_all(graphed)
+
+
 @HOOK_MODES
 def test_a_parameter_shared_by_two_graphs_fires_its_hooks_once_per_backward(hooks):
     torch.manual_seed(0)
@@ -322,8 +370,13 @@ def test_replaced_main_grad_and_a_parameter_frozen_since_capture_are_refused():
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
     module.down.bias.main_grad = torch.zeros(8)
+    out = graphed(torch.randn(4, 8)).sum()
     with raises(RuntimeError, "parameter 'down.bias': main_grad is another tensor than at capture"):
-        graphed(torch.randn(4, 8)).sum().backward()
+        out.backward(retain_graph=True)
+    del module.down.bias.main_grad  # named as deleted, not as "another tensor"
+    with raises(RuntimeError, "parameter 'down.bias': main_grad was deleted (or set to None) "
+                "since capture", "got no main_grad"):
+        out.backward()
     _, module = _block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
@@ -523,6 +576,46 @@ def test_r18_a_backward_pass_that_accumulates_into_no_parameter_is_refused(hooks
         assert torch.equal(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("wrt", ["parameters", "input and parameters"])
+def test_r18_autograd_grad_with_respect_to_the_parameters_is_refused_with_the_relay(wrt):
+    """``torch.autograd.grad`` asked for the relay's parameters themselves: autograd captures
+    their gradients instead of running their accumulators (torch's check of a captured leaf
+    raised its own "A leaf node was passed to _will_engine_execute_node"); refused as R18,
+    and a plain backward of the same replay then trains as eager's."""
+    eager, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    out = graphed(x).square().sum()
+    inputs = list(module.parameters()) + ([x] if wrt != "parameters" else [])
+    with raises(RuntimeError, "callable 0 (Block): this backward pass accumulates no gradient "
+                "into some or all of its parameters (torch.autograd.grad"):
+        torch.autograd.grad(out, inputs, retain_graph=True)
+    assert all(p.grad is None for p in module.parameters())
+    eager(x).square().sum().backward()
+    out.backward()
+    for a, b in zip(eager.parameters(), module.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    leangraph.reset_all(graphed)
+
+
+def test_r18_autograd_grad_of_a_parameter_also_used_outside_the_graph_with_python_hooks():
+    """With ``accumulator_hooks="python"`` the replay checks that no accumulator of its
+    parameters runs outside it; ``torch.autograd.grad`` asking for one that eager code uses
+    too captured it, and torch's helper raised its own error there: refused as R18."""
+    _, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+        accumulator_hooks="python")
+    weight = module.norm.weight
+    out = graphed(torch.randn(4, 8) * weight).sum()
+    with raises(RuntimeError, "callable 0 (Block): this backward pass accumulates no gradient "
+                "into some or all of its parameters (torch.autograd.grad"):
+        torch.autograd.grad(out, [weight])
+    assert all(p.grad is None for p in module.parameters())
+    leangraph.reset_all(graphed)
+
+
 def test_r18_with_the_relay_a_backward_into_some_parameters_is_refused():
     """``backward(inputs=[...])`` accumulates into the parameters named only. The relay
     hands autograd every parameter, so it sees which; without it (``"python"``, False) the
@@ -557,6 +650,45 @@ def test_two_calls_training_one_parameter_share_its_buffer():
             assert torch.equal(a.grad, b.grad)
         for module in (*eager, first, second):
             module.zero_grad(set_to_none=step == 0)
+
+
+@pytest.mark.parametrize("between", ["an eager backward", "zero_grad and an eager backward"])
+@pytest.mark.parametrize("grad_at_first", [False, True], ids=["no-grad", "grad"])
+def test_two_calls_share_the_buffer_whatever_grad_the_second_capture_finds(
+        grad_at_first, between):
+    """The same module graphed by two calls (one per batch size), with an eager backward of
+    it between the captures (a step run eagerly, say): the second call found a ``.grad``
+    autograd made and added into that, the first into its own buffer, so every replay after
+    was refused (R14, '.grad is another tensor than at capture, which something else holds
+    too'). The second call adds into the first's buffer, given the ``.grad`` values."""
+    torch.manual_seed(0)
+    module = torch.nn.Linear(8, 8)
+    eager = copy.deepcopy(module)
+    if grad_at_first:  # the first call adopts this .grad as its buffer
+        x = torch.randn(3, 8)
+        for m in (eager, module):
+            m(x).sum().backward()
+    first = leangraph.make_graphed_callables(
+        (module,), ((torch.randn(4, 8, requires_grad=True),),), order=[1, -1],
+        fuse_grad_accumulation=True)[0]
+    gen = torch.Generator().manual_seed(1)
+    for m in (eager, module):
+        if between.startswith("zero_grad"):
+            m.zero_grad()
+        m(torch.randn(2, 8, generator=torch.Generator().manual_seed(2))).square().sum().backward()
+    second = leangraph.make_graphed_callables(
+        (module,), ((torch.randn(2, 8, requires_grad=True),),), order=[1, -1],
+        fuse_grad_accumulation=True)[0]
+    for step in range(2):
+        for graphed, rows in ((first, 4), (second, 2), (first, 4)):
+            x = torch.randn(rows, 8, generator=gen)
+            eager(x).square().sum().backward()
+            graphed(x).square().sum().backward()
+        for a, b in zip(eager.parameters(), module.parameters()):
+            assert torch.equal(a.grad, b.grad)
+        for m in (eager, module):
+            m.zero_grad(set_to_none=step == 0)
+    leangraph.reset_all((first, second))
 
 
 @pytest.mark.parametrize("hooks", [True, "python", False], ids=["relay", "python", "none"])

@@ -56,6 +56,8 @@ __all__ = [
     "check_fusable",
     "check_python_hooks_alone",
     "deliver_gradients",
+    "engine_runs_all",
+    "engine_runs_any",
     "fire_relay",
     "has_post_accumulate_hooks",
     "hook_deliveries",
@@ -345,9 +347,9 @@ def check_python_hooks_alone(label: str, hooks: PythonHooks) -> None:
     Raises:
         RuntimeError: naming the parameter.
     """
-    if not any(map(_WILL_ENGINE_EXECUTE, hooks.nodes)):
+    if not engine_runs_any(hooks.nodes):
         return
-    name = next(n for n, node in zip(hooks.names, hooks.nodes) if _WILL_ENGINE_EXECUTE(node))
+    name = next(n for n, node in zip(hooks.names, hooks.nodes) if engine_runs_any((node,)))
     raise RuntimeError(
         f"{label} parameter {name!r}: this backward pass reaches its gradient outside the "
         "graph too (the parameter is used outside it as well), so autograd runs its "
@@ -357,6 +359,34 @@ def check_python_hooks_alone(label: str, hooks: PythonHooks) -> None:
 
 
 _WILL_ENGINE_EXECUTE = torch._C._will_engine_execute_node
+
+
+def engine_runs_all(nodes: Sequence[Node]) -> bool:
+    """Whether the running backward pass runs every one of the accumulator ``nodes``.
+
+    In ``torch.autograd.grad`` asked for a parameter itself, autograd captures that gradient
+    instead of running its accumulator, and torch's helper raises for such a leaf rather than
+    say so: it is not run."""
+    try:
+        return all(map(_WILL_ENGINE_EXECUTE, nodes))
+    except RuntimeError:  # a leaf torch.autograd.grad captures: its accumulator does not run
+        return all(map(_engine_runs, nodes))
+
+
+def engine_runs_any(nodes: Sequence[Node]) -> bool:
+    """Whether the running backward pass runs one of the accumulator ``nodes`` (a leaf that
+    ``torch.autograd.grad`` captures is not run: :func:`engine_runs_all`)."""
+    try:
+        return any(map(_WILL_ENGINE_EXECUTE, nodes))
+    except RuntimeError:
+        return any(map(_engine_runs, nodes))
+
+
+def _engine_runs(node: Node) -> bool:
+    try:
+        return bool(_WILL_ENGINE_EXECUTE(node))
+    except RuntimeError:
+        return False
 
 
 def call_python_hooks(
@@ -518,24 +548,27 @@ def _make_target(name: str, param: torch.nn.Parameter) -> AccumulationTarget:
     if main_grad is not None:
         return AccumulationTarget(param, name, main_grad, into_main_grad=True)
     grad = param.grad
-    if grad is not None and _has_layout_of(grad, param):
-        return AccumulationTarget(param, name, grad, into_main_grad=False)
-    # Another call's graphs may add into a buffer for this parameter that is not attached
-    # yet (.grad None until their first replay): share it, as graphs of one call do.
+    # Another call's graphs may add into a buffer for this parameter: share it, as graphs
+    # of one call do. It need not be attached (.grad None until their first replay, or a
+    # .grad autograd made in an eager backward since, which their replay would adopt).
     earlier = _BUFFERS.get(param)
     buffer = None if earlier is None else earlier()
-    if grad is not None or buffer is None:
+    if buffer is None and grad is not None and _has_layout_of(grad, param):
+        buffer = grad
+        _BUFFERS[param] = weakref.ref(buffer)
+    elif buffer is None:
         buffer = torch.zeros_like(param, memory_format=torch.preserve_format)
         _BUFFERS[param] = weakref.ref(buffer)
-    if grad is not None:
-        buffer.copy_(grad)
+    if grad is not None and grad is not buffer:
+        with torch.no_grad():
+            buffer.copy_(grad)
         param.grad = buffer
     return AccumulationTarget(param, name, buffer, into_main_grad=False)
 
 
-# The buffer leangraph last allocated for a parameter's gradient, while anything holds it
-# (a call's targets, or the parameter as .grad): keyed by identity, as a tensor's == is
-# elementwise.
+# The buffer the graphs of the latest call add a parameter's gradient into (allocated, or
+# the .grad adopted), while anything holds it (a call's targets, or the parameter as .grad):
+# keyed by identity, as a tensor's == is elementwise.
 _BUFFERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 

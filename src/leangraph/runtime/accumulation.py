@@ -13,18 +13,23 @@ from __future__ import annotations
 
 import operator
 import sys
+import weakref
+from collections.abc import Iterable
 
 import torch
 
 from .._call import TENSOR_HOOKS
 from ..build.accumulation import (
+    MEGATRON_DDP_FLAG,
     AccumulationTarget,
     FusedGradients,
     HookDelivery,
     accumulator_node,
     call_python_hooks,
     check_python_hooks_alone,
+    engine_runs_all,
     has_post_accumulate_hooks,
+    node_hook_dicts,
     post_accumulate_hook_refusal,
     post_accumulate_hooks,
 )
@@ -80,6 +85,10 @@ class InGraphAccumulation:
             for t in fused.targets
             if t.into_main_grad and hasattr(t.param, "grad_added_to_main_grad")
         )
+        if fused.relay is not None:
+            # An eager use of such a parameter in the same backward pass brings autograd's
+            # accumulator a gradient, which Megatron's hook must add as eager's does.
+            _hand_eager_gradients_to_megatron(param for param, _ in self._megatron)
 
     def before_forward(self) -> None:
         """With ``accumulator_hooks="python"`` or ``False``, refuse a forward replay inside
@@ -130,7 +139,15 @@ class InGraphAccumulation:
                 "whatever it requires; capture again to freeze it"
             )
         if target.into_main_grad:
-            if getattr(param, "main_grad", None) is not target.buffer:
+            main_grad = getattr(param, "main_grad", None)
+            if main_grad is None:
+                raise RuntimeError(
+                    f"{self._label} parameter {target.name!r}: main_grad was deleted (or set "
+                    "to None) since capture; with fuse_grad_accumulation=True the backward "
+                    "graph adds its gradient into the main_grad it saw then, got no main_grad. "
+                    "Zero main_grad in place instead, or capture again"
+                )
+            if main_grad is not target.buffer:
                 raise RuntimeError(self._replaced(target, "main_grad"))
             return
         grad = param.grad
@@ -180,7 +197,7 @@ class InGraphAccumulation:
         """
         if self._python_hooks is not None:
             check_python_hooks_alone(self._label, self._python_hooks)
-        if all(map(_WILL_ENGINE_EXECUTE, self._watched)):
+        if engine_runs_all(self._watched):
             return
         if not all(map(_REQUIRES_GRAD, self._params)):
             return  # a parameter frozen since capture has no edge: check_targets names it
@@ -273,6 +290,51 @@ class InGraphAccumulation:
         )
 
 
+class _EagerGradientToMainGrad:
+    """A pre-hook on the accumulator of a parameter under Megatron-LM's protocol whose
+    graphs hand autograd the relay. The relay brings the accumulator no gradient; one that
+    arrives all the same comes from an eager use of the parameter in the same backward pass
+    (a weight tied to eager code, an eager layer reading it), and autograd adds it into
+    ``.grad``. Where a replay has set ``grad_added_to_main_grad`` (its gradient is in
+    ``main_grad`` already), Megatron's hook would drop that ``.grad``, and autograd could not
+    add into the broadcast zero standing in as ``.grad``: clear the flag and the stand-in, so
+    that autograd makes ``.grad`` the eager gradient and the hook adds it into ``main_grad``,
+    as eager's hook adds the sum of both."""
+
+    __slots__ = ("param",)
+
+    def __init__(self, param: torch.nn.Parameter) -> None:
+        self.param = weakref.ref(param)
+
+    def __call__(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        param = self.param()
+        if param is None or grads[0] is None or not getattr(param, MEGATRON_DDP_FLAG, False):
+            return
+        setattr(param, MEGATRON_DDP_FLAG, False)
+        grad = param.grad
+        if grad is not None and _is_stand_in(grad):
+            param.grad = None
+
+
+def _hand_eager_gradients_to_megatron(params: Iterable[torch.nn.Parameter]) -> None:
+    """Give each of ``params``' accumulator nodes (held by the relay) one
+    :class:`_EagerGradientToMainGrad` pre-hook (another graph of the parameter may have given
+    it one already)."""
+    with torch.enable_grad():
+        for param in params:
+            node = accumulator_node(param)
+            pre_hooks, _ = node_hook_dicts(node)
+            if not any(isinstance(h, _EagerGradientToMainGrad) for h in pre_hooks.values()):
+                node.register_prehook(_EagerGradientToMainGrad(param))
+
+
+def _is_stand_in(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` is a stand-in ``.grad`` of :meth:`InGraphAccumulation.after_replay`:
+    a 0-dim zero broadcast to the parameter's shape (autograd makes no such ``.grad``)."""
+    base = grad._base
+    return base is not None and base.dim() == 0 and not any(grad.stride())
+
+
 def _adoptable(param: torch.Tensor, buffer: torch.Tensor) -> bool:
     """Whether ``param``'s ``.grad``, another tensor than ``buffer``, is one nothing but the
     parameter refers to (as autograd makes one when a backward outside the graphs, an eager
@@ -298,7 +360,6 @@ def _adoptable(param: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 
 _STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
-_WILL_ENGINE_EXECUTE = torch._C._will_engine_execute_node
 _QUEUE_AT_PASS_END = torch.autograd.Variable._execution_engine.queue_callback
 
 
