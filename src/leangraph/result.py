@@ -98,6 +98,14 @@ class GraphedSet:
         count = len(self.callables)
         return f"<GraphedSet of {count} graphed callables on {self._record.device}>"
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"{self!r}: a GraphedSet cannot be copied or pickled (it owns one capture's record "
+            "and pool, and its graphed callables cannot be copied either); copy the modules "
+            "before graphing them, and save a model holding graphed modules (torch.save) by "
+            "its state_dict()"
+        )
+
     @staticmethod
     def members_of(result: Any, caller: str) -> list[Any]:
         """The graphed callables of ``result``: a :class:`GraphedSet`, a graphed callable, a
