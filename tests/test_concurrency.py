@@ -12,6 +12,7 @@ test touches the callable's lock).
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from models import TwoOutputs
 
 import leangraph
 from leangraph import GraphResetError
@@ -234,3 +236,67 @@ def test_reset_racing_a_replay_loop(delay):
     assert not owner.is_alive() and "error" not in outcome, outcome
     with pytest.raises(GraphResetError):
         module(torch.randn(2, 4, requires_grad=True))
+
+
+def _reset_once_the_backward_replay_returns(member: leangraph.GraphedCallable) -> Any:
+    """A profiler that, the moment ``member``'s backward replay returns (its lock free again,
+    the gradient hooks still to run), resets it from another thread and waits for the reset:
+    the thread switch that lands there by chance (2 runs in 100 with a short switch
+    interval), made certain."""
+    fired: list[bool] = []
+
+    def profile(frame: Any, event: str, _: Any) -> None:
+        if (
+            not fired
+            and event == "return"
+            and frame.f_code.co_name == "_replay_backward"
+            and frame.f_locals.get("self") is member
+        ):
+            fired.append(True)
+            resetter, outcome = _in_thread(member.reset)
+            resetter.join(TIMEOUT)
+            assert not resetter.is_alive() and "error" not in outcome, outcome
+
+    return profile, fired
+
+
+@pytest.mark.parametrize(
+    "options, loss_of",
+    [
+        ({"fuse_grad_accumulation": True, "accumulator_hooks": "python"}, lambda y, head: y + head),
+        ({}, lambda y, head: y),  # head gets no gradient: eager runs no hook of it
+        ({"overlap_grad_accumulation": True}, lambda y, head: y),
+    ],
+    ids=["python-hooks", "unreached", "unreached-overlap"],
+)
+def test_a_reset_right_after_a_backward_replay_leaves_its_gradient_hooks_as_eagers(
+    options, loss_of
+):
+    """The replay's gradients are complete when a reset from another thread gets the lock;
+    their hooks must still fire as eager's do. The replay called ``accumulator_hooks="python"``
+    hooks, and passed over those of parameters no output reached, only if the callable was
+    not reset by then: so the python hooks never fired, and unreached ones fired."""
+    torch.manual_seed(0)
+    module, reference = TwoOutputs(), TwoOutputs()
+    reference.load_state_dict(module.state_dict())
+    logs: dict[str, list[str]] = {"graphed": [], "eager": []}
+    for key, owner in (("graphed", module), ("eager", reference)):
+        for name, param in owner.named_parameters():
+            param.register_post_accumulate_grad_hook(
+                lambda _, name=name, log=logs[key]: log.append(name)
+            )
+    leangraph.make_graphed_callables(module, (torch.randn(2, 8, requires_grad=True),), **options)
+    x = torch.randn(2, 8, requires_grad=True)
+    loss = loss_of(*module(x)).sum()
+    profile, fired = _reset_once_the_backward_replay_returns(module.forward)
+    sys.setprofile(profile)  # a CPU backward runs on this thread
+    try:
+        loss.backward()
+    finally:
+        sys.setprofile(None)
+    assert fired and module.forward.is_reset
+    loss_of(*reference(x.detach().clone().requires_grad_())).sum().backward()
+    assert sorted(logs["graphed"]) == sorted(logs["eager"]), logs
+    for p, q in zip(module.parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        assert p.grad is None or torch.equal(p.grad, q.grad)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import leangraph
 from leangraph.cli.workloads import BlockShape, make_blocks, sample_hidden
 from leangraph.memory import LayerMemory, MemoryPlan, format_bytes, plan_memory
 from leangraph.schedules import gpipe, interleaved_1f1b, max_in_flight, one_f_one_b
@@ -366,6 +367,34 @@ def test_bad_input() -> None:
         plan_memory(nn.Linear(4, 4), (x,))
     with pytest.raises(TypeError, match="output 1 must be a tensor or a constant"):
         plan_memory(lambda t: (t * 2, object()), (x,))
+
+
+def test_v4_v30_plan_memory_refuses_callables_graphed_already() -> None:
+    """A graphed module's forward replays its graphs, whose autograd node saves nothing: a
+    plan of it counted no activations at all and replayed the graphs, moving their replay
+    order; a reset one raised GraphResetError."""
+    torch.manual_seed(0)
+    layers = (nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Sequential(nn.Linear(4, 8), nn.Tanh()))
+    samples = tuple((torch.randn(2, 4, requires_grad=True),) for _ in range(2))
+    eager = plan_memory(layers[0], samples[0])
+    assert eager.activation_bytes_per_graph[0] > 0
+    graphed = leangraph.make_graphed_callables(layers[0], samples[0])
+    for _ in range(2):  # before and after its reset
+        with pytest.raises(ValueError, match=r"plan_memory: callables\[0\] \(Sequential\) was "
+                           "graphed by make_graphed_callables .* plan a copy of the module made "
+                           "before graphing it"):
+            plan_memory(graphed, samples[0])
+        leangraph.reset_all(graphed)
+    holder = nn.Sequential(layers[1])
+    leangraph.make_graphed_callables(layers[1][0], (torch.randn(2, 4, requires_grad=True),))
+    with pytest.raises(ValueError, match=r"callables\[1\] \(Sequential\): submodule '0\.0' "
+                       "was graphed"):
+        plan_memory((nn.Linear(4, 4), holder), samples)
+    function = leangraph.make_graphed_callables(lambda t: t.tanh(), (samples[0][0],))
+    with pytest.raises(ValueError, match=r"callables\[0\] is a graphed callable .* plan the "
+                       "eager callable it replays"):
+        plan_memory(function, (samples[0][0],))
+    leangraph.reset_all([holder[0][0], function])
 
 
 # ---------------------------------------------------------------------------- the 70B script

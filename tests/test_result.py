@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 
 import pytest
 import torch
@@ -225,3 +227,15 @@ def test_memory_report_of_an_empty_result_raises_a_type_error():
     V19: no call returns one)."""
     with pytest.raises(TypeError):
         leangraph.memory_report(())
+
+
+def test_l6_the_set_cannot_be_copied_or_pickled_either():
+    """Like its callables: a copy would be a second owner of the call's record and pool (and
+    pickling failed on a weak reference, naming nothing)."""
+    graphed = graphed_blocks(2)
+    graphed_set = graphed[0].forward.graphed_set
+    for copier in (copy.copy, copy.deepcopy, pickle.dumps):
+        with raises(TypeError, "<GraphedSet of 2 graphed callables on cpu>: a GraphedSet "
+                    "cannot be copied or pickled", "by its state_dict()"):
+            copier(graphed_set)
+    leangraph.reset_all(graphed)

@@ -474,14 +474,27 @@ def check_capturable(call: Call, already_graphed: Callable[[Any], bool]) -> None
             "make_graphed_callables does not support the autocast cache: the cache would keep "
             "capture-time casts alive; use torch.autocast(..., cache_enabled=False)"
         )
-    for index, fn in enumerate(call.callables):
-        if isinstance(fn, torch.nn.Module):
-            _check_module(index, fn, already_graphed)
-        elif already_graphed(fn):
+    for index, fn, submodule in _graphed_parts(call, already_graphed):
+        if not isinstance(fn, torch.nn.Module):
             raise ValueError(
                 f"callables[{index}] is a graphed callable (a result of "
                 f"make_graphed_callables): {_NESTED}; graph the eager callable it replays"
             )
+        if submodule is None:
+            raise ValueError(
+                f"callables[{index}] ({type(fn).__name__}) was already graphed (reset or not, "
+                "its forward stays the graphed callable); capture a fresh module: copy "
+                "modules before graphing them"
+            )
+        raise ValueError(
+            f"callables[{index}] ({type(fn).__name__}): submodule {submodule!r} was graphed "
+            f"by make_graphed_callables (its forward is a graphed callable): {_NESTED}. "
+            "Graph the outer module from eager submodules (copy it before graphing the "
+            "submodule), or graph the submodule alone"
+        )
+    for index, fn in enumerate(call.callables):
+        if isinstance(fn, torch.nn.Module):
+            _check_module(index, fn)
     if not call.plan.ordered:
         _check_distinct_modules(call.callables)
 
@@ -508,13 +521,55 @@ _NESTED = (
 )
 
 
-def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[Any], bool]) -> None:
-    if already_graphed(fn):
+def check_plannable(call: Call, already_graphed: Callable[[Any], bool]) -> None:
+    """What planning requires of a valid call: callables that are not graphed already.
+
+    ``already_graphed(obj)`` says whether ``obj`` is a graphed callable, or a module whose
+    ``forward`` is one.
+
+    Raises:
+        ValueError: for a graphed callable, or a module that was graphed or holds a graphed
+            submodule: its forward replays graphs, which save nothing for autograd, so the
+            probe would measure the replay, not the callable it stands for.
+    """
+    for index, fn, submodule in _graphed_parts(call, already_graphed):
+        if not isinstance(fn, torch.nn.Module):
+            what = f"callables[{index}] is a graphed callable (a result of make_graphed_callables)"
+            remedy = "plan the eager callable it replays"
+        elif submodule is None:
+            what = (
+                f"callables[{index}] ({type(fn).__name__}) was graphed by "
+                "make_graphed_callables (reset or not, its forward is the graphed callable)"
+            )
+            remedy = "plan a copy of the module made before graphing it"
+        else:
+            what = (
+                f"callables[{index}] ({type(fn).__name__}): submodule {submodule!r} was graphed "
+                "by make_graphed_callables (its forward is a graphed callable)"
+            )
+            remedy = "plan a copy of the module made before graphing the submodule"
         raise ValueError(
-            f"callables[{index}] ({type(fn).__name__}) was already graphed (reset or not, its "
-            "forward stays the graphed callable); capture a fresh module: copy modules before "
-            "graphing them"
+            f"plan_memory: {what}; its forward replays graphs, whose autograd node saves "
+            "nothing, so the plan would measure the replay, not the forward it stands for "
+            f"(a reset one raises); {remedy}"
         )
+
+
+def _graphed_parts(
+    call: Call, already_graphed: Callable[[Any], bool]
+) -> Iterator[tuple[int, Any, str | None]]:
+    """``(index, callable, submodule)`` for each callable that is graphed (``submodule``
+    None) or, for a module, each of its submodules that is (``submodule`` its name)."""
+    for index, fn in enumerate(call.callables):
+        if already_graphed(fn):
+            yield index, fn, None
+        elif isinstance(fn, torch.nn.Module):
+            for name, module in fn.named_modules():
+                if name and already_graphed(module):
+                    yield index, fn, name
+
+
+def _check_module(index: int, fn: torch.nn.Module) -> None:
     global_hooks = [
         kind for kind, hooks in zip(MODULE_HOOKS, global_module_hooks()) if _active_hooks(hooks)
     ]
@@ -527,13 +582,6 @@ def _check_module(index: int, fn: torch.nn.Module, already_graphed: Callable[[An
     fsdp = _fsdp_module_class()
     for name, module in fn.named_modules():
         where = f"submodule {name!r}" if name else "the module"
-        if name and already_graphed(module):
-            raise ValueError(
-                f"callables[{index}] ({type(fn).__name__}): {where} was graphed by "
-                f"make_graphed_callables (its forward is a graphed callable): {_NESTED}. Graph "
-                "the outer module from eager submodules (copy it before graphing the "
-                "submodule), or graph the submodule alone"
-            )
         if isinstance(module, torch.jit.ScriptModule):
             raise ValueError(
                 f"callables[{index}] ({type(fn).__name__}): {where} is a TorchScript module "

@@ -36,7 +36,7 @@ from .memory import available_bytes, check_fits, memory_plan_of, shared_buffers
 from .order import OrderEntry, StepKind
 from .probe import probe
 from .progress import ProgressCallback
-from .result import GraphedSet
+from .result import GraphedSet, is_graphed
 from .runtime.graphed import GraphedCallable, autocast_state
 from .runtime.kernels import KernelSettings
 from .runtime.pending import PendingBackwards
@@ -227,7 +227,7 @@ def make_graphed_callables(
     states = _generator_states(generator_states)
     call = validate_call(callables, sample_args, sample_kwargs, order, num_layers_per_chunk)
     check_options(call, options)
-    check_capturable(call, _already_graphed)
+    check_capturable(call, is_graphed)
     hooks = normalize_hooks(capture_time_hooks, call.callables)
     graph_backend = make_backend(backend, call.device, pool, states)
     built = _build(call, options, graph_backend, hooks, progress)
@@ -306,13 +306,6 @@ def _build(
         built.capture.capture_seconds,
     )
     return built
-
-
-def _already_graphed(obj: Any) -> bool:
-    """Whether ``obj`` is a graphed callable, or a module whose ``forward`` is one."""
-    if isinstance(obj, torch.nn.Module):
-        obj = obj.__dict__.get("forward")
-    return isinstance(obj, GraphedCallable)
 
 
 def _hand_back(call: Call, built: Built, options: CaptureOptions) -> Any:

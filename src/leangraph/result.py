@@ -18,7 +18,7 @@ import torch
 
 from .report import CallableMemory, CaptureRecord, MemoryReport
 
-__all__ = ["GraphedSet", "memory_report", "reset_all"]
+__all__ = ["GraphedSet", "is_graphed", "memory_report", "reset_all"]
 
 
 class _Member(Protocol):
@@ -98,6 +98,14 @@ class GraphedSet:
         count = len(self.callables)
         return f"<GraphedSet of {count} graphed callables on {self._record.device}>"
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"{self!r}: a GraphedSet cannot be copied or pickled (it owns one capture's record "
+            "and pool, and its graphed callables cannot be copied either); copy the modules "
+            "before graphing them, and save a model holding graphed modules (torch.save) by "
+            "its state_dict()"
+        )
+
     @staticmethod
     def members_of(result: Any, caller: str) -> list[Any]:
         """The graphed callables of ``result``: a :class:`GraphedSet`, a graphed callable, a
@@ -144,20 +152,27 @@ def reset_all(graphed: Any) -> None:
         member.reset()
 
 
+def is_graphed(obj: Any) -> bool:
+    """Whether ``obj`` is a graphed callable of a ``make_graphed_callables`` result, or a
+    module whose ``forward`` is one (reset or not)."""
+    if isinstance(obj, torch.nn.Module):
+        obj = obj.__dict__.get("forward")
+    return isinstance(getattr(obj, "graphed_set", None), GraphedSet)
+
+
 def _member(item: Any, caller: str, where: str) -> Any:
     """The graphed callable ``item`` is or holds as its ``forward``.
 
     Raises:
         TypeError: naming ``caller`` and ``where`` (``entry 1``) for anything else.
     """
-    member = item.__dict__.get("forward") if isinstance(item, torch.nn.Module) else item
-    if not isinstance(getattr(member, "graphed_set", None), GraphedSet):
+    if not is_graphed(item):
         raise TypeError(
             f"{caller}: {where} is a {type(item).__name__}, expected a "
             "GraphedCallable or a module whose forward was graphed by leangraph (it is "
             "not a result of leangraph.make_graphed_callables)"
         )
-    return member
+    return item.__dict__["forward"] if isinstance(item, torch.nn.Module) else item
 
 
 def _nested_members(items: Sequence[Any], caller: str, prefix: str) -> Iterable[Any]:

@@ -41,10 +41,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._call import Call, validate_call
+from .._call import Call, check_plannable, validate_call
 from ..buffers import BufferPlan, plan_buffers
 from ..order import OrderEntry
 from ..probe import GraphFacts, probe
+from ..result import is_graphed
 from .meta_attention import MetaAttention
 from .records import MemoryPlan
 from .walk import walk_plan
@@ -95,11 +96,13 @@ def plan_memory(
     Raises:
         TypeError: for callables that are not callable, sample arguments that are not tuples
             of tensor pytrees, or outputs that are not tensors.
-        ValueError: for a malformed order, mismatched counts, tensors on several devices or an
-            unknown ``meta_attention``.
+        ValueError: for a malformed order, mismatched counts, tensors on several devices, an
+            unknown ``meta_attention``, or callables graphed already (a graphed callable, or
+            a module that is or holds one: its forward replays, which save nothing).
     """
     MetaAttention(meta_attention)  # refuse an unknown kind before any work
     call = validate_call(callables, sample_args, sample_kwargs, order, num_layers_per_chunk)
+    check_plannable(call, is_graphed)
     facts = probe(call, around_forward=lambda: MetaAttention(meta_attention))
     return memory_plan_of(call, facts)
 

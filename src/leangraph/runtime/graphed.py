@@ -426,15 +426,29 @@ def _check_no_pending_backward(owner: GraphedCallable, record: GraphRecord) -> N
         )
 
 
-def _call_accumulator_hooks(owner: GraphedCallable, unreached: frozenset[int]) -> None:
+class _HookState:
+    """What a backward replay's hooks need of its callable, read before the replay: a
+    ``reset()`` in another thread may run once the replay returned (the callable's lock is
+    free again) and before its hooks, and must not take the hooks its gradients owe."""
+
+    __slots__ = ("fused", "record")
+
+    def __init__(self, owner: GraphedCallable) -> None:
+        self.record, self.fused = owner._record, owner._fused
+
+
+def _call_accumulator_hooks(state: _HookState, unreached: frozenset[int]) -> None:
     """After a backward replay, outside the callable's lock: the Python hooks the replay calls
     itself (``accumulator_hooks="python"``; at the weight step for a split backward), but not
     those of the parameters in ``unreached`` (ids), which no output with a gradient reached."""
-    if owner._fused is not None and owner._weight is None:
-        owner._fused.call_hooks(unreached)
+    record, fused = state.record, state.fused
+    if fused is not None and record is not None and not record.split_backward:
+        fused.call_hooks(unreached)
 
 
-def _skip_unreached_hooks(owner: GraphedCallable, unreached: frozenset[int]) -> None:
+def _skip_unreached_hooks(
+    owner: GraphedCallable, state: _HookState, unreached: frozenset[int]
+) -> None:
     """After a backward replay that reached not every trained parameter: the accumulators of
     those in ``unreached`` (ids), which autograd runs with no gradient because the replay's
     node has an edge to them (the parameters, or the relay's), skip their Python hooks in this
@@ -442,8 +456,8 @@ def _skip_unreached_hooks(owner: GraphedCallable, unreached: frozenset[int]) -> 
     another graph may hand one of them a gradient in this pass (its hooks then fire once, as
     eager's), nor where no accumulator of theirs runs: a split backward (its weight step leaves
     them out), ``accumulator_hooks="python"`` (its call leaves them out) and ``False``."""
-    record, fused = owner._record, owner._fused
-    if record is None or owner._weight is not None:
+    record, fused = state.record, state.fused
+    if record is None or record.split_backward:
         return
     params: list[torch.Tensor]
     if fused is None:
@@ -743,10 +757,11 @@ class _Replay(torch.autograd.Function):
 
 def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     owner: GraphedCallable = ctx.owner
+    state = _HookState(owner)
     grad_inputs, unreached = owner._replay_backward(grads, ctx.generation, ctx.ddp)
     if unreached:
-        _skip_unreached_hooks(owner, unreached)
-    _call_accumulator_hooks(owner, unreached)
+        _skip_unreached_hooks(owner, state, unreached)
+    _call_accumulator_hooks(state, unreached)
     return _node_grads(ctx, grad_inputs)
 
 
@@ -765,11 +780,12 @@ def _backward_once(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None,
     torch's ``once_differentiable`` would raise without the name). The usual backward, with
     grad mode off, goes around this."""
     owner: GraphedCallable = ctx.owner
+    state = _HookState(owner)
     with torch.no_grad():
         grad_inputs, unreached = owner._replay_backward(grads, ctx.generation, ctx.ddp)
     if unreached:
-        _skip_unreached_hooks(owner, unreached)
-    _call_accumulator_hooks(owner, unreached)  # in the pass's grad mode, as autograd runs them
+        _skip_unreached_hooks(owner, state, unreached)
+    _call_accumulator_hooks(state, unreached)  # in the pass's grad mode, as autograd runs them
     outputs = _node_grads(ctx, grad_inputs)
     if not any(g is not None and g.requires_grad for g in grads):
         return outputs
