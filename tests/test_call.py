@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 from typing import Any
 
 import pytest
@@ -69,6 +70,27 @@ def test_v30_a_graphed_callable_is_refused_as_a_callable():
     with raises(ValueError, "callables[0] is a graphed callable (a result of "
                 "make_graphed_callables)", "graph the eager callable it replays"):
         mgc(graphed, (sample(),))
+
+
+def test_v30_a_forward_calling_a_graphed_callable_is_refused_before_warm_up():
+    """A plain function calling a graphed callable got through: the CPU backend recorded the
+    replay as kernels on the inner graph's static buffers, where CUDA's capture refuses a
+    replay ("Cannot prepare for replay during capturing stage")."""
+    inner = mgc(Block(4), (sample(),))
+    calls = []
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return inner(x) * 2
+
+    with raises(ValueError, ".outer) calls a graphed callable (a result of",
+                "graph the eager callable it replays instead") as info:
+        mgc(outer, (sample(),))
+    assert calls == [1]  # the probe's forward only
+    del info  # its traceback holds the probe's output of the inner replay, awaiting a backward
+    gc.collect()
+    inner(sample()).sum().backward()  # the inner graph still replays in its order
+    leangraph.reset_all(inner)
 
 
 def test_v30_graphing_a_submodule_of_a_graphed_module_afterwards_is_fine():

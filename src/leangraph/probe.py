@@ -321,6 +321,7 @@ def _measure(
         template = output_template(label, output_leaves)
         outputs = [t for t in output_leaves if isinstance(t, torch.Tensor)]
         _refuse_reentrant_checkpoint(label, outputs)
+        _refuse_nested_replays(label, outputs)
         _refuse_outside_leaves(label, outputs, [*inputs, *params])
         memory = _layer_memory(inputs, params, buffers, outputs, saved_tensors)
         # Only several outputs that need a gradient can leave some without one.
@@ -544,6 +545,27 @@ def _refuse_reentrant_checkpoint(label: str, outputs: Sequence[torch.Tensor]) ->
                 "expected use_reentrant=False inside a graphed callable, or the checkpoint "
                 "around it (docs/composition.md)"
             )
+
+
+def _refuse_nested_replays(label: str, outputs: Sequence[torch.Tensor]) -> None:
+    """Refuse a forward that calls a graphed callable (V30, as for one among the callables or
+    as a submodule): the capture would record its replay, which CUDA refuses ("Cannot prepare
+    for replay during capturing stage") and the CPU backend would record as kernels reading
+    and writing that callable's static buffers outside its checks. Found by the replay's
+    autograd node (a backward class of ``leangraph.runtime.graphed``, named here, not imported:
+    the probe comes before the runtime)."""
+    for node in _autograd_nodes(outputs):
+        replayed = getattr(node, "_forward_cls", None)
+        if getattr(replayed, "__module__", None) == _REPLAY_MODULE:
+            raise ValueError(
+                f"{label} calls a graphed callable (a result of make_graphed_callables) in its "
+                "forward: its capture would record that callable's graph replay, which a CUDA "
+                "graph cannot capture; expected a forward of eager code only: graph the "
+                "eager callable it replays instead, or call the graphed one outside"
+            )
+
+
+_REPLAY_MODULE = "leangraph.runtime.graphed"
 
 
 def output_template(label: str, leaves: Sequence[Any]) -> LeafTemplate:

@@ -220,8 +220,9 @@ class GraphedCallable:
                 "...): its graphs replay fixed kernels on fixed buffers; call it outside the "
                 "transform, or transform the eager callable"
             )
-        if self._fused is not None:
-            self._fused.before_forward()
+        fused = self._fused  # read once: a reset in another thread may clear it
+        if fused is not None:
+            fused.before_forward()
         leaves = [_UNWRAP_IF_DEAD(t) for t in self._signature.bind(args, kwargs)]
         if self._forward_only and torch.is_grad_enabled():
             _refuse_grad_replay(self._label, record, leaves)
@@ -426,28 +427,22 @@ def _check_no_pending_backward(owner: GraphedCallable, record: GraphRecord) -> N
         )
 
 
-class _HookState:
-    """What a backward replay's hooks need of its callable, read before the replay: a
-    ``reset()`` in another thread may run once the replay returned (the callable's lock is
-    free again) and before its hooks, and must not take the hooks its gradients owe."""
-
-    __slots__ = ("fused", "record")
-
-    def __init__(self, owner: GraphedCallable) -> None:
-        self.record, self.fused = owner._record, owner._fused
-
-
-def _call_accumulator_hooks(state: _HookState, unreached: frozenset[int]) -> None:
+def _call_accumulator_hooks(
+    record: GraphRecord | None, fused: InGraphAccumulation | None, unreached: frozenset[int]
+) -> None:
     """After a backward replay, outside the callable's lock: the Python hooks the replay calls
     itself (``accumulator_hooks="python"``; at the weight step for a split backward), but not
-    those of the parameters in ``unreached`` (ids), which no output with a gradient reached."""
-    record, fused = state.record, state.fused
+    those of the parameters in ``unreached`` (ids), which no output with a gradient reached.
+    ``record`` and ``fused``: the callable's, read before the replay (:func:`_replay_backward`)."""
     if fused is not None and record is not None and not record.split_backward:
         fused.call_hooks(unreached)
 
 
 def _skip_unreached_hooks(
-    owner: GraphedCallable, state: _HookState, unreached: frozenset[int]
+    owner: GraphedCallable,
+    record: GraphRecord | None,
+    fused: InGraphAccumulation | None,
+    unreached: frozenset[int],
 ) -> None:
     """After a backward replay that reached not every trained parameter: the accumulators of
     those in ``unreached`` (ids), which autograd runs with no gradient because the replay's
@@ -456,7 +451,6 @@ def _skip_unreached_hooks(
     another graph may hand one of them a gradient in this pass (its hooks then fire once, as
     eager's), nor where no accumulator of theirs runs: a split backward (its weight step leaves
     them out), ``accumulator_hooks="python"`` (its call leaves them out) and ``False``."""
-    record, fused = state.record, state.fused
     if record is None or record.split_backward:
         return
     params: list[torch.Tensor]
@@ -757,11 +751,14 @@ class _Replay(torch.autograd.Function):
 
 def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     owner: GraphedCallable = ctx.owner
-    state = _HookState(owner)
+    # Read before the replay: a reset() in another thread may run once the replay returned
+    # (the callable's lock is free again) and before its hooks, and must not take the hooks
+    # its gradients owe.
+    record, fused = owner._record, owner._fused
     grad_inputs, unreached = owner._replay_backward(grads, ctx.generation, ctx.ddp)
     if unreached:
-        _skip_unreached_hooks(owner, state, unreached)
-    _call_accumulator_hooks(state, unreached)
+        _skip_unreached_hooks(owner, record, fused, unreached)
+    _call_accumulator_hooks(record, fused, unreached)
     return _node_grads(ctx, grad_inputs)
 
 
@@ -780,12 +777,13 @@ def _backward_once(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None,
     torch's ``once_differentiable`` would raise without the name). The usual backward, with
     grad mode off, goes around this."""
     owner: GraphedCallable = ctx.owner
-    state = _HookState(owner)
+    record, fused = owner._record, owner._fused  # before the replay: see _replay_backward
     with torch.no_grad():
         grad_inputs, unreached = owner._replay_backward(grads, ctx.generation, ctx.ddp)
     if unreached:
-        _skip_unreached_hooks(owner, state, unreached)
-    _call_accumulator_hooks(state, unreached)  # in the pass's grad mode, as autograd runs them
+        _skip_unreached_hooks(owner, record, fused, unreached)
+    # In the pass's grad mode, as autograd runs them.
+    _call_accumulator_hooks(record, fused, unreached)
     outputs = _node_grads(ctx, grad_inputs)
     if not any(g is not None and g.requires_grad for g in grads):
         return outputs
