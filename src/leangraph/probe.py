@@ -320,8 +320,7 @@ def _measure(
         output_leaves, output_tree = pytree.tree_flatten(returned)
         template = output_template(label, output_leaves)
         outputs = [t for t in output_leaves if isinstance(t, torch.Tensor)]
-        _refuse_reentrant_checkpoint(label, outputs)
-        _refuse_nested_replays(label, outputs)
+        _refuse_uncapturable_nodes(label, outputs)
         _refuse_outside_leaves(label, outputs, [*inputs, *params])
         memory = _layer_memory(inputs, params, buffers, outputs, saved_tensors)
         # Only several outputs that need a gradient can leave some without one.
@@ -533,10 +532,18 @@ def _refuse_input_writes(
     )
 
 
-def _refuse_reentrant_checkpoint(label: str, outputs: Sequence[torch.Tensor]) -> None:
-    """Refuse ``torch.utils.checkpoint(..., use_reentrant=True)`` inside the callable: its
-    backward raises under ``torch.autograd.grad``, which warm-up and capture differentiate
-    with, so say so before any warm-up rather than let torch's message surface from there."""
+def _refuse_uncapturable_nodes(label: str, outputs: Sequence[torch.Tensor]) -> None:
+    """Refuse, in one walk of the outputs' autograd graphs and before any warm-up, what a
+    capture cannot take, rather than let torch's message surface from it:
+
+    * ``torch.utils.checkpoint(..., use_reentrant=True)`` inside the callable: its backward
+      raises under ``torch.autograd.grad``, which warm-up and capture differentiate with;
+    * a call of a graphed callable (V30, as for one among the callables or as a submodule):
+      the capture would record its replay, which CUDA refuses ("Cannot prepare for replay
+      during capturing stage") and the CPU backend would record as kernels on that callable's
+      static buffers, outside its checks. Its autograd node's class is named here, not
+      imported: the probe comes before the runtime.
+    """
     for node in _autograd_nodes(outputs):
         if node.name().startswith("CheckpointFunctionBackward"):
             raise ValueError(
@@ -545,18 +552,7 @@ def _refuse_reentrant_checkpoint(label: str, outputs: Sequence[torch.Tensor]) ->
                 "expected use_reentrant=False inside a graphed callable, or the checkpoint "
                 "around it (docs/composition.md)"
             )
-
-
-def _refuse_nested_replays(label: str, outputs: Sequence[torch.Tensor]) -> None:
-    """Refuse a forward that calls a graphed callable (V30, as for one among the callables or
-    as a submodule): the capture would record its replay, which CUDA refuses ("Cannot prepare
-    for replay during capturing stage") and the CPU backend would record as kernels reading
-    and writing that callable's static buffers outside its checks. Found by the replay's
-    autograd node (a backward class of ``leangraph.runtime.graphed``, named here, not imported:
-    the probe comes before the runtime)."""
-    for node in _autograd_nodes(outputs):
-        replayed = getattr(node, "_forward_cls", None)
-        if getattr(replayed, "__module__", None) == _REPLAY_MODULE:
+        if getattr(getattr(node, "_forward_cls", None), "__module__", None) == _REPLAY_MODULE:
             raise ValueError(
                 f"{label} calls a graphed callable (a result of make_graphed_callables) in its "
                 "forward: its capture would record that callable's graph replay, which a CUDA "
@@ -565,7 +561,7 @@ def _refuse_nested_replays(label: str, outputs: Sequence[torch.Tensor]) -> None:
             )
 
 
-_REPLAY_MODULE = "leangraph.runtime.graphed"
+_REPLAY_MODULE = "leangraph.runtime.graphed"  # where the replays' autograd Function lives
 
 
 def output_template(label: str, leaves: Sequence[Any]) -> LeafTemplate:

@@ -215,11 +215,7 @@ class GraphedCallable:
         if self._kernels is not None and self._kernels.read() != self._kernels.captured:
             self._kernels.check(self._label)
         if _TRANSFORMS_ACTIVE():
-            raise RuntimeError(
-                f"{self._label} cannot run under a torch.func transform (vmap, grad, jvp, "
-                "...): its graphs replay fixed kernels on fixed buffers; call it outside the "
-                "transform, or transform the eager callable"
-            )
+            _refuse_under_transform(self._label)
         fused = self._fused  # read once: a reset in another thread may clear it
         if fused is not None:
             fused.before_forward()
@@ -537,6 +533,14 @@ def autocast_state(device_type: str) -> tuple[bool, torch.dtype | None] | None:
         return None
     enabled = torch.is_autocast_enabled(device_type)
     return enabled, torch.get_autocast_dtype(device_type) if enabled else None
+
+
+def _refuse_under_transform(label: str) -> None:
+    raise RuntimeError(
+        f"{label} cannot run under a torch.func transform (vmap, grad, jvp, ...): its graphs "
+        "replay fixed kernels on fixed buffers; call it outside the transform, or transform "
+        "the eager callable"
+    )
 
 
 def _refuse_other_autocast(
