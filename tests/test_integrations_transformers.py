@@ -683,6 +683,28 @@ def test_refuses_arguments_that_do_not_fit() -> None:
         graph_decoder_layers(decoder_layers(model)[:1], LayerCall((), calls[0].kwargs))
 
 
+def test_refuses_arguments_of_the_wrong_type_naming_them(graphed_sets: list[Any]) -> None:
+    tokens = token_batches(1)[0]
+    with pytest.raises(TypeError, match="graph_causal_lm: model must be an nn.Module .*, got str"):
+        graph_causal_lm("llama", {"input_ids": tokens})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="record_layer_calls: model must be an nn.Module"):
+        record_layer_calls(None, {"input_ids": tokens})  # type: ignore[arg-type]
+    model = make_model()
+    with pytest.raises(TypeError, match="calls must be a LayerCall or a sequence of them, .*got "
+                       "NoneType"):
+        graph_decoder_layers(decoder_layers(model), None)  # type: ignore[arg-type]
+    order = interleaved_1f1b(pp_size=2, vp_size=2, rank=0, num_microbatches=MICROBATCHES)
+    graphed = graph_causal_lm(model, {"input_ids": tokens}, order=order,
+                              num_microbatches=MICROBATCHES)
+    graphed_sets.append(graphed)
+    hidden = torch.randn(BATCH, SEQUENCE, 32, requires_grad=True)
+    for chunk, microbatch, name, got in [("1", 0, "chunk", "str '1'"), (1.0, 0, "chunk", "float"),
+                                         (True, 0, "chunk", "bool"),
+                                         (1, 0.0, "microbatch", "float")]:
+        with pytest.raises(TypeError, match=f"run_chunk: {name} must be an int .*, got {got}"):
+            graphed.run_chunk(chunk, microbatch, hidden)  # type: ignore[arg-type]
+
+
 def test_v31_refuses_dropout_the_forward_draws_itself_and_every_dropout_module() -> None:
     """Rates handed to nn.functional.dropout (Starcoder2's residual_dropout), random router
     noise (Mixtral's jitter) and dropout modules of any kind, in any training submodule."""

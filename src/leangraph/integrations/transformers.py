@@ -160,6 +160,8 @@ class GraphedDecoderLayers:
             TypeError: for ``layer_kwargs`` that is neither a mapping nor a sequence of them.
         """
         layout = self.layout
+        _check_index("chunk", chunk)
+        _check_index("microbatch", microbatch)
         if not 1 <= chunk <= layout.num_chunks or not 0 <= microbatch < layout.num_microbatches:
             raise ValueError(
                 f"chunk {chunk}, microbatch {microbatch} is outside the capture's "
@@ -240,6 +242,7 @@ def graph_causal_lm(
         ValueError, TypeError: for what is not supported (see the module docstring), named,
             before any warm-up.
     """
+    _check_model("graph_causal_lm", model)
     _check_model_config(model)
     _check_inputs(type(model).__name__, sample_inputs)
     _capture_options(capture_options)  # refused before the recording forward, not after
@@ -341,6 +344,7 @@ def record_layer_calls(model: nn.Module, sample_inputs: Mapping[str, Any]) -> tu
         TypeError: if ``sample_inputs`` is not a mapping or the layers are not found.
         RuntimeError: if the forward skipped a layer, or called one twice.
     """
+    _check_model("record_layer_calls", model)
     if not isinstance(sample_inputs, Mapping):
         raise TypeError(
             "sample_inputs must be a mapping of the model's keyword arguments, e.g. "
@@ -442,6 +446,11 @@ def _checked_layers(layers: Sequence[nn.Module]) -> tuple[nn.Module, ...]:
 
 
 def _checked_calls(calls: Sequence[LayerCall] | LayerCall, count: int) -> tuple[LayerCall, ...]:
+    if not isinstance(calls, (LayerCall, Sequence)) or isinstance(calls, (str, bytes)):
+        raise TypeError(
+            "calls must be a LayerCall or a sequence of them, one per layer "
+            f"(record_layer_calls(model, inputs)), got {type(calls).__name__}"
+        )
     result = (calls,) * count if isinstance(calls, LayerCall) else tuple(calls)
     if len(result) != count:
         raise ValueError(f"calls has {len(result)} entries but there are {count} layers")
@@ -454,6 +463,22 @@ def _checked_calls(calls: Sequence[LayerCall] | LayerCall, count: int) -> tuple[
                 f"got {type(call.args[0]).__name__ if call.args else 'no positional argument'}"
             )
     return result
+
+
+def _check_model(where: str, model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{where}: model must be an nn.Module (a HF *ForCausalLM or its base *Model), got "
+            f"{type(model).__name__}"
+        )
+
+
+def _check_index(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"run_chunk: {name} must be an int ({'1' if name == 'chunk' else '0'}-based), got "
+            f"{type(value).__name__}{f' {value!r}' if isinstance(value, str) else ''}"
+        )
 
 
 def _check_model_config(model: nn.Module) -> None:
