@@ -326,8 +326,10 @@ def decoder_layers(model: nn.Module) -> tuple[nn.Module, ...]:
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(
             f"{type(model).__name__} has no decoder layers at base_model.layers (an "
-            "nn.ModuleList, as in Llama, Mistral or Qwen); pass the layers to "
-            "graph_decoder_layers yourself"
+            "nn.ModuleList, as in Llama, Mistral or Qwen), where graph_causal_lm and "
+            "record_layer_calls find them; for another layout (GPT-2's transformer.h, "
+            "OPT's decoder.layers) pass the layers and one LayerCall(args, kwargs) per layer, "
+            "as the model calls it, to graph_decoder_layers yourself"
         )
     count = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     return tuple(layers if count is None else layers[:count])
