@@ -506,6 +506,18 @@ def test_a_schedule_the_order_does_not_have_is_refused_naming_the_step(one_rank:
     graphed.reset()
 
 
+def test_schedule_refuses_another_microbatch_count_naming_the_captured_one(
+    one_rank: None,
+) -> None:
+    """torch's own TypeError ("got multiple values for argument 'n_microbatches'") said
+    nothing of the count being fixed at capture."""
+    graphed, _ = _interleaved(microbatches=2)
+    with pytest.raises(ValueError, match=r"schedule: n_microbatches is fixed at capture \(2"):
+        graphed.schedule(mse, n_microbatches=3)
+    graphed.schedule(mse)  # as captured
+    graphed.reset()
+
+
 def test_more_microbatches_than_captured_are_refused(one_rank: None) -> None:
     graphed, _ = _interleaved(microbatches=2)
     more = pipelining.ScheduleInterleaved1F1B(list(graphed.stages), 4, loss_fn=mse)

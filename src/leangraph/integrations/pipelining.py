@@ -155,8 +155,16 @@ class GraphedPipeline:
             **options: Further keyword arguments of ``schedule_class``.
 
         Raises:
-            ValueError: if the schedule places a stage on another rank than captured for.
+            ValueError: if the schedule places a stage on another rank than captured for, or
+                ``options`` name the microbatch count (fixed at capture).
         """
+        if "n_microbatches" in options:
+            raise ValueError(
+                f"schedule: n_microbatches is fixed at capture ({self.num_microbatches}: the "
+                "graphs replay that many microbatches' steps in their order), got "
+                f"n_microbatches={options['n_microbatches']!r}; leave it out, or capture "
+                "again with graph_pipeline_stages(..., num_microbatches=...)"
+            )
         multi = issubclass(self.schedule_class, PipelineScheduleMulti)
         stage_arg: Any = list(self.stages) if multi else self.stages[0]
         schedule = self.schedule_class(stage_arg, self.num_microbatches, loss_fn=loss_fn, **options)
