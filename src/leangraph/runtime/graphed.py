@@ -619,10 +619,11 @@ def _as_eager_returned(
     """``outputs`` aliased as eager returned them: those that were views of another output
     made views of that output's replayed tensor (a write into one shows in the other, and
     autograd takes their gradients through the view, as eager's did; their own slots get
-    no gradient), then each repeated output the one tensor it repeats."""
+    no gradient; a detached view none at all, as eager's), then each repeated output the
+    one tensor it repeats."""
     rebuilt = list(outputs)
     for view in views:
-        base = outputs[view.base]
+        base = outputs[view.base].detach() if view.detached else outputs[view.base]
         rebuilt[view.position] = base.as_strided(
             view.size, view.stride, base.storage_offset() + view.offset
         )
