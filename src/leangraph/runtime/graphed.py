@@ -708,6 +708,8 @@ def _inputs_to_copy(
                     "feed it). Capture with share_buffers=False to feed layers anything"
                 )
             copies.append((static, value))
+        if copies and not record.released:
+            copies = _read_before_written(copies)
     except RuntimeError:
         # A sparse or mkldnn argument has the captured dtype, shape and device, so only its
         # missing storage (data_ptr) stops it: named here, off the path of every replay.
@@ -715,6 +717,21 @@ def _inputs_to_copy(
             spec.check_dense(label, value)
         raise
     return copies
+
+
+def _read_before_written(
+    copies: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``copies`` with each value in the memory of a static input they write cloned first.
+    Without buffer sharing the samples are the static inputs, which the caller holds: an
+    argument in their memory (the samples swapped, a transposed view of one) would be
+    overwritten by an earlier copy, or overlap its own (torch refuses that copy), where
+    eager reads every argument as given."""
+    written = {static.untyped_storage().data_ptr() for static, _ in copies}
+    return [
+        (static, value.clone() if value.untyped_storage().data_ptr() in written else value)
+        for static, value in copies
+    ]
 
 
 class _Replay(torch.autograd.Function):
