@@ -325,6 +325,51 @@ def test_outputs_that_view_another_output_share_its_memory_as_in_eager(mode, dev
     leangraph.reset_all(graphed)
 
 
+class _DetachedAndReinterpreted(nn.Module):
+    """Outputs sharing another output's memory that are not views autograd differentiates
+    through: a detached copy for metrics, a detached slice, the bits as int32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = self.proj(x)
+        return y, y.detach(), y.detach()[:, 0], y.view(torch.int32)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_detached_and_dtype_views_of_an_output_come_back_as_eager_returned_them(mode):
+    """A detached view needs no gradient and a reinterpreting view has its own dtype, in
+    the replay as in eager: a loss over every output gets eager's gradients, and a write
+    into the detached one shows in the output it shares memory with."""
+    torch.manual_seed(0)
+    eager = _DetachedAndReinterpreted()
+    layer = copy.deepcopy(eager)
+    options: dict[str, Any] = {"share_buffers": False} if mode == "unshared" else {}
+    if mode == "ordered":
+        options["order"] = [1, -1]
+    graphed = leangraph.make_graphed_callables(layer, (_leaf(3, 4),), **options)
+    for step in range(3):
+        x = _leaf(3, 4)
+        results = []
+        for used, model in ((eager, eager), (graphed, layer)):
+            x_used = x.detach().requires_grad_()
+            outputs = used(x_used)
+            y, detached, column, bits = outputs
+            assert [o.requires_grad for o in outputs] == [True, False, False, False]
+            assert bits.dtype == torch.int32 and torch.equal(bits, y.detach().view(torch.int32))
+            detached.mul_(2)  # shares y's memory, as in eager
+            assert torch.equal(y.detach(), detached) and torch.equal(column, y[:, 0].detach())
+            loss = y.square().sum() + detached.sum() + column.sum()
+            loss.backward()
+            results.append([loss, x_used.grad, *(p.grad.clone() for p in model.parameters())])
+            model.zero_grad()
+        for a, b in zip(*results):
+            assert torch.equal(a, b), step
+    leangraph.reset_all(graphed)
+
+
 def _mse(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(y, target)
 

@@ -299,6 +299,38 @@ def test_r9_chained_input_must_be_the_previous_layers_output():
     free[1](sample()).sum().backward()  # without sharing, anything matching goes
 
 
+def _weighted(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a @ torch.arange(9.0).view(3, 3) + b * 3
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_arguments_in_the_memory_of_the_samples_replay_as_eager_reads_them(requires_grad):
+    """With share_buffers=False the samples are the static inputs, so the caller holds
+    them: arguments in their memory (the samples swapped, a transposed or shifted view of
+    one) must be read before any copy writes over them, as eager reads its arguments."""
+    base = torch.randn(4, 3)
+    s0, s1 = base[:3].clone(), torch.randn(3, 3)
+    samples = (s0.requires_grad_(requires_grad), s1.requires_grad_(requires_grad))
+    graphed = mgc(_weighted, samples, share_buffers=False)
+    calls = [
+        lambda: (s1, s0),  # swapped: the first copy would write over the second argument
+        lambda: (s0.t(), s1),  # a transposed view of its own static input
+        lambda: (s0, s1.t()),
+        lambda: (s1, s1),
+    ]
+    for arguments in calls:
+        args = arguments()
+        expected = _weighted(*(a.detach().clone() for a in args))
+        out = graphed(*args)
+        assert torch.equal(out, expected)
+        if requires_grad:
+            out.sum().backward()
+    window = torch.randn(5, 3)
+    shifted = mgc(_weighted, (window[:3], window[2:].clone()), share_buffers=False)
+    expected = _weighted(window[1:4].clone(), window[2:].clone())
+    assert torch.equal(shifted(window[1:4], window[2:]), expected)  # overlaps the sample
+
+
 def test_l1_calling_a_reset_callable():
     graphed = graphed_blocks()
     graphed[1].forward.reset()

@@ -333,6 +333,33 @@ def test_keyword_arguments_may_come_in_any_order():
     out.sum().backward()
 
 
+class _Concat(torch.nn.Module):
+    def forward(self, x: torch.Tensor, **parts: torch.Tensor) -> torch.Tensor:
+        return x * torch.cat(list(parts.values()))
+
+
+@pytest.mark.parametrize("kind", ["function", "module"])
+def test_r2_a_callable_taking_kwargs_sees_their_order_so_it_must_be_captures(kind):
+    """``**kwargs`` keep the caller's order, which the callable may follow (concatenating
+    them): eager would compute another result for another order, so only a callable whose
+    keywords bind by name accepts any order."""
+
+    def concat(x, **parts):
+        return x * torch.cat(list(parts.values()))
+
+    fn = concat if kind == "function" else _Concat()
+    sample_kwargs = {"a": torch.randn(3), "b": torch.randn(3)}
+    graphed = mgc(fn, (torch.randn(6, requires_grad=True),), sample_kwargs=sample_kwargs)
+    x, a, b = torch.randn(6), torch.zeros(3), torch.ones(3)
+    assert torch.equal(graphed(x, a=a, b=b), concat(x, a=a, b=b))
+    with raises(
+        TypeError,
+        "takes **kwargs, so it sees the order of its keyword arguments",
+        "in their order at capture ['a', 'b'], got ['b', 'a']",
+    ):
+        graphed(x, b=b, a=a)
+
+
 # ------------------------------------------------------------------------- binding
 
 

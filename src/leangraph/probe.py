@@ -355,30 +355,35 @@ def output_repeats(outputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class OutputView:
     """Tensor output ``position`` as eager returned it: a view of tensor output ``base``
-    with ``size`` and ``stride``, ``offset`` elements into the base's memory."""
+    with ``size`` and ``stride``, ``offset`` elements into the base's memory; ``detached``
+    where it needs no gradient and the base does (``return y, y.detach()``)."""
 
     position: int
     base: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    detached: bool = False
 
 
 def output_views(outputs: Sequence[torch.Tensor]) -> tuple[OutputView, ...]:
-    """The outputs that are views of an earlier contiguous output, their elements within
-    its (see :attr:`GraphFacts.views`); outputs that are the same tensor are repeats, not
-    views."""
+    """The outputs that are views of an earlier contiguous output of their dtype, their
+    elements within its (see :attr:`GraphFacts.views`); outputs that are the same tensor
+    are repeats, not views. A view that requires grad of a base that does not is left out
+    (in a buffer of its own), as is one of another dtype (``y.view(torch.int32)``)."""
     views: list[OutputView] = []
     for position, output in enumerate(outputs):
         viewed = {view.position for view in views}
         for base, candidate in enumerate(outputs[:position]):
             if candidate is output or base in viewed:
                 continue
+            if output.requires_grad and not candidate.requires_grad:
+                continue
             offset = _offset_within(output, candidate)
             if offset is not None:
-                views.append(
-                    OutputView(position, base, tuple(output.shape), output.stride(), offset)
-                )
+                detached = candidate.requires_grad and not output.requires_grad
+                size, stride = tuple(output.shape), output.stride()
+                views.append(OutputView(position, base, size, stride, offset, detached))
                 break
     return tuple(views)
 
@@ -387,6 +392,8 @@ def _offset_within(view: torch.Tensor, base: torch.Tensor) -> int | None:
     """Where ``view``'s elements start in the contiguous ``base``'s memory, if all of them
     lie in it; else None."""
     if not base.is_contiguous() or view.numel() == 0 or min(view.stride(), default=0) < 0:
+        return None
+    if view.dtype != base.dtype:  # the bits reinterpreted: offsets count other elements
         return None
     if view.untyped_storage()._cdata != base.untyped_storage()._cdata:
         return None

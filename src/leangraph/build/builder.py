@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import types
 import weakref
 from collections.abc import Callable, Sequence
@@ -202,7 +203,15 @@ def graph_sources(
         call_leaves = [next(given) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         named = named_by_callable[index]
         label = call.label(graph)
-        signature = CallSignature(label, call_leaves, tree, like=last_signature.get(index))
+        signature = CallSignature(
+            label,
+            call_leaves,
+            tree,
+            like=last_signature.get(index),
+            keyword_order=_sees_keyword_order(
+                fn.forward if isinstance(fn, torch.nn.Module) else fn
+            ),
+        )
         last_signature[index] = signature
         sources.append(
             GraphSource(
@@ -375,3 +384,13 @@ def parameter_sharing(
         peers = tuple(g for g in found[shared] if g != graph)
         result.append(ParameterSharing(peers, frozenset(shared)))
     return result
+
+
+def _sees_keyword_order(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` (a module's ``forward``) takes ``**kwargs``, whose order it sees; one
+    whose signature cannot be read is taken to."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)

@@ -623,10 +623,11 @@ def _as_eager_returned(
     """``outputs`` aliased as eager returned them: those that were views of another output
     made views of that output's replayed tensor (a write into one shows in the other, and
     autograd takes their gradients through the view, as eager's did; their own slots get
-    no gradient), then each repeated output the one tensor it repeats."""
+    no gradient; a detached view none at all, as eager's), then each repeated output the
+    one tensor it repeats."""
     rebuilt = list(outputs)
     for view in views:
-        base = outputs[view.base]
+        base = outputs[view.base].detach() if view.detached else outputs[view.base]
         rebuilt[view.position] = base.as_strided(
             view.size, view.stride, base.storage_offset() + view.offset
         )
@@ -711,6 +712,8 @@ def _inputs_to_copy(
                     "feed it). Capture with share_buffers=False to feed layers anything"
                 )
             copies.append((static, value))
+        if copies and not record.released:
+            copies = _read_before_written(copies)
     except RuntimeError:
         # A sparse or mkldnn argument has the captured dtype, shape and device, so only its
         # missing storage (data_ptr) stops it: named here, off the path of every replay.
@@ -718,6 +721,21 @@ def _inputs_to_copy(
             spec.check_dense(label, value)
         raise
     return copies
+
+
+def _read_before_written(
+    copies: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``copies`` with each value in the memory of a static input they write cloned first.
+    Without buffer sharing the samples are the static inputs, which the caller holds: an
+    argument in their memory (the samples swapped, a transposed view of one) would be
+    overwritten by an earlier copy, or overlap its own (torch refuses that copy), where
+    eager reads every argument as given."""
+    written = {static.untyped_storage().data_ptr() for static, _ in copies}
+    return [
+        (static, value.clone() if value.untyped_storage().data_ptr() in written else value)
+        for static, value in copies
+    ]
 
 
 class _Replay(torch.autograd.Function):

@@ -99,6 +99,9 @@ class CallSignature:
         like: A signature of another call whose structure may be the same (the same layer's
             graph for another microbatch): where ``tree`` equals its tree, the leaves' names
             and the tree's facts are taken from it rather than walked again.
+        keyword_order: Whether the callable sees the order of its keyword arguments (it
+            takes ``**kwargs``): a replay must then pass them in the captured order, which
+            the graph's kernels follow; else any order binds.
     """
 
     _names: list[str]
@@ -112,8 +115,10 @@ class CallSignature:
         tree: pytree.TreeSpec,
         *,
         like: CallSignature | None = None,
+        keyword_order: bool = False,
     ):
         self.owner = owner
+        self._keyword_order = keyword_order
         self.tree = tree
         self.template = LeafTemplate.of(leaves)
         if like is not None and like.tree == tree:
@@ -188,8 +193,14 @@ class CallSignature:
 
     def _structured_leaves(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """Leaves of a call with containers or keywords, checked against the captured tree."""
-        if set(kwargs) == set(self._kwarg_names):  # keyword order is the caller's business
-            kwargs = {name: kwargs[name] for name in self._kwarg_names}
+        if set(kwargs) == set(self._kwarg_names) and tuple(kwargs) != self._kwarg_names:
+            if self._keyword_order:
+                raise TypeError(
+                    f"{self.owner} takes **kwargs, so it sees the order of its keyword "
+                    f"arguments: pass them in their order at capture {list(self._kwarg_names)}, "
+                    f"got {list(kwargs)}; the graph replays what the captured order computed"
+                )
+            kwargs = {name: kwargs[name] for name in self._kwarg_names}  # bound by name
         leaves, tree = pytree.tree_flatten((args, kwargs))
         if tree != self.tree:
             self._raise_mismatch(args, kwargs, tree)
