@@ -354,10 +354,24 @@ def test_r2_a_callable_taking_kwargs_sees_their_order_so_it_must_be_captures(kin
     assert torch.equal(graphed(x, a=a, b=b), concat(x, a=a, b=b))
     with raises(
         TypeError,
-        "takes **kwargs, so it sees the order of its keyword arguments",
-        "in their order at capture ['a', 'b'], got ['b', 'a']",
+        "takes **kwargs, so it sees the order of the keyword arguments that land there",
+        "pass ['a', 'b'] in their order at capture, got ['b', 'a']",
     ):
         graphed(x, b=b, a=a)
+
+
+def test_r2_keywords_that_bind_to_named_parameters_take_any_order_beside_kwargs():
+    """Only the keywords that land in ``**kwargs`` keep their order (a transformers decoder
+    layer takes ``attention_mask=``, ``position_ids=`` by name and the rest as ``**kwargs``):
+    named ones bind in any order."""
+
+    def layer(x, mask=None, scale=None, **extra):
+        return x * mask * scale + sum(extra.values())
+
+    sample_kwargs = {"mask": torch.randn(4), "scale": torch.randn(4), "bias": torch.randn(4)}
+    graphed = mgc(layer, (torch.randn(4, requires_grad=True),), sample_kwargs=sample_kwargs)
+    x, mask, scale, bias = (torch.randn(4) for _ in range(4))
+    assert torch.equal(graphed(x, scale=scale, bias=bias, mask=mask), layer(x, mask, scale, bias=bias))
 
 
 # ------------------------------------------------------------------------- binding

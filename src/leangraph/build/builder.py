@@ -208,9 +208,7 @@ def graph_sources(
             call_leaves,
             tree,
             like=last_signature.get(index),
-            keyword_order=_sees_keyword_order(
-                fn.forward if isinstance(fn, torch.nn.Module) else fn
-            ),
+            named_keywords=_named_keywords(fn.forward if isinstance(fn, torch.nn.Module) else fn),
         )
         last_signature[index] = signature
         sources.append(
@@ -386,11 +384,15 @@ def parameter_sharing(
     return result
 
 
-def _sees_keyword_order(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` (a module's ``forward``) takes ``**kwargs``, whose order it sees; one
-    whose signature cannot be read is taken to."""
+def _named_keywords(fn: Callable[..., Any]) -> frozenset[str] | None:
+    """For ``fn`` (a module's ``forward``) taking ``**kwargs``, whose order it sees, the
+    keywords that bind to named parameters instead (any order); None where it takes no
+    ``**kwargs``; an empty set where its signature cannot be read (every order counts)."""
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
-        return True
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+        return frozenset()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for p in parameters if p.kind in by_name)

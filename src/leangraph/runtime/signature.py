@@ -99,9 +99,10 @@ class CallSignature:
         like: A signature of another call whose structure may be the same (the same layer's
             graph for another microbatch): where ``tree`` equals its tree, the leaves' names
             and the tree's facts are taken from it rather than walked again.
-        keyword_order: Whether the callable sees the order of its keyword arguments (it
-            takes ``**kwargs``): a replay must then pass them in the captured order, which
-            the graph's kernels follow; else any order binds.
+        named_keywords: For a callable taking ``**kwargs``, whose order it sees, the
+            keywords that bind to named parameters: a replay must pass the others in the
+            captured order, which the graph's kernels follow. None (no ``**kwargs``): any
+            order binds.
     """
 
     _names: list[str]
@@ -115,10 +116,10 @@ class CallSignature:
         tree: pytree.TreeSpec,
         *,
         like: CallSignature | None = None,
-        keyword_order: bool = False,
+        named_keywords: frozenset[str] | None = None,
     ):
         self.owner = owner
-        self._keyword_order = keyword_order
+        self._named_keywords = named_keywords
         self.tree = tree
         self.template = LeafTemplate.of(leaves)
         if like is not None and like.tree == tree:
@@ -194,12 +195,16 @@ class CallSignature:
     def _structured_leaves(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """Leaves of a call with containers or keywords, checked against the captured tree."""
         if set(kwargs) == set(self._kwarg_names) and tuple(kwargs) != self._kwarg_names:
-            if self._keyword_order:
-                raise TypeError(
-                    f"{self.owner} takes **kwargs, so it sees the order of its keyword "
-                    f"arguments: pass them in their order at capture {list(self._kwarg_names)}, "
-                    f"got {list(kwargs)}; the graph replays what the captured order computed"
-                )
+            named = self._named_keywords
+            if named is not None:
+                free = [k for k in kwargs if k not in named]
+                captured = [k for k in self._kwarg_names if k not in named]
+                if free != captured:
+                    raise TypeError(
+                        f"{self.owner} takes **kwargs, so it sees the order of the keyword "
+                        f"arguments that land there: pass {captured} in their order at capture, "
+                        f"got {free}; the graph replays what the captured order computed"
+                    )
             kwargs = {name: kwargs[name] for name in self._kwarg_names}  # bound by name
         leaves, tree = pytree.tree_flatten((args, kwargs))
         if tree != self.tree:
