@@ -11,6 +11,7 @@ anything that survived a failure or a reset shows as at least one block or segme
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -366,6 +367,48 @@ def test_v39_a_call_inside_a_cuda_capture_is_refused_and_the_capture_survives():
     torch.nn.functional.dropout(_sample(), 0.5)  # the generator left capture mode
     graphed = mgc(layer, (_sample(),))
     graphed(_sample()).sum().backward()
+    leangraph.reset_all([graphed])
+
+
+def test_r31_a_replay_inside_a_cuda_capture_is_refused_before_anything_moves():
+    """A graphed layer replayed inside the user's own ``torch.cuda.graph`` (a whole step
+    captured around it): torch's launch failed without naming the callable, after the static
+    input was copied and the replay order had moved on. Refused first, forward and backward
+    (autograd runs the backward on the forward's stream, here the capturing one): the outer
+    capture still records and ends cleanly, and the callable replays in order after."""
+    _prime()
+    layer = Block(WIDTH).cuda()
+    reference = copy.deepcopy(layer)
+    graphed = mgc(layer, (_sample(),))
+    x = _sample()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    outer = torch.cuda.CUDAGraph()
+    static = torch.zeros(8, device="cuda")
+    with torch.cuda.graph(outer, stream=stream):
+        with pytest.raises(RuntimeError, match=r"Block\).*cannot replay its forward graph"):
+            graphed(x)
+        static.add_(1)  # the outer capture still records
+    outer.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, torch.ones(8, device="cuda"))
+    with torch.cuda.stream(stream):
+        expected = reference(x)
+        out = graphed(x)  # the refused replay left the order where it was
+        seed = torch.randn_like(out)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected)
+    with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+        with pytest.raises(RuntimeError, match=r"Block\).*cannot replay its backward graph"):
+            out.backward(seed)
+        static.add_(1)
+    with torch.cuda.stream(stream):
+        out.backward(seed)  # the refused backward keeps its place
+    torch.cuda.synchronize()
+    expected.backward(seed)
+    for p, q in zip(layer.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)  # one replay, as eager's
+    graphed(x).sum().backward()
     leangraph.reset_all([graphed])
 
 

@@ -329,16 +329,25 @@ def test_compiled_functions_and_modules_in_an_order():
     leangraph.reset_all(graphed)
 
 
+@pytest.mark.parametrize("made_at_first_trace", [False, True], ids=["made", "made_at_first_trace"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_torch_compile_around_a_graphed_module_replays_it_at_every_call(device):
+def test_torch_compile_around_a_graphed_module_replays_it_at_every_call(
+    device, made_at_first_trace, monkeypatch
+):
     """A graphed module inside a model that torch.compile compiles is a graph break: its call
     runs eagerly, with every frame it runs. Before, dynamo compiled the frames the call ran
     after its graph breaks (the CPU backend's replay of recorded ops among them: Inductor's
-    kernels then computed other values than capture's, off by 1e-7)."""
+    kernels then computed other values than capture's, off by 1e-7). The eager wrapper is made
+    at the first call dynamo traces (``made_at_first_trace``: as in a process that imports
+    dynamo only after capture), and reused after."""
+    from leangraph.runtime import graphed as graphed_module
+
     torch.manual_seed(0)
     inner = Scaled().to(device)
     reference = copy.deepcopy(inner)
     leangraph.make_graphed_callables(inner, (torch.randn(2, 4, device=device, requires_grad=True),))
+    if made_at_first_trace:
+        monkeypatch.setattr(graphed_module, "_UNCOMPILED_CALL", [])
     model = nn.Sequential(nn.Hardtanh(-2.0, 2.0), inner, nn.ReLU())
     eager = nn.Sequential(nn.Hardtanh(-2.0, 2.0), reference, nn.ReLU())
     traced_from: list[str] = []  # the source lines of every op dynamo hands a backend
@@ -361,6 +370,7 @@ def test_torch_compile_around_a_graphed_module_replays_it_at_every_call(device):
         assert torch.equal(p.grad, q.grad)
     leangraph_dir = str(Path(leangraph.__file__).parent)
     assert not [t for t in traced_from if leangraph_dir in t]  # none of leangraph's frames
+    assert len(graphed_module._UNCOMPILED_CALL) == 1  # made once, whichever call made it
     inner.lin.weight.data = inner.lin.weight.data.clone()  # the graphs train the old memory
     with pytest.raises(RuntimeError, match="must keep the data it was captured with"):
         compiled(torch.randn(2, 4, device=device, requires_grad=True))

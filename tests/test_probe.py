@@ -222,6 +222,28 @@ def test_a_callable_reading_its_inputs_only_passes_the_write_check():
     leangraph.reset_all(graphed)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_capture_leaves_dynamo_unimported():
+    """A first capture on CUDA costs no dynamo import (a second or more on a slow host, which
+    torch's make_graphed_callables does not pay): the probe's opt-out and the replay's eager
+    wrapper for torch.compile wait until dynamo is there. The graphed layer then still breaks
+    a compiled model's graph (test_parity.py)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, leangraph; m = torch.nn.Linear(8, 8).cuda(); "
+        "x = torch.randn(4, 8, device='cuda', requires_grad=True); "
+        "g = leangraph.make_graphed_callables(m, (x,)); g(x).sum().backward(); "
+        "torch.cuda.synchronize(); print('torch._dynamo' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.split() == ["False"], result.stdout + result.stderr
+
+
 def test_importing_leangraph_leaves_dynamo_unimported():
     """``import leangraph`` costs what torch costs: the probe's dynamo opt-out is applied at
     the first probe, not at import (where it imported torch._dynamo, a second)."""

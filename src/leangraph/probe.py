@@ -16,6 +16,7 @@ may update some, BatchNorm's running statistics), and frees what it allocated.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -249,8 +250,10 @@ def _skip_dynamo(mode: type[_RequiresGradReads]) -> None:
     process, torch 2.13) a ``.float()`` in the callable returned a ``torch.Size``. Skipped,
     the mode stays a plain Python observer. Done here rather than as a decorator because
     ``torch.compiler.disable`` imports dynamo: a second of ``import leangraph`` otherwise.
+    Nor before dynamo is imported: only a compiled callable brings it (``torch.compile``
+    imports it), and importing it here would be a second of every first capture.
     """
-    if mode not in _UNCOMPILED:
+    if mode not in _UNCOMPILED and _DYNAMO in sys.modules:
         method = mode.__dict__["__torch_function__"]
         mode.__torch_function__ = torch.compiler.disable(  # type: ignore[method-assign]
             method, recursive=False
@@ -259,6 +262,7 @@ def _skip_dynamo(mode: type[_RequiresGradReads]) -> None:
 
 
 _UNCOMPILED: set[type] = set()
+_DYNAMO = "torch._dynamo"
 
 
 @contextlib.contextmanager

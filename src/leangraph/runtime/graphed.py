@@ -86,7 +86,6 @@ class GraphedCallable:
         kernel_settings: KernelSettings | None = None,
     ) -> None:
         self._guard: OutputGuard | None = None  # first: __del__ may run after a failed init
-        _make_uncompiled_call()
         self._record: GraphRecord | None = record
         self._label = record.label
         self._graph_id = record.graph_id
@@ -141,6 +140,7 @@ class GraphedCallable:
         self._backward_generation = -1
         # The autocast (of the device's type) the graphs' kernels were chosen under.
         self._autocast, self._device_type = autocast_at_capture, _device_of(record).type
+        self._on_cuda = self._device_type == "cuda"
         # The process-wide settings that chose those kernels (TF32, determinism, ...).
         self._kernels = kernel_settings
 
@@ -199,7 +199,7 @@ class GraphedCallable:
                 mode on where eager's outputs would require grad.
         """
         if _COMPILING():
-            return _UNCOMPILED_CALL[0](self, *args, **kwargs)
+            return _call_uncompiled(self, *args, **kwargs)
         record = self._record
         if record is not None and self._modules is not None:
             if not self._modules.modes_as_captured():
@@ -328,6 +328,8 @@ class GraphedCallable:
     ) -> tuple[torch.Tensor, ...]:
         with self._lock:
             record = self._require_ready("replay its forward graph")
+            if self._on_cuda and _STREAM_CAPTURING():
+                _refuse_inside_capture(self._label, "forward")
             _check_no_pending_backward(self, record)
             copies = _inputs_to_copy(self._label, record, inputs)
             # Checked before anything is copied: static inputs may be shared with other graphs.
@@ -362,6 +364,8 @@ class GraphedCallable:
         the torch DDP the forward replay ran inside (``strict_ddp``), if any (R29)."""
         with self._lock:
             record = self._require_ready("run a backward")
+            if self._on_cuda and _STREAM_CAPTURING():
+                _refuse_inside_capture(self._label, "backward")
             _refuse_stale_backward(
                 self._label, record, generation, self._forward_generation, self._backward_generation
             )
@@ -406,6 +410,19 @@ _NOT_COPIED = (
     "belong to one capture); copy the module before graphing it, and save a model holding "
     "graphed modules (torch.save) by its state_dict()"
 )
+
+
+def _refuse_inside_capture(label: str, graph: str) -> None:
+    """R31: the current stream is capturing a CUDA graph of the caller's own (a whole step
+    around graphed layers, or the layer's own graph captured again). Launching a graph into a
+    capture fails inside torch without naming the callable, after the static inputs were
+    copied, so this comes first: nothing was copied and the replay order has not moved."""
+    raise RuntimeError(
+        f"{label}: cannot replay its {graph} graph while the current CUDA stream is capturing "
+        "a graph of its own (torch.cuda.graph or CUDAGraph.capture_begin around the call): "
+        "its graphs are launched at every replay, and a capture cannot take them in. Call "
+        "it outside the capture, or capture the eager callable in your graph instead"
+    )
 
 
 def _check_no_pending_backward(owner: GraphedCallable, record: GraphRecord) -> None:
@@ -817,16 +834,23 @@ def _backward_once(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None,
     return refusal(*[None if o is None else o.detach().requires_grad_() for o in outputs])  # type: ignore[arg-type]
 
 
-def _make_uncompiled_call() -> None:
-    """Make :meth:`GraphedCallable.__call__` as torch.compile must see it, once: a graph break,
-    then the call run eagerly with every frame it runs. Otherwise dynamo compiles the frames
-    the call runs after its graph breaks: the replay's checks and bookkeeping, and the CPU
-    backend's replay of recorded ops (whose compiled kernels compute other values than
-    capture's). Made at the first capture, not at import (``torch.compiler.disable`` imports
-    dynamo, a second of ``import leangraph``) nor while tracing (dynamo would trace the
-    making); its wrapper costs about a microsecond, so only calls under tracing take it."""
+def _call_uncompiled(owner: GraphedCallable, *args: Any, **kwargs: Any) -> Any:
+    """:meth:`GraphedCallable.__call__` as torch.compile must see it: a graph break, then the
+    call run eagerly with every frame it runs. Otherwise dynamo compiles the frames the call
+    runs after its graph breaks: the replay's checks and bookkeeping, and the CPU backend's
+    replay of recorded ops (whose compiled kernels compute other values than capture's).
+    Reached only while dynamo traces, so the wrapper is made at the first such call, never at
+    import or capture: ``torch.compiler.disable`` imports dynamo, a second or more of a first
+    capture otherwise. Making it there is itself a graph break."""
     if not _UNCOMPILED_CALL:
-        _UNCOMPILED_CALL.append(torch.compiler.disable(GraphedCallable.__call__))
+        _make_uncompiled_call()
+    return _UNCOMPILED_CALL[0](owner, *args, **kwargs)
+
+
+def _make_uncompiled_call() -> None:
+    # Its own frame: dynamo, tracing _call_uncompiled, breaks the graph at this call and runs
+    # it as plain Python.
+    _UNCOMPILED_CALL.append(torch.compiler.disable(GraphedCallable.__call__))
 
 
 _UNCOMPILED_CALL: list[Callable[..., Any]] = []
@@ -838,6 +862,9 @@ _UNCOMPILED_CALL: list[Callable[..., Any]] = []
 # itself. A replay unwraps its inputs (a captured parameter is never a wrapper) and calls the C
 # implementation directly.
 _C_APPLY = super(torch.autograd.Function, _Replay).apply
+# Whether the current CUDA stream is capturing: the C call torch.cuda.is_current_stream_capturing
+# makes (a CPU-only torch has none; only CUDA replays ask).
+_STREAM_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 # True only while dynamo traces (torch >= 2.3; before, nothing is told apart).
 _COMPILING = getattr(torch.compiler, "is_compiling", lambda: False)
 # Both have been there since torch 2.0; looked up defensively all the same.
