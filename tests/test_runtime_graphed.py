@@ -634,6 +634,40 @@ def test_r24_an_input_returned_and_modified_in_place_is_refused(device, form, or
     leangraph.reset_all(graphed)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("order", [None, [1, -1], [1, 1, -1, -1]],
+                         ids=["drop-in", "ordered", "two microbatches"])
+def test_a_data_write_into_an_output_the_backward_reads_reaches_it_as_in_eager(device, order):
+    """``out.data.mul_(k)`` bumps no version, so neither eager nor R24 refuses it, and eager's
+    tanh backward reads the new values. On CUDA the static output is the memory the backward
+    graph reads; the CPU backend reads it from the static buffer too (it read its own copy of
+    the forward's result before), so both train like eager."""
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).to(device)
+    eager = copy.deepcopy(layer)
+    microbatches = 1 if order is None else order.count(1)
+    samples = tuple(
+        (torch.randn(2, 4, device=device, requires_grad=True),) for _ in range(microbatches))
+    if microbatches == 1:
+        graphed = leangraph.make_graphed_callables(
+            layer, samples[0], **({} if order is None else {"order": order}))
+        per_microbatch = [graphed]
+    else:  # one graph per microbatch, called in the order's turn
+        graphed = leangraph.make_graphed_callables((layer,), samples, order=order)
+        per_microbatch = list(graphed)
+    inputs = [torch.randn(2, 4, device=device) for _ in range(microbatches)]
+    for modules in ([eager] * microbatches, per_microbatch):
+        for step in range(2):  # the second step's replay overwrites the first's buffers
+            outs = [module(x) for module, x in zip(modules, inputs)]
+            for k, out in enumerate(outs):
+                out.data.mul_(0.5 + k + step)
+            for out in outs:
+                out.square().sum().backward()
+    for name, param in layer.named_parameters():
+        assert torch.equal(param.grad, eager.get_parameter(name).grad), name
+    leangraph.reset_all(graphed)
+
+
 def test_r24_an_input_returned_that_no_backward_reads_may_change_as_in_eager():
     def fn(x: torch.Tensor, w: torch.Tensor):
         return x + w, x  # the sum's backward reads neither

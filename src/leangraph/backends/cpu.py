@@ -14,7 +14,9 @@ can observe it:
   are read at their memory as it is at replay; random ops draw fresh numbers from the CPU
   generator at every replay, as a CUDA graph advances its Philox offset, and a backward uses
   the mask of the forward replay it differentiates;
-* outputs and gradients live in static buffers that every replay overwrites in place;
+* outputs and gradients live in static buffers that every replay overwrites in place; an
+  output the backward reads (``tanh``'s) is read from its static buffer, so a write autograd
+  does not see (``out.data.mul_(2)``) reaches the backward, as it does eager's;
 * capture computes nothing the caller may rely on (static buffers are filled with NaN, as
   CUDA capture leaves them uninitialised);
 * the backward differentiates the *last* forward replay, and without ``retain_graph`` it can
@@ -88,6 +90,11 @@ class CpuGraphPair:
         self._retain: dict[str, bool] = {}
         self._differentiable = False
         self._saved: dict[int, dict[int, torch.Tensor]] | None = None
+        # From a forward replay to its backward: each output in memory a backward part reads
+        # (tanh's result), as (static buffer, the replay's tensor). On CUDA the static output
+        # is that memory, so a write that autograd does not see (``out.data.mul_(2)``) reaches
+        # the backward, as in eager; a backward replay copies the buffers back to match.
+        self._outputs_read: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     def capture_forward(self, body: ForwardBody) -> CapturedOutputs:
         values, trace, table = self._backend.record(body, earlier=())
@@ -136,10 +143,19 @@ class CpuGraphPair:
     def replay_forward(self) -> None:
         if not self._traces:
             raise RuntimeError("forward graph was reset or never captured")
-        outputs, exports = self._traces[0].replay({})
+        trace = self._traces[0]
+        outputs, exports = trace.replay({})
         _copy_into(self._static_outputs, outputs)
         # What the backward parts read of this replay; the previous replay's is dropped.
         self._saved = {0: exports} if self._differentiable else None
+        read = {StorageWeakRef(t.untyped_storage()) for t in exports.values()}
+        self._outputs_read = tuple(
+            (static, fresh)
+            for static, fresh, result in zip(self._static_outputs, outputs, trace.results)
+            if fresh is not None
+            and isinstance(result, int)  # made by the trace, not an external tensor
+            and StorageWeakRef(fresh.untyped_storage()) in read
+        )
 
     def _replay_grads(self, part: str) -> None:
         if part not in self._parts:
@@ -153,12 +169,15 @@ class CpuGraphPair:
         if missing:
             names = ", ".join(self._parts[p] for p in sorted(missing))
             raise RuntimeError(f"{part} replayed before {names}, whose tensors it reads")
+        if self._outputs_read:
+            _copy_into(*zip(*((fresh, static) for static, fresh in self._outputs_read)))
         grads, exports = trace.replay(saved)
         for later in [p for p in saved if p >= index]:
             del saved[later]  # what a replay of this or a later part left before is stale now
         saved[index] = exports
         if not self._retain[part]:
             self._saved = None
+            self._outputs_read = ()
         _copy_into(self._static_grads[part], grads)
 
     def replay_backward(self) -> None:
@@ -172,6 +191,7 @@ class CpuGraphPair:
         self._traces = []
         self.release_saved()
         self._saved = None
+        self._outputs_read = ()
         self._static_outputs = ()
         self._static_grads.clear()
 
