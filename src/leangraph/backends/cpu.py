@@ -170,7 +170,8 @@ class CpuGraphPair:
             names = ", ".join(self._parts[p] for p in sorted(missing))
             raise RuntimeError(f"{part} replayed before {names}, whose tensors it reads")
         if self._outputs_read:
-            _copy_into(*zip(*((fresh, static) for static, fresh in self._outputs_read)))
+            buffers, replay_tensors = zip(*self._outputs_read)
+            _copy_into(replay_tensors, buffers)  # the buffers into what the backward reads
         grads, exports = trace.replay(saved)
         for later in [p for p in saved if p >= index]:
             del saved[later]  # what a replay of this or a later part left before is stale now
