@@ -449,6 +449,35 @@ def test_hooks_fire_only_for_the_parameters_the_backward_reaches(mode, used):
     leangraph.reset_all(graphed)
 
 
+@pytest.mark.parametrize("mode", ["default", "overlap", "relay"])
+def test_a_parameter_the_graph_leaves_unreached_but_eager_code_reaches_fires_its_hooks(mode):
+    """The loss uses the first output only, so the graph reaches neither ``side`` nor
+    ``head``; eager code in the same pass reads ``side.weight`` (a weight tied to an eager
+    head). Eager's backward runs that accumulator with the eager gradient, hooks and all; the
+    replay passes over the hooks of its unreached parameters, but not of one a gradient
+    reaches from elsewhere (they were all passed over, so Megatron's hook dropped the eager
+    gradient from ``main_grad``)."""
+    torch.manual_seed(0)
+    module = ThreeOutputs()
+    eager = copy.deepcopy(module)
+    graphed = leangraph.make_graphed_callables(
+        module, tuple(torch.randn(3, 4, requires_grad=True) for _ in range(2)), **MODES[mode])
+    logs: dict[str, list] = {"eager": [], "graphed": []}
+    held = _hook_events([eager], logs["eager"]) + _hook_events([module], logs["graphed"])
+    for step in range(3):
+        x, z = torch.randn(3, 4), torch.randn(3, 4)
+        for name, fn, m in (("graphed", graphed, module), ("eager", eager, eager)):
+            logs[name].append(("backward", step))
+            outputs = fn(x.clone().requires_grad_(), z.clone().requires_grad_())
+            (outputs[0].square().sum() + (m.side.weight * (step + 2)).square().sum()).backward()
+        assert _same_grads(module.parameters(), eager.parameters()), step
+    assert module.side.bias.grad is None and module.head.weight.grad is None
+    assert sorted(logs["graphed"], key=str) == sorted(logs["eager"], key=str)
+    assert sum(e[1:] == ("side.weight", "node") for e in logs["graphed"]) == 3
+    del held
+    leangraph.reset_all(graphed)
+
+
 @pytest.mark.parametrize("mode", ["default", "relay", "python"])
 def test_a_weight_step_fires_the_hooks_of_the_parameters_its_backward_reached(mode):
     """Zero-bubble weight steps: ``head`` gets a gradient, and its hooks fire, only in the

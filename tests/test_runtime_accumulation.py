@@ -220,6 +220,35 @@ def test_main_grad_of_a_parameter_also_used_eagerly_in_the_pass_gets_both_gradie
     leangraph.reset_all(graphed)
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "relay"])
+def test_main_grad_gets_the_eager_gradient_of_a_parameter_the_graph_leaves_unreached(fuse):
+    """Megatron's protocol where the loss uses only the output ``body`` alone reaches, and
+    eager code in the same pass reads ``head.weight``: its gradient is eager's only, and
+    Megatron's hook must add it into ``main_grad``. The replay passes over the hooks of the
+    parameters it leaves unreached; it passed over this one's too, so ``main_grad`` missed the
+    eager gradient."""
+    torch.manual_seed(0)
+    eager = TwoOutputs()
+    module = copy.deepcopy(eager)
+    ddp_eager = _Megatron(eager, overlap_grad_reduce=False)
+    ddp_graphed = _Megatron(module, overlap_grad_reduce=False)
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(3, 8, requires_grad=True),), fuse_grad_accumulation=fuse)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(3, 8, generator=gen)
+        for fn, m in ((eager, eager), (graphed, module)):
+            y, _ = fn(x.clone().requires_grad_())
+            (y.square().sum() + (m.head.weight * 3).square().sum()).backward()
+    assert sorted(ddp_graphed.ready) == sorted(ddp_eager.ready)
+    assert len(ddp_eager.ready) == 3 * 3  # body's two parameters and head.weight, 3 times
+    for a, b in zip(eager.parameters(), module.parameters()):
+        assert torch.equal(a.main_grad, b.main_grad)
+        assert a.grad is None and b.grad is None
+    assert torch.count_nonzero(module.head.weight.main_grad) > 0
+    leangraph.reset_all(graphed)
+
+
 @HOOK_MODES
 def test_a_parameter_shared_by_two_graphs_fires_its_hooks_once_per_backward(hooks):
     torch.manual_seed(0)
