@@ -14,6 +14,7 @@ Skipped as a whole where transformers is not installed (``pip install 'leangraph
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -75,7 +76,19 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "GPTNeoX": dict(hidden_dropout=0.0, attention_dropout=0.0),
     "Mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    # Layers at transformer.h (GPT-2, GPT-J, GPT-Neo, Falcon, Bloom) and decoder.layers (OPT).
+    "GPT2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "GPTJ": dict(rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "GPTNeo": dict(attention_types=[[["global", "local", "global"], 1]], window_size=4,
+                   resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0,
+                   attn_implementation="eager"),
+    "Falcon": dict(hidden_dropout=0.0, attention_dropout=0.0),
+    "Bloom": dict(hidden_dropout=0.0, attention_dropout=0.0, attn_implementation="eager"),
+    "OPT": dict(ffn_dim=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
+                layerdrop=0.0),
 }
+# Where the model class is not named {name}ForCausalLM.
+MODEL_CLASSES = {"GPT2": "GPT2LMHeadModel"}
 
 
 def make_architecture(name: str, dtype: torch.dtype = torch.float32, **config: Any) -> nn.Module:
@@ -88,7 +101,8 @@ def make_architecture(name: str, dtype: torch.dtype = torch.float32, **config: A
     options.update(ARCHITECTURES[name], **config)
     torch.manual_seed(0)
     config_class = getattr(transformers, f"{name}Config")
-    model = getattr(transformers, f"{name}ForCausalLM")(config_class(**options))
+    model_class = getattr(transformers, MODEL_CLASSES.get(name, f"{name}ForCausalLM"))
+    model = model_class(config_class(**options))
     return model.to(dtype).train()
 
 
@@ -151,13 +165,13 @@ def pipeline_step(
     for step in graphed.order:
         c, m = step.chunk, step.microbatch
         if step.kind is StepKind.FORWARD:
-            hidden = (model.model.embed_tokens(batch[m]) if c == 1
+            hidden = (_embed(model, batch[m]) if c == 1
                       else outputs[(c - 1, m)].detach().requires_grad_(True))
             inputs[(c, m)] = hidden
             kwargs = None if layer_kwargs is None else layer_kwargs[m]
             outputs[(c, m)] = graphed.run_chunk(c, m, hidden, kwargs)
             if c == last:
-                logits = model.lm_head(model.model.norm(outputs[(c, m)]))
+                logits = model.lm_head(_final_norm(model)(outputs[(c, m)]))
                 loss = model.loss_function(logits=logits, labels=batch[m], vocab_size=VOCAB)
                 losses[m] = loss / len(batch)
         elif c == last:
@@ -165,6 +179,21 @@ def pipeline_step(
         else:
             outputs[(c, m)].backward(inputs.pop((c + 1, m)).grad)
     return [losses[m].detach() for m in range(len(batch))]
+
+
+def _embed(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The first stage's embedding, as the model's forward computes it (GPT-2 adds learned
+    positions, with no dropout here)."""
+    if isinstance(model, transformers.GPT2LMHeadModel):
+        positions = torch.arange(tokens.shape[-1], device=tokens.device)
+        return model.transformer.wte(tokens) + model.transformer.wpe(positions)
+    return model.model.embed_tokens(tokens)
+
+
+def _final_norm(model: nn.Module) -> nn.Module:
+    if isinstance(model, transformers.GPT2LMHeadModel):
+        return model.transformer.ln_f
+    return model.model.norm
 
 
 def train(model: nn.Module, step: Step, batches: list[list[torch.Tensor]]) -> list[Any]:
@@ -228,6 +257,17 @@ def test_record_layer_calls_gets_what_llama_model_passes_each_layer() -> None:
         assert torch.equal(sin, kwargs["position_embeddings"][1])
         assert torch.equal(call.kwargs["position_ids"], kwargs["position_ids"])
     assert decoder_layers(model) == tuple(model.model.layers)
+
+
+@pytest.mark.parametrize(("name", "where"), [("GPT2", "transformer.h"),
+                                             ("OPT", "model.decoder.layers"),
+                                             ("Qwen3", "model.layers")])
+def test_decoder_layers_are_found_where_each_layout_keeps_them(name: str, where: str) -> None:
+    model = make_architecture(name)
+    expected = functools.reduce(getattr, where.split("."), model)
+    assert decoder_layers(model) == tuple(expected)
+    assert decoder_layers(model.base_model) == tuple(expected)
+    assert len(record_layer_calls(model, {"input_ids": token_batches(1)[0]})) == len(expected)
 
 
 def test_eager_attention_passes_a_mask_tensor_sdpa_none() -> None:
@@ -467,6 +507,24 @@ def test_interleaved_order_trains_bitwise_like_the_models_forward(
     assert_bitwise(graphed_run, train(eager, eager_microbatches, batches), model, eager)
 
 
+def test_gpt2_in_an_interleaved_order_trains_bitwise_like_the_models_forward(
+    graphed_sets: list[Any]
+) -> None:
+    """GPT-2's layers (at transformer.h, called with positional Nones beside the hidden
+    states) chunk by chunk in a pipeline order, against the model's own forward."""
+    model = make_architecture("GPT2", num_hidden_layers=LAYERS)
+    eager = copy.deepcopy(model)
+    order = interleaved_1f1b(pp_size=2, vp_size=2, rank=0, num_microbatches=MICROBATCHES)
+    batches = [token_batches(MICROBATCHES) for _ in range(STEPS)]
+    batches = [[t.roll(step, 0) for t in batch] for step, batch in enumerate(batches)]
+    graphed = graph_causal_lm(model, {"input_ids": batches[0][0]}, order=order,
+                              num_microbatches=MICROBATCHES)
+    graphed_sets.append(graphed)
+    assert len(graphed.graphed) == LAYERS * MICROBATCHES
+    graphed_run = train(model, lambda m, batch: pipeline_step(m, graphed, batch), batches)
+    assert_bitwise(graphed_run, train(eager, eager_microbatches, batches), model, eager)
+
+
 def padded(batch: list[torch.Tensor]) -> list[torch.Tensor]:
     """Attention masks that left-pad row 0 of microbatch m by m + 1 tokens."""
     masks = []
@@ -674,7 +732,8 @@ def test_refuses_arguments_that_do_not_fit() -> None:
         graph_causal_lm(model, {"input_ids": tokens}, capture_options={"order": order})
     with pytest.raises(TypeError, match="sample_inputs must be a mapping"):
         graph_causal_lm(model, tokens)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"no decoder layers at base_model\.layers"):
+    with pytest.raises(TypeError, match=r"no decoder layers \(an nn.ModuleList\) at "
+                       r"base_model\.layers, base_model\.h, base_model\.decoder\.layers"):
         graph_causal_lm(nn.Linear(2, 2), {"input": tokens})
     calls = record_layer_calls(model, {"input_ids": tokens})
     with pytest.raises(ValueError, match="calls has 4 entries but there are 2 layers"):
@@ -825,6 +884,21 @@ def test_cuda_interleaved_order_matches_eager(dtype: torch.dtype) -> None:
     difference = max_difference(graphed_run, train(eager, eager_microbatches, batches))
     leangraph.reset_all(graphed.graphed)
     assert difference <= CUDA_TOLERANCE[dtype], f"ordered differs from eager by {difference}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["GPT2", "OPT", "Falcon"])
+def test_cuda_drop_in_of_other_layer_layouts_matches_eager(name: str) -> None:
+    """Layers at transformer.h (GPT-2, Falcon) and decoder.layers (OPT), bf16, on the GPU."""
+    model = make_architecture(name, torch.bfloat16).cuda()
+    eager = copy.deepcopy(model)
+    batches = [[tokens] for tokens in token_batches(STEPS, "cuda")]
+    graphed = graph_causal_lm(model, {"input_ids": batches[0][0]})
+    assert graphed.graphed_set.record.device.startswith("cuda")
+    difference = max_difference(train(model, drop_in_step, batches),
+                                train(eager, drop_in_step, batches))
+    graphed.reset()
+    assert difference <= CUDA_TOLERANCE[torch.bfloat16], f"{name} differs by {difference}"
 
 
 @pytest.mark.cuda

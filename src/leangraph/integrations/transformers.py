@@ -231,8 +231,9 @@ def graph_causal_lm(
     with inputs of the sample's shapes and the same keyword arguments.
 
     Args:
-        model: A ``*ForCausalLM`` (or its base ``*Model``) whose decoder layers sit in
-            ``base_model.layers``; in the training mode to capture for.
+        model: A ``*ForCausalLM`` or ``*LMHeadModel`` (or its base ``*Model``) whose
+            decoder layers :func:`decoder_layers` finds; in the training mode to capture
+            for.
         sample_inputs: Keyword arguments of ``model`` for one (micro)batch, e.g.
             ``{"input_ids": ids}``; ``use_cache=False`` unless the config says so.
         order, num_microbatches, num_layers_per_chunk, capture_options: As for
@@ -314,25 +315,41 @@ def graph_decoder_layers(
     )
 
 
+# Where a HF base model keeps its decoder layers (an nn.ModuleList), tried in turn: Llama and
+# most current architectures (Mistral, Qwen, Gemma, Phi-3, GPT-NeoX, Mixtral); GPT-2, GPT-J,
+# GPT-Neo, Falcon and Bloom; OPT.
+_LAYER_PATHS = (("layers",), ("h",), ("decoder", "layers"))
+
+
 def decoder_layers(model: nn.Module) -> tuple[nn.Module, ...]:
-    """The decoder layers a HF model's forward runs: ``base_model.layers``, cut to
-    ``config.num_hidden_layers`` as the forward does.
+    """The decoder layers a HF model's forward runs: the base model's ``layers`` (Llama and
+    most current architectures), ``h`` (GPT-2, GPT-J, GPT-Neo, Falcon, Bloom) or
+    ``decoder.layers`` (OPT), cut to ``config.num_hidden_layers`` as the forward does.
 
     Raises:
-        TypeError: if the model keeps no ``layers`` ``ModuleList`` there.
+        TypeError: if the model keeps no ``nn.ModuleList`` of layers at any of those.
     """
     base = getattr(model, "base_model", model)
-    layers = getattr(base, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    layers = next(filter(None, (_module_list_at(base, path) for path in _LAYER_PATHS)), None)
+    if layers is None:
+        tried = ", ".join("base_model." + ".".join(path) for path in _LAYER_PATHS)
         raise TypeError(
-            f"{type(model).__name__} has no decoder layers at base_model.layers (an "
-            "nn.ModuleList, as in Llama, Mistral or Qwen), where graph_causal_lm and "
-            "record_layer_calls find them; for another layout (GPT-2's transformer.h, "
-            "OPT's decoder.layers) pass the layers and one LayerCall(args, kwargs) per layer, "
-            "as the model calls it, to graph_decoder_layers yourself"
+            f"{type(model).__name__} has no decoder layers (an nn.ModuleList) at {tried}, "
+            "where graph_causal_lm and record_layer_calls find them; for another layout "
+            "pass the layers and one LayerCall(args, kwargs) per layer, as the model calls "
+            "it, to graph_decoder_layers yourself"
         )
     count = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     return tuple(layers if count is None else layers[:count])
+
+
+def _module_list_at(base: nn.Module, path: tuple[str, ...]) -> nn.ModuleList | None:
+    """The ``nn.ModuleList`` at attribute ``path`` of ``base``, or None (an empty one too:
+    a model with no layers there has them elsewhere)."""
+    found: Any = base
+    for name in path:
+        found = getattr(found, name, None)
+    return found if isinstance(found, nn.ModuleList) and len(found) else None
 
 
 def record_layer_calls(model: nn.Module, sample_inputs: Mapping[str, Any]) -> tuple[LayerCall, ...]:
