@@ -477,3 +477,45 @@ def test_a_tensor_hook_added_after_capture_keeps_eager_gradients_not_the_buffer(
         else:  # cuBLAS may choose other kernels for tiny matmuls under capture
             torch.testing.assert_close(got, want, msg=f"step {step}")
     assert kept["graphed"][1].data_ptr() != kept["graphed"][2].data_ptr()
+
+
+class _TiedToAnEagerUseBefore(torch.nn.Module):
+    """Three layers, the last one's weight read eagerly before the first (an eager module
+    tied to a graphed one): a backward pass reaches ``last.weight`` through the last graph
+    first and through the eager use last, after the other graphs replayed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.middle, self.last = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.last.weight.t()
+        return self.last(torch.tanh(self.middle(torch.tanh(self.first(h)))))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("mode", [{}, {"overlap_grad_accumulation": True}],
+                         ids=["default", "overlap"])
+def test_a_weight_also_used_eagerly_earlier_in_the_pass_gets_eagers_gradient(mode, device):
+    """Autograd adds the last graph's gradient of ``last.weight`` only once the eager use's
+    arrives, after the two other graphs replayed; their gradient buffers share memory with
+    the last one's (same shapes), so the gradient it waits with was overwritten (``.grad``
+    off by the middle layer's weight gradient from the second step on). The next replay now
+    moves a lent gradient autograd has not added onto a copy first."""
+    torch.manual_seed(0)
+    model = _TiedToAnEagerUseBefore().to(device)
+    eager = copy.deepcopy(model)
+    layers = (model.first, model.middle, model.last)
+    leangraph.make_graphed_callables(
+        layers, tuple((torch.randn(4, 16, device=device, requires_grad=True),) for _ in layers),
+        **mode)
+    for step in range(4):
+        x = torch.randn(4, 16, device=device)
+        for net in (model, eager):
+            net(x).square().sum().backward()
+        for (name, got), want in zip(model.named_parameters(), eager.parameters()):
+            assert torch.equal(got.grad, want.grad), (step, name)
+        if step == 1:
+            model.zero_grad(set_to_none=False)
+            eager.zero_grad(set_to_none=False)
+    leangraph.reset_all(layers)

@@ -7,10 +7,23 @@ graphs; those get copies. The rest are the static buffers themselves, not detach
 them: a view costs a call per gradient per replay, and the buffer itself is safer, since
 autograd adds into a gradient it was handed only where it holds the sole reference to the
 tensor and its memory, and leangraph holds one.
+
+A parameter's gradient lent so (a tensor made once over the buffer) is safe while autograd
+adds it into ``.grad`` before the next replay writes graph memory, as it does at once unless
+eager code in the same backward pass reaches the parameter too (a weight tied to an eager
+module used before the graphed layers): autograd then waits for that gradient, and the
+graphs replayed meanwhile may write over the buffer, whose memory later graphs share. So
+every replay first settles what the previous backward replays lent
+(:func:`settle_lent_gradients`): where a parameter's ``.grad`` has not moved since, the lent
+tensor is moved onto a copy of its values (autograd holds that tensor, and adds the copy),
+and the routing lends a new tensor over the buffer from then on. Leangraph cannot see the
+eager use; this sees its effect, one C-level read of each lent parameter's ``.grad``
+version.
 """
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -22,7 +35,7 @@ from .._call import TENSOR_HOOKS
 from ..build.record import GraphRecord
 from .pending import PendingBackwards
 
-__all__ = ["GradRouting", "trained_elsewhere_in_pass"]
+__all__ = ["GradRouting", "settle_lent_gradients", "trained_elsewhere_in_pass"]
 
 
 class GradRouting:
@@ -55,8 +68,11 @@ class GradRouting:
             if delivers
             else ()
         )
-        # Per tensor passed to the replay that gets a gradient: its static gradient, or None.
-        self._grads = inputs + params
+        # Per tensor passed to the replay that gets a gradient: its static gradient, or None;
+        # a parameter's as a tensor of its own over the buffer, which autograd may hold
+        # past the next replay (settle_lent_gradients moves that one onto a copy).
+        self._buffers = inputs + params
+        self._grads = inputs + tuple(None if g is None else g.detach() for g in params)
         # Every input's gradient but a chain's (see the class docstring): copied.
         lent = record.input_grad_lent
         self._inputs_copied = tuple(
@@ -76,6 +92,7 @@ class GradRouting:
         # parameter's gradient is handed, it is a copy (see _CallsTraining).
         _TRAINING.add(record.trained_params(), pending)
         self._delivered = tuple(p for _, p in self._params_with_grad)
+        self._lent_positions = tuple(i for i, _ in self._params_with_grad)
         self._seen_version = -1
         self._other_calls_ids: frozenset[int] = frozenset()
 
@@ -113,6 +130,76 @@ class GradRouting:
         positions the outputs with a gradient reach, ``GraphRecord.reached_by``): eager's
         backward gives them none, not zeros."""
         return tuple(g if i in reached else None for i, g in enumerate(handed))
+
+    def lend(self, handed: tuple[torch.Tensor | None, ...]) -> None:
+        """Note the parameter gradients of ``handed`` (what the replay returns to autograd)
+        that are lent tensors over the static buffers, not copies, for the next
+        :func:`settle_lent_gradients`."""
+        grads = self._grads
+        if handed is grads:  # the usual case: every parameter's, none copied or left out
+            positions, params = self._lent_positions, self._delivered
+        else:
+            pairs = [(i, p) for i, p in self._params_with_grad if handed[i] is grads[i]]
+            if not pairs:
+                return
+            positions, params = tuple(i for i, _ in pairs), tuple(p for _, p in pairs)
+        if not positions:
+            return
+        try:
+            versions = tuple(map(_GRAD_VERSION, params))
+        except AttributeError:  # a .grad of None: lent only where there is one (scatter)
+            return
+        _LENT.append((self, positions, params, versions))
+
+    def _settle(
+        self,
+        positions: tuple[int, ...],
+        params: tuple[torch.Tensor, ...],
+        versions: tuple[int, ...],
+    ) -> None:
+        """Move the lent tensors autograd may not have added yet onto copies (see the module
+        docstring); the routing lends new tensors over those buffers from then on. A
+        ``.grad`` replaced since by one at the same version (or by None) is taken as not
+        added: a needless copy, never a wrong gradient."""
+        moved = [
+            position
+            for position, param, version in zip(positions, params, versions)
+            if param.grad is None or param.grad._version == version
+        ]
+        if not moved:
+            return
+        grads = list(self._grads)
+        for position in moved:
+            lent = grads[position]
+            assert lent is not None
+            lent.data = lent.clone()  # autograd holds this tensor: it adds the copy
+            buffer = self._buffers[position]
+            assert buffer is not None
+            grads[position] = buffer.detach()
+        self._grads = tuple(grads)
+
+
+# What backward replays lent autograd since the last settle: (routing, positions, params,
+# the versions of their .grad then). Process-wide: graphs of any call may share memory
+# through a pool. Appended and popped whole (atomic under the GIL).
+_LENT: list[tuple[GradRouting, tuple[int, ...], tuple[torch.Tensor, ...], tuple[int, ...]]] = []
+_GRAD_VERSION = operator.attrgetter("grad._version")
+
+
+def settle_lent_gradients() -> None:
+    """Before a replay writes graph memory: every parameter gradient a backward replay lent
+    autograd as a tensor over its static buffer, and that autograd has not added into
+    ``.grad`` yet (its ``.grad`` is at the same version: autograd waits for a
+    gradient from eager code reaching the parameter in the same pass), is moved onto a copy,
+    so that the replay cannot write over it (see the module docstring)."""
+    while _LENT:
+        routing, positions, params, versions = _LENT.pop()
+        try:
+            if not any(map(operator.eq, map(_GRAD_VERSION, params), versions)):
+                continue  # every one added (each .grad's version moved): the usual case
+        except AttributeError:  # a .grad set to None since: look at each
+            pass
+        routing._settle(positions, params, versions)
 
 
 def trained_elsewhere_in_pass(record: GraphRecord, pending: PendingBackwards) -> frozenset[int]:

@@ -30,7 +30,7 @@ from ..probe import OutputView
 from ..result import GraphedSet
 from .accumulation import InGraphAccumulation
 from .ddp import refuse_unreached_in_ddp, strict_ddp
-from .grads import GradRouting, trained_elsewhere_in_pass
+from .grads import GradRouting, settle_lent_gradients, trained_elsewhere_in_pass
 from .guard import OutputGuard
 from .kernels import KernelSettings
 from .modules import ModuleWatch
@@ -290,6 +290,7 @@ class GraphedCallable:
                 )
             attach = self._weight.check()  # before the order moves past this step
             self._sequence.expect(self._index, StepKind.WEIGHT)
+            settle_lent_gradients()
             self._weight.run(attach=attach)
             if self._guard is not None:
                 self._guard.invalidate(f"the weight step of {self._label} ran")
@@ -297,6 +298,7 @@ class GraphedCallable:
     # ----------------------------------------------------------------------------- internals
 
     def _release(self) -> None:
+        settle_lent_gradients()  # the released memory may be captured over next
         record, self._record = self._record, None
         if record is not None:
             record.pair.reset()
@@ -334,6 +336,7 @@ class GraphedCallable:
             copies = _inputs_to_copy(self._label, record, inputs)
             # Checked before anything is copied: static inputs may be shared with other graphs.
             self._sequence.expect(self._index, StepKind.FORWARD, may_repeat=record.retain_graph)
+            settle_lent_gradients()  # before graph memory is written: see grads.py
             for static, value in copies:
                 static.copy_(value)
             record.pair.replay_forward()
@@ -384,6 +387,7 @@ class GraphedCallable:
             if unreached and ddp is not None:
                 refuse_unreached_in_ddp(self._label, record, unreached, self._pending, ddp)
             self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
+            settle_lent_gradients()
             _fill_seeds(record.static_grad_outputs, grads)
             if attach:
                 assert fused is not None
@@ -402,6 +406,7 @@ class GraphedCallable:
             handed = self._grads.scatter()
             if reached is not None:
                 handed = self._grads.without_unreached(handed, reached)
+            self._grads.lend(handed)
             return handed, unreached
 
 
