@@ -860,7 +860,13 @@ CUDA_DTYPES = pytest.mark.parametrize("dtype", list(CUDA_TOLERANCE), ids=["fp32"
 def test_cuda_drop_in_matches_eager(dtype: torch.dtype) -> None:
     """CUDA kernels (atomics in the embedding's backward) need not repeat bit for bit, even
     eagerly, so the GPU runs compare within a tolerance; they are often equal."""
-    model = make_model(device="cuda").to(dtype)
+    difference = _cuda_drop_in_difference(make_model(device="cuda").to(dtype))
+    assert difference <= CUDA_TOLERANCE[dtype], f"drop-in differs from eager by {difference}"
+
+
+def _cuda_drop_in_difference(model: nn.Module) -> float:
+    """Drop-in training of ``model`` (on the GPU) graphed and eagerly: the largest
+    difference in losses, gradients and parameters."""
     eager = copy.deepcopy(model)
     batches = [[tokens] for tokens in token_batches(STEPS, "cuda")]
     graphed = graph_causal_lm(model, {"input_ids": batches[0][0]})
@@ -868,7 +874,7 @@ def test_cuda_drop_in_matches_eager(dtype: torch.dtype) -> None:
     difference = max_difference(train(model, drop_in_step, batches),
                                 train(eager, drop_in_step, batches))
     graphed.reset()
-    assert difference <= CUDA_TOLERANCE[dtype], f"drop-in differs from eager by {difference}"
+    return difference
 
 
 @pytest.mark.cuda
@@ -892,14 +898,7 @@ def test_cuda_drop_in_of_other_layer_layouts_matches_eager(name: str) -> None:
     """Layers at transformer.h (GPT-2, GPT-J) and decoder.layers (OPT), bf16, on the GPU.
     (Falcon's multi-query attention splits its heads with list indices, a host-to-device
     copy that no CUDA capture takes, torch's own included.)"""
-    model = make_architecture(name, torch.bfloat16).cuda()
-    eager = copy.deepcopy(model)
-    batches = [[tokens] for tokens in token_batches(STEPS, "cuda")]
-    graphed = graph_causal_lm(model, {"input_ids": batches[0][0]})
-    assert graphed.graphed_set.record.device.startswith("cuda")
-    difference = max_difference(train(model, drop_in_step, batches),
-                                train(eager, drop_in_step, batches))
-    graphed.reset()
+    difference = _cuda_drop_in_difference(make_architecture(name, torch.bfloat16).cuda())
     assert difference <= CUDA_TOLERANCE[torch.bfloat16], f"{name} differs by {difference}"
 
 
