@@ -5,6 +5,8 @@ valid."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import sample
@@ -85,6 +87,34 @@ def test_a_reset_ends_the_window():
     out = graphed(sample())
     graphed.forward.reset()
     _refused(out, "its callable was reset")
+
+
+def test_an_in_place_write_into_a_guarded_output_trains_as_without_the_guard():
+    """``y.mul_(2)`` on a layer's output, which eager takes (a linear layer's backward reads
+    no output): the guarded output was a view (``as_subclass``), which autograd refuses to
+    have written in place as a custom Function's output, so debug mode raised where the
+    graphs without it train."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4)
+    eager = copy.deepcopy(layer)
+    guarded = mgc(layer, (sample(),), debug_outputs=True)
+    for _ in range(2):
+        x = sample()
+        for fn in (guarded, eager):
+            out = fn(x.detach().clone().requires_grad_())
+            out.mul_(2)
+            out.sum().backward()
+    assert torch.equal(layer.weight.grad, eager.weight.grad)
+    out = guarded(sample())
+    out.mul_(2).sum().backward()
+    _refused(out, "the backward of callable 0 (Linear) ran")
+    pair = mgc((lambda x: (x * 2, x * 3),), ((sample(),),), debug_outputs=True)[0]
+    x = sample()
+    first, second = pair(x)
+    first.mul_(2)
+    second.add_(1)
+    (first + second).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 7.0))
 
 
 def test_the_first_end_of_the_window_is_the_one_reported():

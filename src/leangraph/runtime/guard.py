@@ -29,7 +29,10 @@ class OutputGuard:
             self.reason = reason
 
     def wrap(self, tensor: torch.Tensor) -> torch.Tensor:
-        guarded = tensor.as_subclass(GuardedOutput)
+        # Not as_subclass: that makes a view, and an in-place write into a custom Function's
+        # view output is refused by autograd, where eager's output (and the unguarded
+        # replay's) takes it.
+        guarded = torch.Tensor._make_subclass(GuardedOutput, tensor)
         guarded._leangraph_guard = self  # type: ignore[attr-defined]
         return guarded
 
