@@ -123,6 +123,16 @@ class GradRouting:
             handed[index] = copy
         return tuple(handed)
 
+    def hand(self, reached: frozenset[int] | None) -> tuple[torch.Tensor | None, ...]:
+        """What the backward replay hands autograd: :meth:`scatter`'s gradients, None
+        outside ``reached`` where given (:meth:`without_unreached`), the lent ones noted
+        (:meth:`lend`)."""
+        handed = self.scatter()
+        if reached is not None:
+            handed = self.without_unreached(handed, reached)
+        self.lend(handed)
+        return handed
+
     def without_unreached(
         self, handed: tuple[torch.Tensor | None, ...], reached: frozenset[int]
     ) -> tuple[torch.Tensor | None, ...]:

@@ -375,17 +375,7 @@ class GraphedCallable:
             fused = self._fused if self._weight is None else None  # else: at the weight step
             # Every refusal comes before the replay order moves past this step: a refused
             # backward has not run, and may run once its cause is fixed.
-            attach = False
-            if fused is not None:
-                fused.check_backward_pass()
-                attach = fused.check_targets()
-            if self._saved_reads is not None:
-                self._saved_reads.check()
-            lacking = self._outputs_may_lack_grads and any(map(operator.is_, grads, _NONES))
-            reached = record.reached_by([g is not None for g in grads]) if lacking else None
-            unreached = _NOTHING if reached is None else _unreached_params(record, reached)
-            if unreached and ddp is not None:
-                refuse_unreached_in_ddp(self._label, record, unreached, self._pending, ddp)
+            attach, reached, unreached = _check_backward(self, record, fused, grads, ddp)
             self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
             settle_lent_gradients()
             _fill_seeds(record.static_grad_outputs, grads)
@@ -403,11 +393,7 @@ class GraphedCallable:
             elif self._guard is not None:
                 self._guard.invalidate(f"the backward of {self._label} ran")
             assert self._grads is not None
-            handed = self._grads.scatter()
-            if reached is not None:
-                handed = self._grads.without_unreached(handed, reached)
-            self._grads.lend(handed)
-            return handed, unreached
+            return self._grads.hand(reached), unreached
 
 
 _NOT_COPIED = (
@@ -486,6 +472,31 @@ def _skip_unreached_hooks(
     elsewhere = trained_elsewhere_in_pass(record, owner._pending)
     kept = [(p, n) for p, n in zip(params, nodes) if id(p) not in elsewhere]
     skip_hooks_in_this_pass([p for p, _ in kept], [n for _, n in kept])
+
+
+def _check_backward(
+    owner: GraphedCallable,
+    record: GraphRecord,
+    fused: InGraphAccumulation | None,
+    grads: Sequence[torch.Tensor | None],
+    ddp: weakref.ref[Any] | None,
+) -> tuple[bool, frozenset[int] | None, frozenset[int]]:
+    """The refusals of a backward replay that read its gradients and accumulation state
+    (R14's targets, R24 and R28's saved reads, R29); returns whether the fused targets need
+    attaching, the positions the outputs with a gradient reach (None: every one has one), and
+    the ids of the trained parameters they leave unreached."""
+    attach = False
+    if fused is not None:
+        fused.check_backward_pass()
+        attach = fused.check_targets()
+    if owner._saved_reads is not None:
+        owner._saved_reads.check()
+    lacking = owner._outputs_may_lack_grads and any(map(operator.is_, grads, _NONES))
+    reached = record.reached_by([g is not None for g in grads]) if lacking else None
+    unreached = _NOTHING if reached is None else _unreached_params(record, reached)
+    if unreached and ddp is not None:
+        refuse_unreached_in_ddp(owner._label, record, unreached, owner._pending, ddp)
+    return attach, reached, unreached
 
 
 def _refuse_stale_backward(
