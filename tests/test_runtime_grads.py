@@ -14,7 +14,7 @@ from helpers import one_graph, three_graphs
 from models import Block, ThreeOutputs, assert_histories_equal, train_both
 
 import leangraph
-from leangraph.runtime.grads import copies
+from leangraph.runtime.grads import GradRouting, copies
 from leangraph.runtime.pending import PendingBackwards
 
 ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
@@ -518,4 +518,37 @@ def test_a_weight_also_used_eagerly_earlier_in_the_pass_gets_eagers_gradient(mod
         if step == 1:
             model.zero_grad(set_to_none=False)
             eager.zero_grad(set_to_none=False)
+    leangraph.reset_all(layers)
+
+
+def test_passes_of_autograd_grad_between_backwards_leave_the_lent_gradients_alone(monkeypatch):
+    """``torch.autograd.grad`` with respect to the input runs no accumulator: the parameter
+    gradients the replays lent are dropped unread, so the next replay finds ``.grad``
+    unmoved but nothing holding them, and copies nothing; the backwards still train as
+    eager's."""
+    moved: list[int] = []
+    original = GradRouting._settle
+
+    def settle(self, positions, params, versions):
+        before = self._grads
+        original(self, positions, params, versions)
+        moved.extend(i for i in positions if self._grads[i] is not before[i])
+
+    monkeypatch.setattr(GradRouting, "_settle", settle)
+    torch.manual_seed(0)
+    layers = tuple(torch.nn.Linear(8, 8) for _ in range(2))
+    eager = copy.deepcopy(layers)
+    leangraph.make_graphed_callables(layers, tuple((torch.randn(2, 8, requires_grad=True),)
+                                                   for _ in layers))
+    for step in range(3):
+        x = torch.randn(2, 8)
+        for first, second in (layers, eager):
+            inputs = x.clone().requires_grad_()
+            second(first(inputs)).square().sum().backward()
+            inputs = x.clone().requires_grad_()
+            (got,) = torch.autograd.grad(second(first(inputs)).sum(), inputs)
+        for a, b in zip((p for m in layers for p in m.parameters()),
+                        (p for m in eager for p in m.parameters())):
+            assert torch.equal(a.grad, b.grad), step
+    assert moved == []
     leangraph.reset_all(layers)

@@ -14,11 +14,11 @@ eager code in the same backward pass reaches the parameter too (a weight tied to
 module used before the graphed layers): autograd then waits for that gradient, and the
 graphs replayed meanwhile may write over the buffer, whose memory later graphs share. So
 every replay first settles what the previous backward replays lent
-(:func:`settle_lent_gradients`): where a parameter's ``.grad`` has not moved since, the lent
-tensor is moved onto a copy of its values (autograd holds that tensor, and adds the copy),
-and the routing lends a new tensor over the buffer from then on. Leangraph cannot see the
-eager use; this sees its effect, one C-level read of each lent parameter's ``.grad``
-version.
+(:func:`settle_lent_gradients`): where a parameter's ``.grad`` has not moved since and
+autograd still holds the lent tensor, that tensor is moved onto a copy of its values
+(autograd adds the copy), and the routing lends a new tensor over the buffer from then on.
+Leangraph cannot see the eager use; this sees its effect, one C-level read of each lent
+parameter's ``.grad`` version per backward replay.
 """
 
 from __future__ import annotations
@@ -171,14 +171,15 @@ class GradRouting:
         docstring); the routing lends new tensors over those buffers from then on. A
         ``.grad`` replaced since by one at the same version (or by None) is taken as not
         added: a needless copy, never a wrong gradient."""
+        grads = list(self._grads)
         moved = [
             position
             for position, param, version in zip(positions, params, versions)
-            if param.grad is None or param.grad._version == version
+            if (param.grad is None or param.grad._version == version)
+            and _held_elsewhere(grads[position])
         ]
         if not moved:
             return
-        grads = list(self._grads)
         for position in moved:
             lent = grads[position]
             assert lent is not None
@@ -194,6 +195,15 @@ class GradRouting:
 # through a pool. Appended and popped whole (atomic under the GIL).
 _LENT: list[tuple[GradRouting, tuple[int, ...], tuple[torch.Tensor, ...], tuple[int, ...]]] = []
 _GRAD_VERSION = operator.attrgetter("grad._version")
+
+
+def _held_elsewhere(lent: torch.Tensor | None) -> bool:
+    """Whether something besides the routing holds ``lent`` (autograd, waiting to add it);
+    without the count (a torch lacking ``Tensor._use_count``), taken as yes. A gradient
+    autograd dropped unread (``torch.autograd.grad`` with respect to the inputs only runs no
+    accumulator) is held by the routing alone, and needs no copy."""
+    use_count = getattr(lent, "_use_count", None)
+    return use_count is None or use_count() > 1
 
 
 def settle_lent_gradients() -> None:
