@@ -3,10 +3,11 @@
 A backward graph writes its gradients into static buffers that later replays overwrite.
 Autograd may *store* some of them (a leaf input's ``.grad``, or a parameter's ``.grad`` while
 it is None), hold them while it waits for other branches, or hand them to code outside the
-graphs; those get copies. The rest are the static buffers themselves, not detached views of
-them: a view costs a call per gradient per replay, and the buffer itself is safer, since
-autograd adds into a gradient it was handed only where it holds the sole reference to the
-tensor and its memory, and leangraph holds one.
+graphs; those get copies. The rest are the static buffers themselves (an input's) or
+tensors made once over them (a parameter's), not views made per replay, which cost a call
+per gradient per replay; either is safe to hand, since autograd adds into a gradient it was
+handed only where it holds the sole reference to the tensor and its memory, and leangraph
+holds one.
 
 A parameter's gradient lent so (a tensor made once over the buffer) is safe while autograd
 adds it into ``.grad`` before the next replay writes graph memory, as it does at once unless
@@ -44,7 +45,7 @@ class GradRouting:
     A gradient autograd may store (a leaf input's ``.grad``, or a parameter whose ``.grad`` is
     still None, which autograd would take over), or a tensor hook on the parameter may keep, is
     copied, so no stored gradient aliases a buffer that a later replay overwrites. A
-    parameter that already has a ``.grad`` (and no tensor hook) gets the
+    parameter that already has a ``.grad`` (and no tensor hook) gets a tensor over the
     buffer: autograd adds it into that ``.grad`` right away, unless another graph training the same
     parameter still has to run in this backward pass (several microbatches, or tied weights,
     differentiated together): autograd then waits for that graph's gradient too, whose replay
