@@ -181,14 +181,15 @@ class GradRouting:
         ]
         if not moved:
             return
+        lent = [grads[position] for position in moved]
         for position in moved:
-            lent = grads[position]
-            assert lent is not None
-            lent.data = lent.clone()  # autograd holds this tensor: it adds the copy
             buffer = self._buffers[position]
             assert buffer is not None
             grads[position] = buffer.detach()
-        self._grads = tuple(grads)
+        self._grads = tuple(grads)  # first: a scatter from now on hands the new tensors
+        for tensor in lent:
+            assert tensor is not None
+            tensor.data = tensor.clone()  # autograd holds this tensor: it adds the copy
 
 
 # What backward replays lent autograd since the last settle: (routing, positions, params,
