@@ -552,3 +552,36 @@ def test_passes_of_autograd_grad_between_backwards_leave_the_lent_gradients_alon
             assert torch.equal(a.grad, b.grad), step
     assert moved == []
     leangraph.reset_all(layers)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_in_an_order_a_weight_also_used_eagerly_earlier_gets_eagers_gradient(device):
+    """The same in a pipeline order (two microbatches of three chained layers, one backward
+    pass per microbatch): ``last.weight`` read eagerly before the chunk's first layer. Wrong
+    from the first step before (the chunk's graphs share the gradient buffers)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 16).to(device) for _ in range(3)]
+    eager = copy.deepcopy(layers)
+    graphed = leangraph.make_graphed_callables(
+        tuple(layers),
+        tuple((torch.randn(4, 16, device=device, requires_grad=True),) for _ in range(6)),
+        order=[1, 1, -1, -1],
+    )
+
+    def loss(chain, last_weight, x):
+        h = x @ last_weight.t()
+        for layer in chain:
+            h = layer(h)
+        return torch.tanh(h).square().sum()
+
+    for step in range(3):
+        xs = [torch.randn(4, 16, device=device) for _ in range(2)]
+        losses = [loss(graphed[3 * m:3 * m + 3], layers[2].weight, xs[m]) for m in range(2)]
+        for each in losses:
+            each.backward()
+        for x in xs:
+            loss(eager, eager[2].weight, x).backward()
+        for got, want in zip(layers, eager):
+            assert torch.equal(got.weight.grad, want.weight.grad), step
+            assert torch.equal(got.bias.grad, want.bias.grad), step
+    leangraph.reset_all(graphed)
