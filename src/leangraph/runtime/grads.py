@@ -151,8 +151,6 @@ class GradRouting:
             positions, params = self._lent_positions, self._delivered
         else:
             pairs = [(i, p) for i, p in self._params_with_grad if handed[i] is grads[i]]
-            if not pairs:
-                return
             positions, params = tuple(i for i, _ in pairs), tuple(p for _, p in pairs)
         if not positions:
             return
@@ -181,15 +179,14 @@ class GradRouting:
         ]
         if not moved:
             return
-        lent = [grads[position] for position in moved]
+        lent: list[Any] = [grads[position] for position in moved]
         for position in moved:
             buffer = self._buffers[position]
             assert buffer is not None
             grads[position] = buffer.detach()
         self._grads = tuple(grads)  # first: a scatter from now on hands the new tensors
-        for tensor in lent:
-            assert tensor is not None
-            tensor.data = tensor.clone()  # autograd holds this tensor: it adds the copy
+        for tensor, copy in zip(lent, copies(lent)):
+            tensor.data = copy  # autograd holds this tensor: it adds the copy
 
 
 # What backward replays lent autograd since the last settle: (routing, positions, params,
