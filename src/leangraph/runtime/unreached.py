@@ -95,7 +95,9 @@ def skip_hooks_in_this_pass(params: Sequence[torch.Tensor], nodes: Sequence[Node
             (hooks, key, hook)
             for hooks in dicts
             for key, hook in (hooks or {}).items()
-            if not (isinstance(hook, _Skipped) and hook.gate.task == task)
+            # Not this pass's gate, nor a hook passed over already (a second call for it).
+            if not isinstance(hook, _Arrival)
+            and not (isinstance(hook, _Skipped) and hook.gate.task == task)
         ]
         if not hooked:
             continue
