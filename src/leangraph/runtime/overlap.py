@@ -18,8 +18,9 @@ Memory aliasing: the gradients the side stream adds are the backward graph's sta
 (or copies). With ``share_buffers=True`` those go back to the pool once the graph's backward
 is captured, and graphs captured later reuse the memory: the next layer's backward graph may
 write the buffer an addition on the side stream is still reading, and no event orders the
-two. ``benchmarks/overlap_race.py`` probes for it; an equivalent probe found nothing on the
-H200 (4096 wide, 64 rows, 6 layers, 6 steps, at commit 3ad99ce), which does not rule it out.
+two. ``benchmarks/overlap_race.py`` probes for it; the same probe as
+``--width 4096 --rows 64 --layers 6 --steps 6`` (run from a scratch copy of the script, at
+commit 3ad99ce) found nothing on the H200, which does not rule it out.
 """
 
 from __future__ import annotations
