@@ -131,7 +131,11 @@ def test_max_live_per_chunk_counts_each_chunks_graphs_at_its_own_peak():
     order = [1, 1, -1, -1, 2, 2, -2, -2]
     layout, steps = parse_order(order, num_callables=3, num_samples=6, num_layers_per_chunk=[2, 1])
     plan = build_plan(layout, steps)
-    assert plan.max_live_per_chunk(plan.capture) == (4, 2)
+    chunk_of = [plan.layout.graph_id(g).chunk for g in range(6)]
+    assert plan.max_live_per_chunk(plan.capture) == tuple(
+        max(sum(chunk_of[g] == c for g in live) for live in plan.live_after(plan.capture))
+        for c in (1, 2)
+    )
     assert plan.max_live(plan.capture) == 4
     assert plan.max_live_per_chunk(plan.capture[:1]) == (1, 0)
     assert plan.max_live_per_chunk(()) == (0, 0)
@@ -145,3 +149,21 @@ def test_warming_keeps_the_full_pass_s_steps_of_the_chosen_graphs_in_its_order()
     assert warm.full_pass == plan.full_pass and warm.capture == plan.capture
     assert warm.max_live(warm.warmup) == 3 and plan.max_live(plan.full_pass) == 5
     assert warm.warming(range(6)).warmup == plan.full_pass
+
+
+def test_live_weights_sum_what_live_during_and_live_after_hold():
+    plan = _plan(SMALL, 3, 6, [2, 1])
+    weights = [3, 5, 7, 11, 13, 17]
+    for keep_all in (False, True):
+        during = plan.live_during(plan.capture, keep_all=keep_all)
+        assert plan.live_weights(plan.capture, weights, keep_all=keep_all) == [
+            sum(weights[g] for g in live) for live in during
+        ]
+    assert plan.live_weights(plan.capture, weights, after=True) == [
+        sum(weights[g] for g in live) for live in plan.live_after(plan.capture)
+    ]
+    chunk_of = [plan.layout.graph_id(g).chunk for g in range(6)]
+    assert plan.max_live_per_chunk(plan.capture) == tuple(
+        max(sum(chunk_of[g] == c for g in live) for live in plan.live_after(plan.capture))
+        for c in (1, 2)
+    )

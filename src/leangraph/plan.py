@@ -10,7 +10,7 @@ still differentiates the forward's saved activations.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from .order import GraphId, Layout, Step, StepKind, unordered_layout
@@ -75,23 +75,51 @@ class Plan:
         """The graphs whose forward outputs are alive during each of ``steps``: those born
         at or before it, less those that died before it (a step's own deaths still count).
 
-        This is the plan's one fold of "what is alive"; buffers, memory planning and
-        in-flight counts all read it. ``keep_all`` folds births only (nothing ever dies),
-        the keep-everything baseline of a tool that frees warm-up outputs at the end.
+        ``keep_all`` folds births only (nothing ever dies), the keep-everything baseline of a
+        tool that frees warm-up outputs at the end. One set per step: for many steps with
+        many graphs alive, :meth:`live_weights` gives the sums without them.
         """
-        live: set[int] = set()
-        result = []
-        for step in steps:
-            live.update(step.born)
-            result.append(frozenset(live))
-            if not keep_all:
-                live.difference_update(step.dies)
-        return result
+        return [frozenset(live) for live, _, _ in self._fold(steps, keep_all)]
 
     def live_after(self, steps: Sequence[GraphStep]) -> list[frozenset[int]]:
         """The graphs whose forward outputs are alive after each of ``steps``."""
-        during = self.live_during(steps)
-        return [live - frozenset(step.dies) for live, step in zip(during, steps)]
+        return [frozenset(live).difference(dies) for live, _, dies in self._fold(steps, False)]
+
+    def live_weights(
+        self,
+        steps: Sequence[GraphStep],
+        weights: Sequence[int],
+        *,
+        keep_all: bool = False,
+        after: bool = False,
+    ) -> list[int]:
+        """Per step, the sum of ``weights[g]`` over the graphs alive during it (``after``:
+        after it), as :meth:`live_during` (:meth:`live_after`) would give them, in time
+        linear in the steps: the memory walk's bytes, in-flight counts."""
+        total = 0
+        sums = []
+        for _, born, dies in self._fold(steps, keep_all):
+            total += sum(map(weights.__getitem__, born))
+            if after:
+                total -= sum(map(weights.__getitem__, dies))
+            sums.append(total)
+            if not after:
+                total -= sum(map(weights.__getitem__, dies))
+        return sums
+
+    def _fold(
+        self, steps: Sequence[GraphStep], keep_all: bool
+    ) -> Iterator[tuple[set[int], tuple[int, ...], tuple[int, ...]]]:
+        """This plan's one fold of "what is alive": per step, the live set during it (the
+        same set, updated in place after the step: read it before the next), the graphs
+        born into it at this step and those that leave it after this step."""
+        live: set[int] = set()
+        for step in steps:
+            born = tuple(g for g in step.born if g not in live)
+            live.update(born)
+            dies = () if keep_all else tuple(g for g in step.dies if g in live)
+            yield live, born, dies
+            live.difference_update(dies)
 
     def lifetimes(self, has_backward: Sequence[bool]) -> tuple[tuple[int, int], ...]:
         """Per graph, the (first, last) capture-step index during which its static inputs
@@ -99,7 +127,9 @@ class Plan:
         forward alone when it has no backward (``has_backward[g]``)."""
         first: dict[int, int] = {}
         last: dict[int, int] = {}
-        for index, (step, live) in enumerate(zip(self.capture, self.live_during(self.capture))):
+        for index, (step, (live, _, _)) in enumerate(
+            zip(self.capture, self._fold(self.capture, False))
+        ):
             if step.kind is StepKind.FORWARD:
                 first[step.graph] = last[step.graph] = index
             elif has_backward[step.graph] and step.graph in live:
@@ -108,7 +138,8 @@ class Plan:
 
     def max_live(self, steps: Sequence[GraphStep]) -> int:
         """Most graphs with live forward outputs at once during ``steps``."""
-        return max((len(s) for s in self.live_after(steps)), default=0)
+        ones = [1] * self.layout.num_graphs
+        return max(self.live_weights(steps, ones, after=True), default=0)
 
     def max_live_per_chunk(self, steps: Sequence[GraphStep]) -> tuple[int, ...]:
         """Most graphs of each chunk with live forward outputs at once during ``steps``.
@@ -116,14 +147,14 @@ class Plan:
         Entry ``c - 1`` is chunk ``c``'s maximum. Chunks may peak at different steps, so the
         entries can sum to more than :meth:`max_live`.
         """
-        chunk_of = [self.layout.graph_id(g).chunk - 1 for g in range(self.layout.num_graphs)]
-        peaks = [0] * self.layout.num_chunks
-        for live in self.live_after(steps):
-            counts = [0] * self.layout.num_chunks
-            for graph in live:
-                counts[chunk_of[graph]] += 1
-            peaks = [max(peak, count) for peak, count in zip(peaks, counts)]
-        return tuple(peaks)
+        chunk_of = [self.layout.graph_id(g).chunk for g in range(self.layout.num_graphs)]
+        return tuple(
+            max(
+                self.live_weights(steps, [int(c == chunk) for c in chunk_of], after=True),
+                default=0,
+            )
+            for chunk in range(1, self.layout.num_chunks + 1)
+        )
 
 
 def _graph_step(

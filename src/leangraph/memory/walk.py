@@ -6,7 +6,7 @@ Warm-up runs one graph per callable and sample layout; the same walk over every 
 an eager pass of the order holds.
 Capture adds the static buffers of the engine's own buffer plan, and the pool keeps what the
 in-flight forwards hold. "What is alive" at a step is the plan's own fold
-(:meth:`~leangraph.plan.Plan.live_during`); this module only puts bytes on it.
+(:meth:`~leangraph.plan.Plan.live_weights`); this module only puts bytes on it.
 """
 
 from __future__ import annotations
@@ -127,11 +127,12 @@ def _walk(
     """
     records = []
     high_water = 0
-    for index, (step, live) in enumerate(zip(steps, plan.live_during(steps, keep_all=keep_all))):
-        total = sum(map(held.__getitem__, live))  # C-level: steps x live graphs in all
+    counts = plan.live_weights(steps, [1] * len(held), keep_all=keep_all)
+    totals = plan.live_weights(steps, held, keep_all=keep_all)
+    for index, (step, count, total) in enumerate(zip(steps, counts, totals)):
         high_water = max(high_water, total)
         live_bytes = static + total + transient.at(step)
-        records.append(StepMemory(phase, index, str(step), len(live), live_bytes))
+        records.append(StepMemory(phase, index, str(step), count, live_bytes))
     if not records:
         raise ValueError("the plan has no steps")
     peak = max(records, key=lambda r: r.live_bytes)
