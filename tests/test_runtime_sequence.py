@@ -269,3 +269,44 @@ def test_a_module_run_eagerly_in_another_mode_lets_the_others_replay_as_in_eager
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
+
+
+def test_a_callable_collected_inside_a_replay_check_is_dropped_without_a_deadlock():
+    # The garbage collector may free a callable (its __del__ drops its graph) while another
+    # callable's replay is inside the sequence's check, on the same thread: an allocation
+    # there collected a cycle. Here the check's own `awaits` query stands in for that
+    # allocation. The drop must neither block on the held lock nor be lost: graph 1, reset
+    # with its backward outstanding, no longer keeps a new pass from starting.
+    import threading
+
+    from leangraph.order import StepKind
+    from leangraph.runtime.sequence import ReplaySequence
+
+    forward, backward = StepKind.FORWARD, StepKind.BACKWARD
+    collected = []
+
+    def awaits(graph):
+        if graph == 1 and not collected:
+            collected.append(graph)
+            sequence.drop(graph)  # what GraphedCallable.__del__ -> _release does
+        return True
+
+    steps = [(0, forward), (0, backward), (1, forward), (1, backward)]
+    sequence = ReplaySequence(steps, ["g0", "g1"], awaits)
+    for graph, kind in steps[:3]:
+        sequence.expect(graph, kind)
+    errors = []
+
+    def new_pass():
+        try:
+            sequence.expect(0, forward)
+        except Exception as error:  # reported below, on the test's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=new_pass, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "the drop deadlocked on the sequence's lock"
+    assert collected == [1] and errors == []
+    sequence.expect(0, backward)  # the new pass goes on; graph 1's steps are passed over
+    sequence.expect(0, forward)

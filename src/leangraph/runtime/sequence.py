@@ -19,6 +19,7 @@ come): a pass abandoned midway, by an exception say, leaves nothing a new pass c
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
 from ..order import StepKind
@@ -56,6 +57,8 @@ class ReplaySequence:
         last = {g: k for g, k in self._steps if k is not StepKind.FORWARD}
         self._last_kind = last  # per graph with a backward: the kind of its final step
         self._lock = threading.Lock()
+        # Graphs reset but not yet marked dropped: see drop().
+        self._drops: deque[int] = deque()
 
     def expect(self, graph: int, kind: StepKind, *, may_repeat: bool = False) -> None:
         """Check that the replay of ``kind`` of ``graph`` is the next one, and move past it.
@@ -69,6 +72,8 @@ class ReplaySequence:
         """
         step = (graph, kind)
         with self._lock:
+            if self._drops:
+                self._apply_drops()
             if may_repeat and self._last == step:
                 return
             if self._steps[self._next] == step and (
@@ -132,6 +137,8 @@ class ReplaySequence:
     def without_backward(self, graph: int) -> None:
         """The latest forward replay of ``graph`` needs no backward (nothing required grad)."""
         with self._lock:
+            if self._drops:
+                self._apply_drops()
             self._no_backward.add(graph)
 
     def ran_eagerly(self, graph: int) -> None:
@@ -142,6 +149,8 @@ class ReplaySequence:
         Elsewhere nothing changes: an eager call touches no graph memory."""
         step = (graph, StepKind.FORWARD)
         with self._lock:
+            if self._drops:
+                self._apply_drops()
             self._pass_over_what_cannot_come()
             if self._steps[self._next] != step and self._may_start_over(graph, StepKind.FORWARD):
                 self._next = 0
@@ -151,8 +160,24 @@ class ReplaySequence:
 
     def drop(self, graph: int) -> None:
         """``graph`` was reset: none of its steps will come again, so nothing of it is in
-        flight (a weight step it owed no longer keeps a new pass from starting over)."""
-        with self._lock:
+        flight (a weight step it owed no longer keeps a new pass from starting over).
+
+        A callable the garbage collector frees drops its graph from ``__del__``, which may run
+        on a thread that is inside one of this sequence's own checks (an allocation there
+        collected a cycle): that thread holds the lock, which is not re-entrant, and may be
+        iterating the sets a drop changes. So a drop is queued, and applied at once where the
+        lock is free, else by the holder's next check, which applies queued drops first.
+        """
+        self._drops.append(graph)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._apply_drops()
+            finally:
+                self._lock.release()
+
+    def _apply_drops(self) -> None:
+        while self._drops:
+            graph = self._drops.popleft()
             self._dropped.add(graph)
             self._in_flight.discard(graph)
             self._weight_due.discard(graph)
@@ -208,6 +233,8 @@ class ReplaySequence:
                 yield graph
 
     def _may_start_over(self, graph: int, kind: StepKind) -> bool:
+        if self._drops:  # a drop queued by a collection inside this check (see drop())
+            self._apply_drops()
         return (graph, kind) == self._steps[0] and not any(
             g in self._weight_due or (self._awaits(g) and g not in self._no_backward)
             for g in self._in_flight
@@ -215,6 +242,8 @@ class ReplaySequence:
 
     def _pass_over_what_cannot_come(self) -> None:
         for _ in range(len(self._steps)):
+            if self._drops:  # a drop queued by a collection inside this check (see drop())
+                self._apply_drops()
             graph, kind = self._steps[self._next]
             if graph in self._dropped:
                 pass
