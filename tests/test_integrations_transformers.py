@@ -86,9 +86,12 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Bloom": dict(hidden_dropout=0.0, attention_dropout=0.0, attn_implementation="eager"),
     "OPT": dict(ffn_dim=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
                 layerdrop=0.0),
+    # A head model that is its own base_model (prefix "language_model"), layers at .model.
+    "Llama4": dict(head_dim=8, intermediate_size_mlp=64, num_local_experts=2),
 }
-# Where the model class is not named {name}ForCausalLM.
+# Where the model class is not named {name}ForCausalLM, the config not {name}Config.
 MODEL_CLASSES = {"GPT2": "GPT2LMHeadModel"}
+CONFIG_CLASSES = {"Llama4": "Llama4TextConfig"}
 
 
 def make_architecture(name: str, dtype: torch.dtype = torch.float32, **config: Any) -> nn.Module:
@@ -100,7 +103,7 @@ def make_architecture(name: str, dtype: torch.dtype = torch.float32, **config: A
     )
     options.update(ARCHITECTURES[name], **config)
     torch.manual_seed(0)
-    config_class = getattr(transformers, f"{name}Config")
+    config_class = getattr(transformers, CONFIG_CLASSES.get(name, f"{name}Config"))
     model_class = getattr(transformers, MODEL_CLASSES.get(name, f"{name}ForCausalLM"))
     model = model_class(config_class(**options))
     return model.to(dtype).train()
@@ -261,7 +264,8 @@ def test_record_layer_calls_gets_what_llama_model_passes_each_layer() -> None:
 
 @pytest.mark.parametrize(("name", "where"), [("GPT2", "transformer.h"),
                                              ("OPT", "model.decoder.layers"),
-                                             ("Qwen3", "model.layers")])
+                                             ("Qwen3", "model.layers"),
+                                             ("Llama4", "model.layers")])
 def test_decoder_layers_are_found_where_each_layout_keeps_them(name: str, where: str) -> None:
     model = make_architecture(name)
     expected = functools.reduce(getattr, where.split("."), model)
@@ -427,9 +431,12 @@ def test_drop_in_replay_refuses_other_shapes_and_constants(graphed_sets: list[An
     # transformers 5.24 records attention weights with forward hooks it installs on the
     # attention submodules at the first such call, which a replay cannot run; earlier 5.x
     # releases passed the flag on to the layers, whose keyword the replay refuses.
-    with pytest.raises((RuntimeError, TypeError),
-                       match="'self_attn' got _forward_hooks since capture|keyword arguments"):
+    recording = ("'self_attn' has _forward_hooks recording outputs; transformers records the "
+                 "outputs asked for with output_attentions, output_hidden_states")
+    with pytest.raises((RuntimeError, TypeError), match=f"{recording}|keyword arguments"):
         model(input_ids=tokens, output_attentions=True)
+    with pytest.raises((RuntimeError, TypeError), match=f"{recording}|keyword arguments"):
+        model(input_ids=tokens, output_hidden_states=True)
     # Nothing replayed, and the hooks stay installed but do nothing: training goes on.
     assert_bitwise(train(model, drop_in_step, [[tokens]]), train(eager, drop_in_step, [[tokens]]),
                    model, eager)
@@ -453,7 +460,7 @@ def test_a_model_that_ran_with_output_attentions_before_graphing_graphs_and_trai
     assert_bitwise(train(model, drop_in_step, [[tokens]] * 2),
                    train(eager, drop_in_step, [[tokens]] * 2), model, eager)
     if hooked:  # transformers 5.24; earlier 5.x passed the flag on, installing nothing
-        with pytest.raises(RuntimeError, match="'self_attn' got _forward_hooks since capture"):
+        with pytest.raises(RuntimeError, match="'self_attn' has _forward_hooks recording"):
             model(input_ids=tokens, output_attentions=True)
 
 
@@ -717,6 +724,13 @@ def test_refuses_outputs_recorded_by_hooks() -> None:
     refuse(model, {"input_ids": tokens, "output_attentions": True}, ValueError,
            "LlamaForCausalLM is called with output_attentions=True")
     graph_causal_lm(model, {"input_ids": tokens}).reset()
+    # A mixture of experts' router logits (its auxiliary loss) are recorded by hooks too.
+    refuse(make_architecture("Mixtral", output_router_logits=True), {"input_ids": tokens},
+           ValueError, "config.output_router_logits is set")
+    mixtral = make_architecture("Mixtral")
+    refuse(mixtral, {"input_ids": tokens, "output_router_logits": True}, ValueError,
+           "MixtralForCausalLM is called with output_router_logits=True")
+    graph_causal_lm(mixtral, {"input_ids": tokens}).reset()
 
 
 def test_refuses_arguments_that_do_not_fit() -> None:

@@ -80,6 +80,36 @@ def test_no_accumulation_outside_the_graph():
     assert all(p.grad is b for p, b in zip(module.parameters(), buffers))
 
 
+def _hook_state(module: torch.nn.Module) -> dict[str, tuple]:
+    return {
+        name: (p._backward_hooks, p._post_accumulate_grad_hooks, dict(vars(p)), p.grad)
+        for name, p in module.named_parameters()
+    }
+
+
+@pytest.mark.parametrize("options", [
+    {"fuse_grad_accumulation": True},
+    {"fuse_grad_accumulation": True, "accumulator_hooks": "python"},
+    {"overlap_grad_accumulation": True},
+    {},
+], ids=["fused-relay", "fused-python", "overlap", "default"])
+def test_capture_and_reset_leave_the_parameters_hook_state_as_it_was(options):
+    """Capture notes the order in which the backward reaches the parameters through tensor
+    hooks it removes again; torch leaves an emptied hook dict behind, which capture takes
+    away too, so a parameter that had no hooks has none (``_backward_hooks is None``)."""
+    _, module = _block_pair()
+    before = _hook_state(module)
+    assert all(hooks is None for hooks, *_ in before.values())
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), **options)
+    module.zero_grad(set_to_none=True)  # capture's own gradient buffers aside
+    assert _hook_state(module) == before
+    graphed(torch.randn(4, 8)).sum().backward()
+    leangraph.reset_all(graphed)
+    module.zero_grad(set_to_none=True)
+    assert _hook_state(module) == before
+
+
 @HOOK_MODES
 @pytest.mark.parametrize("set_to_none", [True, False, lambda step: step % 2 == 0],
                          ids=["none", "zero", "alternating"])

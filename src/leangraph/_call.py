@@ -10,7 +10,6 @@ modules); :class:`CaptureOptions` holds the options of ``make_graphed_callables`
 
 from __future__ import annotations
 
-import operator
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .build.accumulation import HookDelivery
+from .build.accumulation import TENSOR_HOOKS, HookDelivery
 from .leaves import is_constant, not_dense
 from .order import OrderEntry, parse_order
 from .plan import Plan, build_plan, build_unordered_plan
@@ -408,9 +407,6 @@ def check_options(call: Call, options: CaptureOptions) -> None:
 
 # The hooks a module call runs, per module and (``_global`` prefixed) for every module.
 MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-# A tensor's Tensor.register_hook hooks (torch keeps them there, publicly unlisted): None or a
-# dict, empty once every hook was removed.
-TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
 
 
 def global_module_hooks() -> tuple[dict[int, Any], ...]:
@@ -433,6 +429,21 @@ def inert_hook(hook: object) -> bool:
 
 
 _TRANSFORMERS_CAPTURING = "transformers.utils.output_capturing"
+
+RECORDING_OUTPUTS_HINT = (
+    "transformers records the outputs asked for with output_attentions, output_hidden_states "
+    "or output_router_logits (in the call or the config) with these hooks, and a replay "
+    "cannot run them: call the model without those outputs, or run the eager layers"
+)
+
+
+def transformers_recording(hooks: Mapping[Any, Any]) -> bool:
+    """Whether every hook in ``hooks`` that acts is one of transformers' output-capturing
+    hooks, recording now (the model was called asking for hooked outputs)."""
+    acting = [hook for hook in hooks.values() if not inert_hook(hook)]
+    return bool(acting) and all(
+        getattr(hook, "__module__", None) == _TRANSFORMERS_CAPTURING for hook in acting
+    )
 
 
 def _active_hooks(hooks: Mapping[Any, Any] | None) -> bool:

@@ -42,8 +42,13 @@ import torch
 from torch.autograd.graph import Node
 from torch.utils.weak import WeakIdKeyDictionary
 
+# A tensor's Tensor.register_hook hooks (torch keeps them there, publicly unlisted): None or a
+# dict, empty once every hook was removed.
+TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
+
 __all__ = [
     "MEGATRON_DDP_FLAG",
+    "TENSOR_HOOKS",
     "AccumulationTarget",
     "FusedGradients",
     "HookDelivery",

@@ -7,8 +7,9 @@ plan's order; :meth:`GraphBuilder.record` then freezes what capture made into a
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from ..order import GraphId, StepKind
 from ..probe import GraphFacts, OutputView, output_repeats, output_template, output_views
 from ..runtime.signature import CallSignature
 from .accumulation import (
+    TENSOR_HOOKS,
     AccumulationTarget,
     FusedGradients,
     HookDelivery,
@@ -517,11 +519,7 @@ def _backward_body(
         live = [t for t in wanted if t.requires_grad]
         if not live:
             return (None,) * len(wanted)
-        watching = [
-            target.param.register_hook(functools.partial(_note_reached, eager_order, i))
-            for i, target in enumerate(accumulate)
-        ]
-        try:
+        with _noting_reached(accumulate, eager_order):
             grads = iter(
                 torch.autograd.grad(
                     differentiable(outputs),
@@ -531,9 +529,6 @@ def _backward_body(
                     retain_graph=retain,
                 )
             )
-        finally:
-            for handle in watching:
-                handle.remove()
         result = tuple(next(grads) if t.requires_grad else None for t in wanted)
         if accumulate:
             param_grads = result[len(result) - len(accumulate) :]
@@ -542,6 +537,27 @@ def _backward_body(
         return result
 
     return body
+
+
+@contextlib.contextmanager
+def _noting_reached(accumulate: Sequence[AccumulationTarget], order: list[int]) -> Iterator[None]:
+    """Appends to ``order`` the index in ``accumulate`` of each parameter the backward reaches,
+    as it reaches it, through a tensor hook on each. torch keeps a tensor's hooks in a dict it
+    makes at the first ``register_hook`` and leaves attached, empty, once the last handle is
+    removed: a parameter that had none gets None back, so capture leaves no state on it."""
+    had_none = [target.param for target in accumulate if TENSOR_HOOKS(target.param) is None]
+    watching = [
+        target.param.register_hook(functools.partial(_note_reached, order, i))
+        for i, target in enumerate(accumulate)
+    ]
+    try:
+        yield
+    finally:
+        for handle in watching:
+            handle.remove()
+        for param in had_none:
+            if not TENSOR_HOOKS(param):  # no hook came meanwhile
+                param._backward_hooks = None  # detaches torch's emptied hook dict as well
 
 
 def _note_reached(order: list[int], index: int, _: torch.Tensor) -> None:

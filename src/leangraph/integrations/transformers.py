@@ -22,9 +22,9 @@ grow a cache object), attention implementations other than ``"sdpa"`` and ``"eag
 others build objects or call kernels this was not tested with), gradient checkpointing (a
 graphed forward bypasses HF's checkpointing wrapper), dropout while training (warm-up and
 capture draw random numbers, so training would not match eager), and outputs recorded by
-hooks (``output_attentions``, ``output_hidden_states``: a replay runs no submodule hooks, and
-hidden states would alias graph memory). ``transformers`` is imported only by the functions
-that need it, so ``import leangraph`` never needs it.
+hooks (``output_attentions``, ``output_hidden_states``, ``output_router_logits``: a replay runs
+no submodule hooks, and hidden states would alias graph memory). ``transformers`` is imported
+only by the functions that need it, so ``import leangraph`` never needs it.
 """
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ _DROPOUT_MODULES = (
 )
 _RANDOM_RATE = re.compile(r"dropout|pdrop|drop_prob|jitter", re.IGNORECASE)
 
-# Keyword arguments asking for outputs HF collects with hooks inside the layers.
-_HOOKED_OUTPUTS = ("output_attentions", "output_hidden_states")
+# Keyword arguments asking for outputs HF collects with hooks inside the layers (a mixture of
+# experts' router logits, for its auxiliary loss, too).
+_HOOKED_OUTPUTS = ("output_attentions", "output_hidden_states", "output_router_logits")
 
 
 @dataclass(frozen=True)
@@ -317,14 +318,17 @@ def graph_decoder_layers(
 
 # Where a HF base model keeps its decoder layers (an nn.ModuleList), tried in turn: Llama and
 # most current architectures (Mistral, Qwen, Gemma, Phi-3, GPT-NeoX, Mixtral); GPT-2, GPT-J,
-# GPT-Neo, Falcon and Bloom; OPT.
-_LAYER_PATHS = (("layers",), ("h",), ("decoder", "layers"))
+# GPT-Neo, Falcon and Bloom; OPT; and a head model whose base_model_prefix names no attribute
+# of its own, so that base_model is the head model itself (Llama 4's text model: its prefix
+# is "language_model", its base model is at .model).
+_LAYER_PATHS = (("layers",), ("h",), ("decoder", "layers"), ("model", "layers"))
 
 
 def decoder_layers(model: nn.Module) -> tuple[nn.Module, ...]:
     """The decoder layers a HF model's forward runs: the base model's ``layers`` (Llama and
-    most current architectures), ``h`` (GPT-2, GPT-J, GPT-Neo, Falcon, Bloom) or
-    ``decoder.layers`` (OPT), cut to ``config.num_hidden_layers`` as the forward does.
+    most current architectures), ``h`` (GPT-2, GPT-J, GPT-Neo, Falcon, Bloom),
+    ``decoder.layers`` (OPT) or ``model.layers`` (a head model that is its own
+    ``base_model``: Llama 4's), cut to ``config.num_hidden_layers`` as the forward does.
 
     Raises:
         TypeError: if the model keeps no ``nn.ModuleList`` of layers at any of those.

@@ -18,9 +18,9 @@ from collections.abc import Iterable
 
 import torch
 
-from .._call import TENSOR_HOOKS
 from ..build.accumulation import (
     MEGATRON_DDP_FLAG,
+    TENSOR_HOOKS,
     AccumulationTarget,
     FusedGradients,
     HookDelivery,

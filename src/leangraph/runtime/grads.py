@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._call import TENSOR_HOOKS
+from ..build.accumulation import TENSOR_HOOKS
 from ..build.record import GraphRecord
 from .pending import PendingBackwards
 

@@ -17,7 +17,13 @@ from typing import Any
 
 import torch
 
-from .._call import MODULE_HOOKS, global_module_hooks, inert_hook
+from .._call import (
+    MODULE_HOOKS,
+    RECORDING_OUTPUTS_HINT,
+    global_module_hooks,
+    inert_hook,
+    transformers_recording,
+)
 from ..build.record import ModuleState
 
 __all__ = ["ModuleWatch"]
@@ -235,13 +241,19 @@ class ModuleWatch:
                 for kind in MODULE_HOOKS
                 if not all(map(inert_hook, getattr(module, kind).values()))
             ]
-            if kinds:
-                where = f"submodule {name!r}" if name else "the module"
+            if not kinds:
+                continue
+            where = f"submodule {name!r}" if name else "the module"
+            if all(transformers_recording(getattr(module, kind)) for kind in kinds):
                 raise RuntimeError(
-                    f"{self._label}: {where} got {', '.join(kinds)} since capture; a replay "
-                    "runs the captured kernels and cannot run them. Remove them, or run the "
-                    "eager module"
+                    f"{self._label}: {where} has {', '.join(kinds)} recording outputs; "
+                    f"{RECORDING_OUTPUTS_HINT}"
                 )
+            raise RuntimeError(
+                f"{self._label}: {where} got {', '.join(kinds)} since capture; a replay "
+                "runs the captured kernels and cannot run them. Remove them, or run the "
+                "eager module"
+            )
 
 
 def _owner_dicts(
