@@ -407,6 +407,34 @@ def test_l3_retain_graph_in_backward_allows_it():
     assert torch.equal(x.grad, x_ref.grad)
 
 
+def test_l3_a_second_backward_pass_through_several_retained_graphs_is_refused_saying_why():
+    """retain_graph_in_backward lets a backward repeat right after itself only: a second pass
+    through a chain replays the last layer's backward after the first layer's, whose capture
+    may reuse the activations the last one reads. The refusal says so, and a fresh forward
+    pass trains as eager's."""
+    layers = blocks(3)
+    reference = copy.deepcopy(layers)
+    graphed = mgc(layers, tuple((sample(),) for _ in layers), retain_graph_in_backward=True)
+    x = sample()
+    loss = graphed[2](graphed[1](graphed[0](x))).sum()
+    loss.backward(retain_graph=True)
+    with raises(
+        RuntimeError,
+        "callable 2 (Block): backward replayed out of capture order",
+        "retain_graph_in_backward lets a backward replay again only right after itself",
+        "replay their forwards again",
+    ):
+        loss.backward()
+    x_ref = x.detach().clone().requires_grad_()
+    reference[2](reference[1](reference[0](x_ref))).sum().backward()
+    x.grad = None
+    graphed[2](graphed[1](graphed[0](x))).sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+    for module, twin in zip(layers, reference):
+        for p, q in zip(module.parameters(), twin.parameters()):
+            assert torch.equal(p.grad, 2 * q.grad)  # the first pass's and this one's
+
+
 def test_l4_replay_while_outputs_await_backward():
     graphed = graphed_blocks(1)[0]
     first = graphed(sample())

@@ -514,8 +514,8 @@ def _refuse_stale_backward(
         raise RuntimeError(
             f"{label}: second backward through forward replay {generation}: each forward "
             "replay's backward runs once, as eager autograd's does unless asked to retain the "
-            "graph; to replay a backward more than once per forward, capture with "
-            "retain_graph_in_backward=True"
+            "graph; to replay a backward again right after itself (not after other graphs' "
+            "backwards), capture with retain_graph_in_backward=True"
         )
     if generation == backward and record.split_backward:
         # Eager's second backward adds a second weight gradient; the weight step replays one.

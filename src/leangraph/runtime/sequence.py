@@ -96,12 +96,24 @@ class ReplaySequence:
                     f"next replay must be the {_WHAT[expected[1]]} of {self._labels[expected[0]]}. "
                     "Graphs that share a memory pool are safe only replayed in the order they "
                     "were captured in (the order you gave, or torch's: forwards in order, then "
-                    f"backwards in reverse){self._hint(graph, kind, expected)}"
+                    f"backwards in reverse){self._hint(graph, kind, expected, may_repeat)}"
                 )
             self._advance()
 
-    def _hint(self, graph: int, kind: StepKind, expected: tuple[int, StepKind]) -> str:
+    def _hint(
+        self, graph: int, kind: StepKind, expected: tuple[int, StepKind], may_repeat: bool
+    ) -> str:
         """What most likely went wrong, for the usual ways out of order (error path)."""
+        if may_repeat and kind is StepKind.BACKWARD and graph not in self._in_flight:
+            # A second backward pass through several graphs (loss.backward(retain_graph=True),
+            # then loss.backward()): the graphs captured after this one's backward may reuse
+            # the saved activations it reads, so only a repeat right after itself is safe.
+            return (
+                "; retain_graph_in_backward lets a backward replay again only right after "
+                "itself, not after the backwards of other graphs: those were captured later "
+                "and may reuse the activations it reads. For a second backward pass through "
+                "several graphs, replay their forwards again"
+            )
         if (graph, kind) == self._steps[0] and self._weight_due:
             # A new pass after one abandoned midway (an exception, say): the weight steps of
             # backwards that ran still hold their activations, which the new pass would
