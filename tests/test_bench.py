@@ -5,7 +5,9 @@ whole-step graph's step and the launch counts as far as the CPU runs them, and o
 from __future__ import annotations
 
 import copy
+import errno
 import json
+import os
 import time
 from dataclasses import asdict, replace
 from types import SimpleNamespace
@@ -103,6 +105,20 @@ def test_bench_cli_writes_json(tmp_path, capsys):
     assert {m["step_peak_bytes"] for m in data["methods"].values()} == {None}
     printed = capsys.readouterr().out
     assert "CPU reference backend" in printed and f"wrote {out}" in printed
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_json_file_the_system_cannot_write_at_the_end_is_one_line_naming_the_flag(capsys):
+    """The folder is checked before any work; a write refused at the end (a full disk:
+    /dev/full opens but takes no bytes) is a failed run, in one line naming ``--json``."""
+    shape = ["--hidden", "32", "--heads", "4", "--sequence", "16", "--dtype", "fp32"]
+    code = main(["bench", "--device", "cpu", *shape, "--layers", "1", "--steps", "1", "--json",
+                 "/dev/full",
+                 "--no-progress"])
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["leangraph bench: error: --json /dev/full: cannot be written "
+                   f"({os.strerror(errno.ENOSPC)})"]
 
 
 def test_bench_on_the_cpu_by_default_is_small_and_finishes_in_seconds(capsys):

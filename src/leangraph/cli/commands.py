@@ -667,16 +667,25 @@ def _replay_micro(args: argparse.Namespace, device: str, why_cpu: str, work: Wor
         result = run_replay_micro(config)
     print(format_replay_micro(result))
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result.to_json(), handle, indent=2)
+        _write_json(args.json, result.to_json())
         print(f"wrote {args.json} (every round's figures and the config)")
     return 0
 
 
+def _write_json(path: str, data: object) -> None:
+    """Write ``data`` to the ``--json`` file; a write the system refuses at the end of a run
+    (a full disk, say: the folder was checked before any work) is a one-line error naming
+    the flag."""
+    try:
+        with open(path, "w") as handle:
+            json.dump(data, handle, indent=2)
+    except OSError as exc:
+        raise CommandError(f"--json {path}: cannot be written ({exc.strerror})") from None
+
+
 def _write_bench_outputs(args: argparse.Namespace, result: BenchResult) -> None:
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result.to_json(), handle, indent=2)
+        _write_json(args.json, result.to_json())
         print(f"wrote {args.json} (every figure, the config and leangraph's memory timeline)")
     if args.plot:
         plot_timeline(result, args.plot)
