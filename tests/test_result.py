@@ -222,6 +222,22 @@ def test_memory_report_refuses_entries_of_two_calls():
         leangraph.memory_report((first[0], second[0]))
 
 
+def test_a_list_of_results_is_refused_saying_to_pass_one_result():
+    """memory_report and GraphedSet.of take one call's result; a list of results (what
+    reset_all takes) names the entry that is a result of its own, not a tuple as if it were
+    a foreign object."""
+    first = mgc((double, triple), ((sample(),), (sample(),)))
+    second = mgc((triple,), ((sample(),),))
+    for caller, call in (("memory_report", leangraph.memory_report),
+                         ("GraphedSet.of", GraphedSet.of)):
+        with raises(TypeError, f"{caller}: entry 0 is a tuple, a result of its own; pass the "
+                    "result of one make_graphed_callables call (or its GraphedSet)"):
+            call([first, second])
+        with raises(TypeError, f"{caller}: entry 1 is a GraphedSet"):
+            call([first[0], GraphedSet.of(second)])
+    assert leangraph.memory_report(first).callables[0].label == "callable 0 (double)"
+
+
 def test_memory_report_of_an_empty_result_raises_a_type_error():
     """An empty tuple names no call to report on (``make_graphed_callables((), ())`` is refused,
     V19: no call returns one)."""

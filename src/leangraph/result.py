@@ -117,6 +117,13 @@ class GraphedSet:
         if isinstance(result, GraphedSet):
             return list(result.callables)
         items = result if isinstance(result, (tuple, list)) else (result,)
+        for index, item in enumerate(items):
+            if isinstance(item, (GraphedSet, tuple, list)):
+                raise TypeError(
+                    f"{caller}: entry {index} is a {type(item).__name__}, a result of its own; "
+                    "pass the result of one make_graphed_callables call (or its GraphedSet), "
+                    "not a list of results (reset_all takes several)"
+                )
         return [_member(item, caller, f"entry {index}") for index, item in enumerate(items)]
 
     @classmethod
