@@ -6,10 +6,14 @@ is captured, and later captures reuse that memory: in a drop-in stack of equal l
 backward graph writes its weight gradient into the same memory. Autograd adds each one on the
 side stream while the caller's stream runs the next layer's backward graph, and nothing
 orders that graph's write after the addition's read. Wide layers with few rows make the
-addition slow and the next write early. Prints the largest difference from eager's
-gradients per mode (0 where nothing raced) over a few steps.
+addition slow and the next write early; ``--hook-sleep`` gives every weight a gradient hook
+that keeps the stream it runs on busy for that many GPU cycles before the addition (as a
+gradient-ready hook that launches a collective does), which makes the race certain where it
+exists. Prints the largest difference from eager's gradients per mode (0 where nothing raced)
+over a few steps.
 
 Usage: PYTHONPATH=src python3 benchmarks/overlap_race.py [--width N] [--rows N] [--layers N]
+       [--hook-sleep CYCLES]
 """
 
 from __future__ import annotations
@@ -22,10 +26,22 @@ import torch
 import leangraph
 
 
-def largest_difference(mode: str, width: int, layers: int, rows: int, steps: int) -> float:
+def _busy_hook(cycles: int):
+    def hook(grad: torch.Tensor) -> None:
+        torch.cuda._sleep(cycles)  # on the stream the accumulation runs on
+
+    return hook
+
+
+def largest_difference(
+    mode: str, width: int, layers: int, rows: int, steps: int, hook_sleep: int
+) -> float:
     torch.manual_seed(0)
     graphed = [torch.nn.Linear(width, width).cuda() for _ in range(layers)]
     eager = copy.deepcopy(graphed)
+    if hook_sleep:
+        for layer in (*graphed, *eager):
+            layer.weight.register_hook(_busy_hook(hook_sleep))
     options = {"overlap_grad_accumulation": True} if mode == "overlap" else {}
     samples = tuple((torch.randn(rows, width, device="cuda", requires_grad=True),) for _ in graphed)
     leangraph.make_graphed_callables(tuple(graphed), samples, **options)
@@ -50,12 +66,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--hook-sleep", type=int, default=0)
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     for mode in ("overlap", "default"):
-        worst = largest_difference(mode, args.width, args.layers, args.rows, args.steps)
+        worst = largest_difference(
+            mode, args.width, args.layers, args.rows, args.steps, args.hook_sleep
+        )
         print(
-            f"{mode:8s} width {args.width} rows {args.rows}: max |graphed - eager| "
+            f"{mode:8s} width {args.width} rows {args.rows} hook sleep {args.hook_sleep}: "
+            "max |graphed - eager| "
             f"weight gradient over {args.steps} steps: {worst:.3g}",
             flush=True,
         )
