@@ -118,6 +118,8 @@ USAGE_ERRORS = [
     (["demo", "--steps", "two"], "leangraph demo", "expected an integer, got 'two'"),
     (["demo", "--hidden", "30"], "leangraph demo", "--hidden 30 must be a multiple of 4"),
     (["demo", "--bogus"], "leangraph demo", "unrecognized arguments: --bogus"),
+    # Before the command: the top level's, whose --help is the one to read.
+    (["--bogus", "plan"], "leangraph", "unrecognized arguments: --bogus (see leangraph --help)"),
     (["demo", "--device", "tpu"], "leangraph demo", "invalid choice: 'tpu'"),
     (["bench", "--methods", "foo"], "leangraph bench", "unknown method 'foo'; choose from"),
     (["bench", "--methods", ","], "leangraph bench", "no method given"),

@@ -901,7 +901,8 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
         "make_graphed_callables, with leangraph's, and as one CUDA graph of the whole step "
         "(whole-step, the limit), one after the other from the same weights, and print memory "
         "and time per method, each step time also as a ratio to whole-step's (x limit). On "
-        "the CPU: a small workload, eager and leangraph only, times only.",
+        "the CPU: a small workload, eager and the leangraph methods (torch and whole-step "
+        "need CUDA), times only.",
     )
     _add_workload_options(bench, GPU_WORKLOAD, CPU_WORKLOAD)
     bench.add_argument(
@@ -1041,8 +1042,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         argument found by a command. ``--help``, ``--version`` and arguments argparse rejects
         exit through ``SystemExit`` (status 0, 0 and 2; a rejection is one line on stderr).
     """
-    args, unknown = build_parser().parse_known_args(argv)
-    if unknown:  # reported by the command's own parser, so its --help is the one named
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported by the parser they came to, so its --help is the one named
+        words = list(sys.argv[1:] if argv is None else argv)
+        before = words[: words.index(args.command)] if args.command in words else []
+        early = [word for word in unknown if word in before]
+        if early:  # given before the command: the top level's (`leangraph --bogus plan`)
+            parser.error(f"unrecognized arguments: {' '.join(early)}")
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     prog = f"leangraph {args.command}"
     if getattr(args, "debug", False):
