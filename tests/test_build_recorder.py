@@ -27,8 +27,8 @@ def test_later_warmup_passes_add_no_points_and_cpu_figures_are_absent():
                                pass_total=2))
     record = recorder.finish()
     assert [(p.phase, p.step, p.allocated_bytes) for p in record.timeline] == [
-        ("warm-up", "F c1 m0 l0", 0), ("warm-up", "B c1 m0 l0", 0),
-        ("capture", "F c1 m0 l0", 0), ("capture", "B c1 m0 l0", 0)]
+        ("warm-up", "F c1 m0 l0", None), ("warm-up", "B c1 m0 l0", None),
+        ("capture", "F c1 m0 l0", None), ("capture", "B c1 m0 l0", None)]
     assert {p.label for p in record.timeline} == {"callable 0 (f)"}
     assert record.device == "cpu" and record.pool is None
     assert (record.baseline_bytes, record.warmup_peak_bytes, record.capture_peak_bytes) == (

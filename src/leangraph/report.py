@@ -25,12 +25,13 @@ MIB = 1024 * 1024
 
 @dataclass(frozen=True, slots=True)
 class TimelinePoint:
-    """Allocated bytes right after one step (``phase``: warm-up, capture or replay)."""
+    """Allocated bytes right after one step (``phase``: warm-up, capture or replay); None on
+    the CPU backend, which measures no memory."""
 
     phase: str
     step: str
     label: str
-    allocated_bytes: int
+    allocated_bytes: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +241,7 @@ def plot_memory(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    values = [p.allocated_bytes / MIB for p in points]
+    values = [(p.allocated_bytes or 0) / MIB for p in points]  # all measured: _measured
     peaks = _phase_peaks(report)
     levels = {label: value / MIB for label, value in (references or {}).items()}
     # Headroom above the highest line for the phase names and notes at the top.

@@ -53,11 +53,8 @@ class MemoryRecorder:
         # tens of microseconds; over every pass they were a visible share of capture time.
         if event.iteration > 0:
             return
-        allocated = self._allocated()
         self._points.append(
-            TimelinePoint(
-                event.phase, str(event.step), event.label, allocated if allocated is not None else 0
-            )
+            TimelinePoint(event.phase, str(event.step), event.label, self._allocated())
         )
 
     def end_warmup(self) -> None:

@@ -343,12 +343,8 @@ class BenchResult:
         if self.unavailable:
             data["unavailable"] = self.unavailable
         if self.report is not None:
-            # The CPU backend samples no allocator: its points' 0 is no figure, so null.
-            measured = self.report.record.baseline_bytes is not None
-            data["leangraph_timeline"] = [
-                {**asdict(p), **({} if measured else {"allocated_bytes": None})}
-                for p in self.report.timeline
-            ]
+            # The CPU backend samples no allocator: its points' allocated_bytes are null.
+            data["leangraph_timeline"] = [asdict(p) for p in self.report.timeline]
         return data
 
     def ratio(self, method: str, figure: str) -> float | None:
@@ -900,7 +896,7 @@ def _sampling_replay(
 
         def sampled(x: torch.Tensor) -> torch.Tensor:
             out = graph(x)
-            allocated = torch.cuda.memory_allocated() if x.is_cuda else 0
+            allocated = torch.cuda.memory_allocated() if x.is_cuda else None
             points.append(TimelinePoint("replay", f"F c{c} m{m} l{l}", graph.label, allocated))
             return out
 
