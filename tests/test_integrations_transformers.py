@@ -105,6 +105,9 @@ def make_architecture(name: str, dtype: torch.dtype = torch.float32, **config: A
     torch.manual_seed(0)
     config_class = getattr(transformers, CONFIG_CLASSES.get(name, f"{name}Config"))
     model_class = getattr(transformers, MODEL_CLASSES.get(name, f"{name}ForCausalLM"))
+    if "attn_implementation" not in config and not getattr(model_class, "_supports_sdpa", True):
+        # Older transformers releases (GPT-J before 5.x) have no sdpa path for some classes.
+        options["attn_implementation"] = "eager"
     model = model_class(config_class(**options))
     return model.to(dtype).train()
 
