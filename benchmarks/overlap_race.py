@@ -6,11 +6,11 @@ is captured, and later captures reuse that memory: in a drop-in stack of equal l
 backward graph writes its weight gradient into the same memory. Autograd adds each one on the
 side stream while the caller's stream runs the next layer's backward graph, and nothing
 orders that graph's write after the addition's read. Wide layers with few rows make the
-addition slow and the next write early; ``--hook-sleep`` gives every weight a gradient hook
-that keeps the stream it runs on busy for that many GPU cycles before the addition (as a
-gradient-ready hook that launches a collective does), which makes the race certain where it
-exists. Prints the largest difference from eager's gradients per mode (0 where nothing raced)
-over a few steps.
+addition slow and the next write early; ``--hook-sleep`` gives every weight's gradient
+accumulator a pre-hook (as DDP hooks the accumulator, not the tensor, which leangraph refuses)
+that keeps the stream the addition runs on busy for that many GPU cycles before it adds, which
+makes the race certain where it exists. Prints the largest difference from eager's gradients
+per mode (0 where nothing raced) over a few steps.
 
 Usage: PYTHONPATH=src python3 benchmarks/overlap_race.py [--width N] [--rows N] [--layers N]
        [--hook-sleep CYCLES]
@@ -26,11 +26,15 @@ import torch
 import leangraph
 
 
-def _busy_hook(cycles: int):
-    def hook(grad: torch.Tensor) -> None:
-        torch.cuda._sleep(cycles)  # on the stream the accumulation runs on
+def _busy_prehook(cycles: int):
+    def prehook(grad_outputs: tuple[torch.Tensor, ...]) -> None:
+        torch.cuda._sleep(cycles)  # on the stream autograd runs the accumulation on
 
-    return hook
+    return prehook
+
+
+def _grad_accumulator(parameter: torch.Tensor) -> torch.autograd.graph.Node:
+    return parameter.view_as(parameter).grad_fn.next_functions[0][0]
 
 
 def largest_difference(
@@ -39,9 +43,12 @@ def largest_difference(
     torch.manual_seed(0)
     graphed = [torch.nn.Linear(width, width).cuda() for _ in range(layers)]
     eager = copy.deepcopy(graphed)
-    if hook_sleep:
-        for layer in (*graphed, *eager):
-            layer.weight.register_hook(_busy_hook(hook_sleep))
+    # Autograd holds an accumulator only weakly: the list keeps the hooked ones alive.
+    accumulators = (
+        [_grad_accumulator(layer.weight) for layer in (*graphed, *eager)] if hook_sleep else []
+    )
+    for accumulator in accumulators:
+        accumulator.register_prehook(_busy_prehook(hook_sleep))
     options = {"overlap_grad_accumulation": True} if mode == "overlap" else {}
     samples = tuple((torch.randn(rows, width, device="cuda", requires_grad=True),) for _ in graphed)
     leangraph.make_graphed_callables(tuple(graphed), samples, **options)
@@ -57,6 +64,7 @@ def largest_difference(
         for a, b in zip(graphed, eager):
             worst = max(worst, (a.weight.grad - b.weight.grad).abs().max().item())
     leangraph.reset_all(graphed)
+    accumulators.clear()
     return worst
 
 
