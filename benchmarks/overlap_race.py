@@ -1,15 +1,15 @@
 """Probe (GPU only): do the side-stream additions of ``overlap_grad_accumulation`` read a
-parameter-gradient buffer that the next layer's backward graph writes meanwhile?
+parameter-gradient buffer that a later backward graph writes meanwhile?
 
 With ``share_buffers=True`` a graph's gradient buffers go back to the pool once its backward
 is captured, and later captures reuse that memory: in a drop-in stack of equal layers every
-backward graph writes its weight gradient into the same memory. Autograd adds each one on the
-side stream while the caller's stream runs the next layer's backward graph, and nothing
-orders that graph's write after the addition's read. Wide layers with few rows make the
-addition slow and the next write early; ``--hook-sleep`` gives every weight's gradient
-accumulator a pre-hook (as DDP hooks the accumulator, not the tensor, which leangraph refuses)
-that keeps the stream the addition runs on busy for that many GPU cycles before it adds, which
-makes the race certain where it exists. Prints the largest difference from eager's gradients
+backward graph would write its weight gradient into the same memory, while autograd adds the
+previous one on the side stream. leangraph orders the two (``runtime/overlap.py``: the next
+backward graph gets other blocks, the one after waits for the additions); this probe checks
+that nothing still races. Wide layers with few rows make the addition slow and the next write
+early; ``--hook-sleep`` gives every weight's gradient accumulator a pre-hook (as DDP hooks the
+accumulator, not the tensor, which leangraph refuses) that keeps the stream the addition runs
+on busy for that many GPU cycles before it adds, which makes the race certain where it exists. Prints the largest difference from eager's gradients
 per mode (0 where nothing raced) over a few steps.
 
 Usage: PYTHONPATH=src python3 benchmarks/overlap_race.py [--width N] [--rows N] [--layers N]

@@ -53,3 +53,30 @@ def test_the_additions_run_on_the_side_stream_and_the_caller_waits_for_them(over
     assert {s == caller for s in streams} == {not overlap}
     assert torch.cuda.current_stream() == caller
     module.forward.reset()
+
+
+def test_a_late_addition_on_the_side_stream_reads_its_own_gradient_not_the_next_graphs():
+    """Equal layers share parameter-gradient memory across graphs; each weight's accumulator
+    here first keeps the side stream busy (as a slow hook would), so the addition reads its
+    gradient long after the next backward graphs were launched on the caller's stream. Those
+    must not have written that memory meanwhile: the gradients are eager's bitwise."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(512, 512).cuda() for _ in range(6)]
+    eager = copy.deepcopy(layers)
+    samples = tuple((torch.randn(16, 512, device="cuda", requires_grad=True),) for _ in layers)
+    leangraph.make_graphed_callables(tuple(layers), samples, overlap_grad_accumulation=True)
+    accumulators = [w.view_as(w).grad_fn.next_functions[0][0]
+                    for w in (layer.weight for layer in layers)]
+    for accumulator in accumulators:  # held by the graphed callables: the hooks stay
+        accumulator.register_prehook(lambda grads: torch.cuda._sleep(5_000_000))
+    for step in range(3):
+        x = torch.randn(16, 512, device="cuda")
+        for stack in (layers, eager):
+            h = x
+            for layer in stack:
+                h = torch.tanh(layer(h))
+            h.square().sum().backward()
+        for a, b in zip(layers, eager):
+            assert torch.equal(a.weight.grad, b.weight.grad), step
+            assert torch.equal(a.bias.grad, b.bias.grad), step
+    leangraph.reset_all(layers)

@@ -122,3 +122,41 @@ def test_the_callables_hold_their_parameters_accumulators_until_reset():
     assert all(tagged())  # a replay's backward ran through the same nodes
     module.forward.reset()
     assert not any(tagged())  # released: each parameter's node is made anew
+
+
+def _param_grad_storages(layer) -> set[int]:
+    """Where the backward graph of a graphed layer writes its parameters' gradients."""
+    record = layer.forward._record
+    trained = len(list(layer.parameters()))
+    return {g.untyped_storage().data_ptr() for g in record.static_grads[-trained:]}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_next_backward_graph_never_writes_the_parameter_gradients_still_being_added(overlap):
+    """Equal layers sharing buffers write their parameter gradients into the same blocks; with
+    the additions on a side stream the next backward graph (replayed while they may still
+    read) gets other blocks, the one after reuses them: two sets, whatever the depth."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(6)]
+    samples = tuple((torch.randn(2, 8, requires_grad=True),) for _ in layers)
+    leangraph.make_graphed_callables(tuple(layers), samples, overlap_grad_accumulation=overlap)
+    backward_order = [_param_grad_storages(layer) for layer in reversed(layers)]
+    if overlap:
+        for this, after in zip(backward_order, backward_order[1:]):
+            assert not this & after
+        assert len(set().union(*backward_order)) == 2 * len(backward_order[0])
+    else:  # the default's additions run between the graphs: one set serves all
+        assert len(set().union(*backward_order)) == len(backward_order[0])
+    eager = [torch.nn.Linear(8, 8) for _ in layers]
+    for a, b in zip(eager, layers):
+        a.load_state_dict(b.state_dict())
+    for _ in range(2):
+        x = torch.randn(2, 8)
+        for stack in (layers, eager):
+            h = x
+            for layer in stack:
+                h = torch.tanh(layer(h))
+            h.square().sum().backward()
+    for a, b in zip(layers, eager):
+        assert torch.equal(a.weight.grad, b.weight.grad) and torch.equal(a.bias.grad, b.bias.grad)
+    leangraph.reset_all(layers)

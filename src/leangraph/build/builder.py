@@ -149,6 +149,7 @@ def _warm_up_and_capture(
             buffers=buffers,
             observers=observers,
             steps_before=warmup_steps,
+            hold_param_grads=options.overlap_grad_accumulation,
         )
     return recorder.finish()
 

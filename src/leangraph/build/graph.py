@@ -83,6 +83,9 @@ class GraphBuilder:
         self._lent_grad: torch.Tensor | None = None
         self._lent = False  # whether it ever was: the previous layer's seed until it ran
         self._seed_from: str | None = None  # the graph whose lent buffer output 0's seed is
+        # How many trailing entries of _static_grads (the parameters' gradients) stay owned
+        # after release until the next backward is captured (overlap: see capture.py).
+        self._held_param_grads = 0
         self._eager_order: list[int] = []  # trained parameters, as eager's backward reaches them
 
     @property
@@ -217,6 +220,7 @@ class GraphBuilder:
         release: bool,
         chained: Sequence[bool],
         lender: GraphBuilder | None = None,
+        hold_param_grads: bool = False,
     ) -> None:
         """Record the backward graph (input gradients only when the backward is split).
 
@@ -228,10 +232,18 @@ class GraphBuilder:
         whose output it is the gradient of, has recorded its backward reading it as its
         seed. ``lender`` is the next layer (whose input 0 is this graph's output 0), once it
         recorded its backward: its lent buffer becomes this graph's seed of output 0, so the
-        gradient autograd hands this backward at replay is that seed already.
+        gradient autograd hands this backward at replay is that seed already. With
+        ``hold_param_grads`` the parameters' gradient buffers stay owned too, until
+        :meth:`release_held_param_grads`.
         """
         try:
-            self._record_backward(backend, release=release, chained=chained, lender=lender)
+            self._record_backward(
+                backend,
+                release=release,
+                chained=chained,
+                lender=lender,
+                hold_param_grads=hold_param_grads,
+            )
         finally:
             if lender is not None:  # recorded, or failed: the lent block may go to the pool
                 lender.return_lent_grad(backend)
@@ -243,6 +255,7 @@ class GraphBuilder:
         release: bool,
         chained: Sequence[bool],
         lender: GraphBuilder | None,
+        hold_param_grads: bool,
     ) -> None:
         if not any(self._output_requires_grad):
             return
@@ -271,7 +284,18 @@ class GraphBuilder:
             if chained and chained[0] and not retain and self._lends_input_grad():
                 self._lent_grad = self._static_grads[0]
                 self._lent = True
+            if hold_param_grads:
+                self._held_param_grads = len(self._param_targets())
             self._release_buffers(backend, chained)
+
+    def release_held_param_grads(self, backend: GraphBackend) -> None:
+        """Stop owning the parameters' gradient buffers that the backward's release kept."""
+        held, self._held_param_grads = self._held_param_grads, 0
+        if held:
+            start = len(self._static_grads) - held
+            self._static_grads = self._static_grads[:start] + tuple(
+                None if g is None else backend.disown(g) for g in self._static_grads[start:]
+            )
 
     def _lends_input_grad(self) -> bool:
         """Whether input 0's gradient is the first one the backward graph writes (it is when
@@ -329,8 +353,11 @@ class GraphBuilder:
     def _release_buffers(self, backend: GraphBackend, chained: Sequence[bool]) -> None:
         self._released = True
         self._static_outputs = tuple(backend.disown(o) for o in self._static_outputs)
+        held_from = len(self._static_grads) - self._held_param_grads
         self._static_grads = tuple(
-            g if g is None or (i == 0 and self._lent_grad is not None) else backend.disown(g)
+            g
+            if g is None or (i == 0 and self._lent_grad is not None) or i >= held_from
+            else backend.disown(g)
             for i, g in enumerate(self._static_grads)
         )
         if self._seed_from is not None:  # the lender owns it until return_lent_grad

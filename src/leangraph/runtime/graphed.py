@@ -34,7 +34,7 @@ from .grads import GradRouting, settle_lent_gradients, trained_elsewhere_in_pass
 from .guard import OutputGuard
 from .kernels import KernelSettings
 from .modules import ModuleWatch
-from .overlap import side_stream_accumulators
+from .overlap import side_stream_accumulators, wait_for_earlier_additions
 from .pending import BackwardToken, PendingBackwards
 from .sequence import ReplaySequence
 from .unreached import skip_hooks_in_this_pass
@@ -141,6 +141,9 @@ class GraphedCallable:
         # The autocast (of the device's type) the graphs' kernels were chosen under.
         self._autocast, self._device_type = autocast_at_capture, _device_of(record).type
         self._on_cuda = self._device_type == "cuda"
+        # Every backward of an overlap call waits for the side stream's additions two backwards
+        # back, whose buffers its graph may write (its own parameters' or not: overlap.py).
+        self._waits_for_additions = overlap_grad_accumulation and self._on_cuda
         # The process-wide settings that chose those kernels (TF32, determinism, ...).
         self._kernels = kernel_settings
 
@@ -378,6 +381,8 @@ class GraphedCallable:
             attach, reached, unreached = _check_backward(self, record, fused, grads, ddp)
             self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
             settle_lent_gradients()
+            if self._waits_for_additions:
+                wait_for_earlier_additions(_device_of(record))
             _fill_seeds(record.static_grad_outputs, grads)
             if attach:
                 assert fused is not None

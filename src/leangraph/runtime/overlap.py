@@ -15,12 +15,17 @@ graphs get this overlap without asking (``benchmarks/accumulate_stream.py``), an
 warns about it once (``The AccumulateGrad node's stream does not match ...``); so does this.
 
 Memory aliasing: the gradients the side stream adds are the backward graph's static buffers
-(or copies). With ``share_buffers=True`` those go back to the pool once the graph's backward
-is captured, and graphs captured later reuse the memory: the next layer's backward graph may
-write the buffer an addition on the side stream is still reading, and no event orders the
-two. ``benchmarks/overlap_race.py`` probes for it; the same probe as
-``--width 4096 --rows 64 --layers 6 --steps 6`` (run from a scratch copy of the script, at
-commit 3ad99ce) found nothing on the H200, which does not rule it out.
+(or copies). With ``share_buffers=True`` those go back to the pool after capture, and graphs
+captured later reuse the memory, so a later backward graph could write a buffer an addition
+on the side stream is still reading. Two rules order them. Capture keeps a backward's
+parameter-gradient buffers owned until the next backward is recorded (``build/capture.py``),
+so the next backward graph never writes them; and before every backward replay the caller's
+stream waits for the side stream's work as it stood at the previous backward replay (one
+event per device, :func:`wait_for_earlier_additions`), which covers every addition launched
+before that replay, those of the graph two backwards back included. The additions of one
+backward still overlap the whole next backward graph; a backward pass's end orders the rest
+(autograd makes the caller's stream wait for the side stream). ``benchmarks/overlap_race.py
+--hook-sleep`` makes each addition late enough to show a race where one is left.
 """
 
 from __future__ import annotations
@@ -33,9 +38,12 @@ import torch
 from ..backends.cuda import stream_per_device
 from ..build.accumulation import accumulator_node
 
-__all__ = ["side_stream_accumulators"]
+__all__ = ["side_stream_accumulators", "wait_for_earlier_additions"]
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}  # the side stream of each device
+# Per device: the side stream's work as it stood at the latest backward replay. One event is
+# enough: a stream wait takes the event as last recorded when the wait is enqueued.
+_ADDITIONS_BEFORE: dict[int, torch.cuda.Event] = {}
 
 
 def side_stream_accumulators(
@@ -51,3 +59,18 @@ def side_stream_accumulators(
     )
     with torch.enable_grad(), stream:
         return tuple(accumulator_node(p) for p in params)
+
+
+def wait_for_earlier_additions(device: torch.device) -> None:
+    """At a backward replay of an ``overlap_grad_accumulation`` call on ``device`` (CUDA):
+    make the current stream wait for the side stream's additions launched before the
+    previous backward replay, then note where the side stream stands now for the next one.
+    A never-recorded event is no wait (the first replay)."""
+    side = stream_per_device(_STREAMS, device)
+    index = side.device.index
+    assert index is not None  # a CUDA stream's device always has one
+    event = _ADDITIONS_BEFORE.get(index)
+    if event is None:
+        event = _ADDITIONS_BEFORE[index] = torch.cuda.Event()
+    torch.cuda.current_stream(side.device).wait_event(event)
+    event.record(side)
