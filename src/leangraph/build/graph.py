@@ -312,12 +312,7 @@ class GraphBuilder:
         """Read output 0's gradient from ``lent`` (the next layer's input gradient buffer)
         instead of the planned seed, when it has the seed's layout."""
         seed = self._static_grad_outputs[0] if self._static_grad_outputs else None
-        if seed is None or not (
-            lent.shape == seed.shape
-            and lent.dtype == seed.dtype
-            and lent.stride() == seed.stride()
-            and lent.device == seed.device
-        ):
+        if seed is None or not _same_layout(lent, seed):
             return
         self._static_grad_outputs = (lent, *self._static_grad_outputs[1:])
         self._seed_from = lender
@@ -409,28 +404,8 @@ class GraphBuilder:
             module=source.module,
             modules=source.modules,
             input_grad_lent=self._lent,
-            fused=self._fused_gradients(),
+            fused=_fused_gradients(self._accumulate, self._eager_order, self._delivery),
         )
-
-    def _fused_gradients(self) -> FusedGradients | None:
-        """The in-graph accumulation's record: the targets, and a relay reaching the
-        parameters the backward reached, in that order (or their Python hooks, to call in
-        it). Made after the capture pass, graph by graph, so a later layer's relay is newer
-        (its hooks first, as in eager)."""
-        if not self._accumulate:
-            return None
-        reached = list(dict.fromkeys(self._eager_order))
-        # A parameter the outputs do not depend on (allow_unused_input) gets no gradient in
-        # eager, so its .grad stays None: it is no target at replay either.
-        targets = tuple(self._accumulate[i] for i in sorted(reached))
-        params = [self._accumulate[i].param for i in reached]
-        delivery = self._delivery
-        if not params or delivery is HookDelivery.NONE:
-            return FusedGradients(targets, None, delivery)
-        if delivery is HookDelivery.PYTHON:
-            names = [self._accumulate[i].name for i in reached]
-            return FusedGradients(targets, None, delivery, python_hooks(names, params))
-        return FusedGradients(targets, hook_relay(params), delivery)
 
     def abandon(self) -> None:
         """Release the pair after a failed build."""
@@ -442,6 +417,37 @@ class _Leaf:
 
     def __repr__(self) -> str:
         return "leaf"
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.stride() == b.stride()
+        and a.device == b.device
+    )
+
+
+def _fused_gradients(
+    accumulate: Sequence[AccumulationTarget], eager_order: Sequence[int], delivery: HookDelivery
+) -> FusedGradients | None:
+    """The in-graph accumulation's record: the targets, and a relay reaching the parameters
+    the backward reached (``eager_order``, indices into ``accumulate``), in that order (or
+    their Python hooks, to call in it). Made after the capture pass, graph by graph, so a
+    later layer's relay is newer (its hooks first, as in eager)."""
+    if not accumulate:
+        return None
+    reached = list(dict.fromkeys(eager_order))
+    # A parameter the outputs do not depend on (allow_unused_input) gets no gradient in
+    # eager, so its .grad stays None: it is no target at replay either.
+    targets = tuple(accumulate[i] for i in sorted(reached))
+    params = [accumulate[i].param for i in reached]
+    if not params or delivery is HookDelivery.NONE:
+        return FusedGradients(targets, None, delivery)
+    if delivery is HookDelivery.PYTHON:
+        names = [accumulate[i].name for i in reached]
+        return FusedGradients(targets, None, delivery, python_hooks(names, params))
+    return FusedGradients(targets, hook_relay(params), delivery)
 
 
 def _structure(spec: pytree.TreeSpec) -> str:
