@@ -1,16 +1,17 @@
 """Probe (GPU only): do the side-stream additions of ``overlap_grad_accumulation`` read a
 parameter-gradient buffer that a later backward graph writes meanwhile?
 
-With ``share_buffers=True`` a graph's gradient buffers go back to the pool once its backward
-is captured, and later captures reuse that memory: in a drop-in stack of equal layers every
+With ``share_buffers=True`` a graph's gradient buffers go back to the pool once its backward is
+captured, and later captures reuse that memory: in a drop-in stack of equal layers every
 backward graph would write its weight gradient into the same memory, while autograd adds the
 previous one on the side stream. leangraph orders the two (``runtime/overlap.py``: the next
-backward graph gets other blocks, the one after waits for the additions); this probe checks
-that nothing still races. Wide layers with few rows make the addition slow and the next write
-early; ``--hook-sleep`` gives every weight's gradient accumulator a pre-hook (as DDP hooks the
-accumulator, not the tensor, which leangraph refuses) that keeps the stream the addition runs
-on busy for that many GPU cycles before it adds, which makes the race certain where it exists. Prints the largest difference from eager's gradients
-per mode (0 where nothing raced) over a few steps.
+backward graph gets other blocks, the one after waits for the additions); this probe checks that
+nothing still races. Wide layers with few rows make the addition slow and the next write early;
+``--hook-sleep`` gives every weight's gradient accumulator a pre-hook (as DDP hooks the
+accumulator, not the tensor, which leangraph refuses) that keeps the stream the addition runs on
+busy for that many GPU cycles before it adds, which makes the race certain where it exists.
+Prints the largest difference from eager's gradients per mode (0 where nothing raced) over a few
+steps.
 
 Usage: PYTHONPATH=src python3 benchmarks/overlap_race.py [--width N] [--rows N] [--layers N]
        [--hook-sleep CYCLES]
@@ -43,15 +44,17 @@ def largest_difference(
     torch.manual_seed(0)
     graphed = [torch.nn.Linear(width, width).cuda() for _ in range(layers)]
     eager = copy.deepcopy(graphed)
-    # Autograd holds an accumulator only weakly: the list keeps the hooked ones alive.
+    options = {"overlap_grad_accumulation": True} if mode == "overlap" else {}
+    samples = tuple((torch.randn(rows, width, device="cuda", requires_grad=True),) for _ in graphed)
+    leangraph.make_graphed_callables(tuple(graphed), samples, **options)
+    # After capture: an accumulator something holds keeps the stream it was made on, so one
+    # taken before would keep overlap's additions off the side stream. Autograd holds an
+    # accumulator only weakly: the list keeps the hooked ones alive (overlap's are held).
     accumulators = (
         [_grad_accumulator(layer.weight) for layer in (*graphed, *eager)] if hook_sleep else []
     )
     for accumulator in accumulators:
         accumulator.register_prehook(_busy_prehook(hook_sleep))
-    options = {"overlap_grad_accumulation": True} if mode == "overlap" else {}
-    samples = tuple((torch.randn(rows, width, device="cuda", requires_grad=True),) for _ in graphed)
-    leangraph.make_graphed_callables(tuple(graphed), samples, **options)
     worst = 0.0
     for _ in range(steps):
         x = torch.randn(rows, width, device="cuda")
