@@ -160,3 +160,17 @@ def test_the_next_backward_graph_never_writes_the_parameter_gradients_still_bein
     for a, b in zip(layers, eager):
         assert torch.equal(a.weight.grad, b.weight.grad) and torch.equal(a.bias.grad, b.bias.grad)
     leangraph.reset_all(layers)
+
+
+def test_a_backward_after_another_than_its_capture_predecessor_waits_for_all_additions():
+    """The fence's order (CUDA waits on it; the decision itself is plain bookkeeping): a
+    backward replayed right after the one captured before it waits only for what came before
+    that one; after any other (a step passed over, a repeat) it must wait for everything."""
+    from leangraph.runtime.overlap import BackwardNeighbours
+
+    neighbours = BackwardNeighbours([3, 2, 1, 0])
+    seen = []
+    for graph in [3, 2, 1, 0, 3, 2, 0, 0, 3, 1]:
+        seen.append(neighbours.follows_its_predecessor(graph))
+        neighbours.ran(graph)
+    assert seen == [True, True, True, True, True, True, False, False, True, False]

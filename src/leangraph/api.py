@@ -39,6 +39,7 @@ from .progress import ProgressCallback
 from .result import GraphedSet, is_graphed
 from .runtime.graphed import GraphedCallable, autocast_state
 from .runtime.kernels import KernelSettings
+from .runtime.overlap import AdditionFence
 from .runtime.pending import PendingBackwards
 from .runtime.sequence import ReplaySequence
 
@@ -314,10 +315,19 @@ def _hand_back(call: Call, built: Built, options: CaptureOptions) -> Any:
     graphed_set = GraphedSet(built.capture, single=call.single)
     pending = PendingBackwards(len(built.records))
     settings = KernelSettings(call.device.type)  # one capture, one device type
+    steps = _replay_steps(call, built.records)
     sequence = ReplaySequence(
-        _replay_steps(call, built.records),
+        steps,
         [record.label for record in built.records],
         pending.awaits,
+    )
+    fence = (
+        AdditionFence(
+            [graph for graph, kind in steps if kind is StepKind.BACKWARD],
+            call.device,
+        )
+        if options.overlap_grad_accumulation and call.device.type == "cuda"
+        else None
     )
     members = [
         GraphedCallable(
@@ -327,6 +337,7 @@ def _hand_back(call: Call, built: Built, options: CaptureOptions) -> Any:
             sequence,
             debug_outputs=options.debug_outputs,
             overlap_grad_accumulation=options.overlap_grad_accumulation,
+            addition_fence=fence,
             captured_under_no_grad=not call.grad_enabled,
             autocast_at_capture=autocast_state(call.device.type),
             kernel_settings=settings,

@@ -34,7 +34,7 @@ from .grads import GradRouting, settle_lent_gradients, trained_elsewhere_in_pass
 from .guard import OutputGuard
 from .kernels import KernelSettings
 from .modules import ModuleWatch
-from .overlap import side_stream_accumulators, wait_for_earlier_additions
+from .overlap import AdditionFence, side_stream_accumulators
 from .pending import BackwardToken, PendingBackwards
 from .sequence import ReplaySequence
 from .unreached import skip_hooks_in_this_pass
@@ -81,6 +81,7 @@ class GraphedCallable:
         *,
         debug_outputs: bool,
         overlap_grad_accumulation: bool = False,
+        addition_fence: AdditionFence | None = None,
         captured_under_no_grad: bool = False,
         autocast_at_capture: tuple[bool, torch.dtype | None] | None = None,
         kernel_settings: KernelSettings | None = None,
@@ -141,9 +142,7 @@ class GraphedCallable:
         # The autocast (of the device's type) the graphs' kernels were chosen under.
         self._autocast, self._device_type = autocast_at_capture, _device_of(record).type
         self._on_cuda = self._device_type == "cuda"
-        # Every backward of an overlap call waits for the side stream's additions two backwards
-        # back, whose buffers its graph may write (its own parameters' or not: overlap.py).
-        self._waits_for_additions = overlap_grad_accumulation and self._on_cuda
+        self._fence = addition_fence  # overlap: waits for additions whose blocks it may write
         # The process-wide settings that chose those kernels (TF32, determinism, ...).
         self._kernels = kernel_settings
 
@@ -381,8 +380,8 @@ class GraphedCallable:
             attach, reached, unreached = _check_backward(self, record, fused, grads, ddp)
             self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
             settle_lent_gradients()
-            if self._waits_for_additions:
-                wait_for_earlier_additions(_device_of(record))
+            if self._fence is not None:
+                self._fence.before_backward(self._index)
             _fill_seeds(record.static_grad_outputs, grads)
             if attach:
                 assert fused is not None

@@ -21,8 +21,10 @@ on the side stream is still reading. Two rules order them. Capture keeps a backw
 parameter-gradient buffers owned until the next backward is recorded (``build/capture.py``),
 so the next backward graph never writes them; and before every backward replay the caller's
 stream waits for the side stream's work as it stood at the previous backward replay (one
-event per device, :func:`wait_for_earlier_additions`), which covers every addition launched
-before that replay, those of the graph two backwards back included. The additions of one
+event per call, :class:`AdditionFence`), which covers every addition launched before that
+replay, those of the graph two backwards back included. Where the previous backward replay
+was not the one captured just before (a step passed over, a repeat), it waits for all the
+side stream's work instead. The additions of one
 backward still overlap the whole next backward graph; a backward pass's end orders the rest
 (autograd makes the caller's stream wait for the side stream). ``benchmarks/overlap_race.py
 --hook-sleep`` makes each addition late enough to show a race where one is left.
@@ -38,12 +40,9 @@ import torch
 from ..backends.cuda import stream_per_device
 from ..build.accumulation import accumulator_node
 
-__all__ = ["side_stream_accumulators", "wait_for_earlier_additions"]
+__all__ = ["AdditionFence", "BackwardNeighbours", "side_stream_accumulators"]
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}  # the side stream of each device
-# Per device: the side stream's work as it stood at the latest backward replay. One event is
-# enough: a stream wait takes the event as last recorded when the wait is enqueued.
-_ADDITIONS_BEFORE: dict[int, torch.cuda.Event] = {}
 
 
 def side_stream_accumulators(
@@ -61,16 +60,54 @@ def side_stream_accumulators(
         return tuple(accumulator_node(p) for p in params)
 
 
-def wait_for_earlier_additions(device: torch.device) -> None:
-    """At a backward replay of an ``overlap_grad_accumulation`` call on ``device`` (CUDA):
-    make the current stream wait for the side stream's additions launched before the
-    previous backward replay, then note where the side stream stands now for the next one.
-    A never-recorded event is no wait (the first replay)."""
-    side = stream_per_device(_STREAMS, device)
-    index = side.device.index
-    assert index is not None  # a CUDA stream's device always has one
-    event = _ADDITIONS_BEFORE.get(index)
-    if event is None:
-        event = _ADDITIONS_BEFORE[index] = torch.cuda.Event()
-    torch.cuda.current_stream(side.device).wait_event(event)
-    event.record(side)
+class BackwardNeighbours:
+    """Whether each backward replay follows the backward captured just before it.
+
+    Args:
+        backwards: The graphs with a backward, in the order their backwards were captured.
+    """
+
+    def __init__(self, backwards: Sequence[int]) -> None:
+        # Each graph's capture-order predecessor; the first's is the last (the next pass).
+        self._before = {g: backwards[i - 1] for i, g in enumerate(backwards)}
+        self._last: int | None = None  # the graph of the latest backward replay
+
+    def follows_its_predecessor(self, graph: int) -> bool:
+        """Whether the latest backward replay (if any) was the one captured just before
+        ``graph``'s: not so after a step passed over, or a backward repeated."""
+        return self._last is None or self._last == self._before.get(graph)
+
+    def ran(self, graph: int) -> None:
+        """``graph``'s backward is replaying now."""
+        self._last = graph
+
+
+class AdditionFence:
+    """Orders one ``overlap_grad_accumulation`` call's backward graphs after the side-stream
+    additions whose blocks they may write (CUDA).
+
+    Args:
+        backwards: The graphs with a backward, in the order their backwards were captured
+            (and replay).
+        device: The GPU of the call.
+    """
+
+    def __init__(self, backwards: Sequence[int], device: torch.device) -> None:
+        self._neighbours = BackwardNeighbours(backwards)
+        self._side = stream_per_device(_STREAMS, device)
+        # The side stream's work as it stood at the latest backward replay. One event is
+        # enough: a stream wait takes the event as last recorded when the wait is enqueued.
+        self._event = torch.cuda.Event()
+
+    def before_backward(self, graph: int) -> None:
+        """Make the current stream wait before the backward replay of ``graph``, then note where
+        the side stream stands now for the next one. After the backward captured just before,
+        what came before that one's replay is enough (it covers every graph whose blocks this
+        one may write); else all the side stream's work. (A never-recorded event is no wait.)"""
+        caller = torch.cuda.current_stream(self._side.device)
+        if self._neighbours.follows_its_predecessor(graph):
+            caller.wait_event(self._event)
+        else:
+            caller.wait_stream(self._side)
+        self._event.record(self._side)
+        self._neighbours.ran(graph)
