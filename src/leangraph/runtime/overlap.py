@@ -16,18 +16,18 @@ warns about it once (``The AccumulateGrad node's stream does not match ...``); s
 
 Memory aliasing: the gradients the side stream adds are the backward graph's static buffers
 (or copies). With ``share_buffers=True`` those go back to the pool after capture, and graphs
-captured later reuse the memory, so a later backward graph could write a buffer an addition
-on the side stream is still reading. Two rules order them. Capture keeps a backward's
+captured later reuse the memory, so a later backward graph could write a buffer an addition on
+the side stream is still reading. Two rules order them. Capture keeps a backward's
 parameter-gradient buffers owned until the next backward is recorded (``build/capture.py``),
 so the next backward graph never writes them; and before every backward replay the caller's
-stream waits for the side stream's work as it stood at the previous backward replay (one
-event per call, :class:`AdditionFence`), which covers every addition launched before that
-replay, those of the graph two backwards back included. Where the previous backward replay
-was not the one captured just before (a step passed over, a repeat), it waits for all the
-side stream's work instead. The additions of one
-backward still overlap the whole next backward graph; a backward pass's end orders the rest
-(autograd makes the caller's stream wait for the side stream). ``benchmarks/overlap_race.py
---hook-sleep`` makes each addition late enough to show a race where one is left.
+stream waits for the side stream's work as it stood at the previous backward replay (one event
+per call, :class:`AdditionFence`), which covers every addition launched before that replay,
+those of the graph two backwards back included. Where the previous backward replay was not the
+one captured just before (a step passed over, a repeat), it waits for all the side stream's
+work instead. The additions of one backward still overlap the whole next backward graph; a
+backward pass's end orders the rest (autograd makes the caller's stream wait for the side
+stream). ``benchmarks/overlap_race.py --hook-sleep`` makes each addition late enough to show a
+race where one is left.
 """
 
 from __future__ import annotations
