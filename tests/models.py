@@ -147,3 +147,17 @@ def replay_step(graphed, order, layers_per_chunk, inputs):
         return graphed[layout.graph_index(chunk, microbatch, index)]
 
     return run_order(order, layers_per_chunk, layer, inputs, lambda out, m: out.float().sum())
+
+
+def backward_through_stacks(stacks: Sequence[Sequence[torch.nn.Module]], x: torch.Tensor) -> None:
+    """One step of each stack (graphed or eager) of layers on ``x``: tanh after each layer,
+    the squares' sum as the loss, its backward; and every layer of the first stack has the
+    ``.grad`` of the same layer of each other stack, bitwise."""
+    for stack in stacks:
+        h = x
+        for layer in stack:
+            h = torch.tanh(layer(h))
+        h.square().sum().backward()
+    for layers in zip(*stacks):
+        for params in zip(*(layer.parameters() for layer in layers)):
+            assert all(torch.equal(params[0].grad, p.grad) for p in params[1:]), layers[0]
