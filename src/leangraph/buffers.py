@@ -33,6 +33,7 @@ __all__ = [
     "allocate",
     "plan_buffers",
     "same_buffer",
+    "same_layout",
 ]
 
 
@@ -64,6 +65,17 @@ class BufferKey:
         """Bytes of one contiguous buffer of this key."""
         element = torch.empty((), dtype=self.dtype, device="meta").element_size()
         return math.prod(self.shape) * element
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` have the same shape, dtype, strides and device (one can stand
+    in for the other as a graph's buffer)."""
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.stride() == b.stride()
+        and a.device == b.device
+    )
 
 
 def same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:

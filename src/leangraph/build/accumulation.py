@@ -42,6 +42,8 @@ import torch
 from torch.autograd.graph import Node
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..buffers import same_layout
+
 # A tensor's Tensor.register_hook hooks (torch keeps them there, publicly unlisted): None or a
 # dict, empty once every hook was removed.
 TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
@@ -578,11 +580,4 @@ _BUFFERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _has_layout_of(grad: torch.Tensor, param: torch.Tensor) -> bool:
-    return (
-        grad.dtype == param.dtype
-        and grad.shape == param.shape
-        and grad.stride() == param.stride()
-        and grad.device == param.device
-        and grad.layout == torch.strided
-        and not grad.requires_grad
-    )
+    return same_layout(grad, param) and grad.layout == torch.strided and not grad.requires_grad

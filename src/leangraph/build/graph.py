@@ -17,7 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..backends.base import GraphBackend, GraphPair
-from ..buffers import BufferKey, same_buffer
+from ..buffers import BufferKey, same_buffer, same_layout
 from ..hooks import CaptureHooks
 from ..order import GraphId, StepKind
 from ..probe import GraphFacts, OutputView, output_repeats, output_template, output_views
@@ -312,7 +312,7 @@ class GraphBuilder:
         """Read output 0's gradient from ``lent`` (the next layer's input gradient buffer)
         instead of the planned seed, when it has the seed's layout."""
         seed = self._static_grad_outputs[0] if self._static_grad_outputs else None
-        if seed is None or not _same_layout(lent, seed):
+        if seed is None or not same_layout(lent, seed):
             return
         self._static_grad_outputs = (lent, *self._static_grad_outputs[1:])
         self._seed_from = lender
@@ -417,15 +417,6 @@ class _Leaf:
 
     def __repr__(self) -> str:
         return "leaf"
-
-
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.shape == b.shape
-        and a.dtype == b.dtype
-        and a.stride() == b.stride()
-        and a.device == b.device
-    )
 
 
 def _fused_gradients(
