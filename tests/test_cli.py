@@ -23,7 +23,8 @@ from leangraph.cli import main, progress_bar
 from leangraph.cli.commands import UsageError
 from leangraph.cli.demo import DemoConfig, run_demo
 from leangraph.cli.phases import Phase, PhaseProgress, line_display
-from leangraph.cli.workloads import BlockShape, plural
+from leangraph.cli.workloads import BlockShape, make_blocks, plural
+from leangraph.memory import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_GPU = not torch.cuda.is_available()
@@ -311,7 +312,8 @@ def test_a_keyword_plan_memory_does_not_take_is_a_usage_error_naming_it(tmp_path
     assert status == 2 and out == ""
     assert_one_line(err, "--function lg_workload_keyword:make: the dict returned must hold "
                     "plan_memory keywords (sample_kwargs, order, num_layers_per_chunk, "
-                    "meta_attention), got 'ordr'", "leangraph plan")
+                    "meta_attention, fuse_grad_accumulation, overlap_grad_accumulation), got "
+                    "'ordr'", "leangraph plan")
 
 
 def test_a_workload_plan_memory_rejects_is_one_line_status_1(tmp_path, monkeypatch, capsys):
@@ -321,6 +323,47 @@ def test_a_workload_plan_memory_rejects_is_one_line_status_1(tmp_path, monkeypat
     assert status == 1
     assert_one_line(err, "ValueError: ", "leangraph plan")
     assert "run again with --debug for the traceback" in err
+
+
+def _plan_figure(out: str, row: str) -> str:
+    """The figure of one row of a printed plan ("capture peak" -> "2.83 GiB")."""
+    line = next(line for line in out.splitlines() if line.strip().startswith(row))
+    return " ".join(line.split()[len(row.split()):][:2])
+
+
+def test_plan_accumulation_plans_each_mode(capsys):
+    small = ["--microbatches", "8", "--hidden", "64", "--heads", "4", "--sequence", "16"]
+    outputs = {}
+    for mode in (None, "autograd", "fused", "overlap"):
+        status, out, err = run_cli(["plan", *small]
+                                   + ([] if mode is None else ["--accumulation", mode]), capsys)
+        assert status == 0, err
+        outputs[mode] = out
+    assert outputs[None] == outputs["autograd"]
+    assert "accumulation buffers" not in outputs["autograd"]
+    # Every parameter of the rank's 2 x 4 blocks (bf16, plan's default), none with a .grad on
+    # the meta workload.
+    shape = BlockShape(hidden=64, heads=4, sequence=16, dtype=torch.bfloat16)
+    every = sum(p.numel() * p.element_size()
+                for block in make_blocks(8, shape, "meta") for p in block.parameters())
+    assert _plan_figure(outputs["fused"], "accumulation buffers") == format_bytes(every)
+    assert "+ accumulation buffers" in outputs["fused"]
+    autograd_peak = _plan_figure(outputs["autograd"], "capture peak")
+    assert _plan_figure(outputs["fused"], "capture peak") != autograd_peak
+    assert _plan_figure(outputs["overlap"], "capture peak") != autograd_peak
+    assert "accumulation buffers" not in outputs["overlap"]
+
+
+def test_plan_accumulation_adds_to_a_functions_keywords(tmp_path, monkeypatch, capsys):
+    _write_module(tmp_path, "lg_workload_modes", WORKLOAD, monkeypatch)
+    status, out, err = run_cli(["plan", "--function", "lg_workload_modes:make",
+                                "--accumulation", "fused"], capsys)
+    assert status == 0, err
+    # Two Linear(16, 16) layers: 2 * (16 * 16 + 16) fp32 parameters.
+    assert _plan_figure(out, "accumulation buffers") == "2.12 KiB"
+    status, _, err = run_cli(["plan", "--accumulation", "sideways"], capsys)
+    assert status == 2
+    assert_one_line(err, "--accumulation: invalid choice: 'sideways'", "leangraph plan")
 
 
 def test_plan_counts_one_of_a_kind_in_the_singular(capsys):

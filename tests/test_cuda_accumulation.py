@@ -138,3 +138,62 @@ def test_r18_autograd_grad_through_fused_graphs_is_refused_on_cuda(hooks):
     out.backward()
     torch.cuda.synchronize()
     assert all(p.grad is not None for p in module.parameters())
+
+
+def _wide_stack(layers: int = 4, width: int = 2048) -> tuple[torch.nn.Module, ...]:
+    """Layers whose weights (16 MiB each at 2048) outweigh their activations (16 rows)."""
+    torch.manual_seed(0)
+    return tuple(torch.nn.Linear(width, width).cuda() for _ in range(layers))
+
+
+def _wide_samples(count: int, width: int = 2048) -> tuple[tuple[torch.Tensor], ...]:
+    return tuple((torch.randn(16, width, device="cuda", requires_grad=True),)
+                 for _ in range(count))
+
+
+ONE_CHUNK = [1, 1, -1, -1]
+
+
+def test_fused_plan_counts_the_accumulation_buffers_capture_allocates_on_cuda():
+    measured = {}
+    for fuse in (False, True):
+        layers, samples = _wide_stack(), _wide_samples(8)
+        plan = leangraph.plan_memory(layers, samples, order=ONE_CHUNK,
+                                     fuse_grad_accumulation=fuse)
+        torch.cuda.synchronize()
+        graphed = leangraph.make_graphed_callables(layers, samples, order=ONE_CHUNK,
+                                                   fuse_grad_accumulation=fuse)
+        record = leangraph.memory_report(graphed).record
+        measured[fuse] = (plan, record.capture_peak_bytes - record.baseline_bytes)
+        leangraph.reset_all(graphed)
+        del layers, samples, graphed
+        torch.cuda.empty_cache()
+    (plain, plain_peak), (fused, fused_peak) = measured[False], measured[True]
+    every = 4 * (2048 * 2048 + 2048) * 4
+    assert (plain.accumulation_bytes, fused.accumulation_bytes) == (0, every)
+    assert fused.capture_peak_bytes - plain.capture_peak_bytes == every
+    # What capture measured grew by the buffers too (allocator rounding aside).
+    assert abs((fused_peak - plain_peak) - every) <= 2 * 2**20, (fused_peak, plain_peak, every)
+
+
+def test_memory_check_counts_the_accumulation_buffers_on_cuda():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    layers, samples = _wide_stack(), _wide_samples(8)
+    plain = leangraph.plan_memory(layers, samples, order=ONE_CHUNK)
+    fused = leangraph.plan_memory(layers, samples, order=ONE_CHUNK, fuse_grad_accumulation=True)
+    plain_needed = max(plain.warmup_peak_bytes, plain.capture_peak_bytes)
+    fused_needed = max(fused.warmup_peak_bytes, fused.capture_peak_bytes)
+    assert fused_needed - plain_needed >= fused.accumulation_bytes // 2
+    total = torch.cuda.get_device_properties(0).total_memory
+    allowed = torch.cuda.memory_allocated() + (plain_needed + fused_needed) // 2
+    torch.cuda.set_per_process_memory_fraction(allowed / total)
+    try:
+        with pytest.raises(leangraph.CaptureMemoryError) as caught:
+            leangraph.make_graphed_callables(layers, samples, order=ONE_CHUNK,
+                                             fuse_grad_accumulation=True)
+        assert caught.value.needed_bytes == fused_needed
+        assert plain_needed <= caught.value.available_bytes < fused_needed
+        assert all(p.grad is None for layer in layers for p in layer.parameters())
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)

@@ -360,9 +360,7 @@ class CaptureOptions:
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"num_warmup_iters must be an int >= 0, got {count!r}")
         for name in _BOOL_OPTIONS:
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+            check_flag(name, getattr(self, name))
         for name in ("pre_warmup_hook", "post_warmup_hook"):
             check_callable_or_none(name, getattr(self, name))
         hooks = self.accumulator_hooks
@@ -373,12 +371,7 @@ class CaptureOptions:
             )
         if isinstance(hooks, str) and hooks != HookDelivery.PYTHON.value:
             raise ValueError(f"accumulator_hooks must be True, False or 'python', got {hooks!r}")
-        if self.overlap_grad_accumulation and self.fuse_grad_accumulation:
-            raise ValueError(
-                "overlap_grad_accumulation=True moves autograd's additions of parameter "
-                "gradients to a side stream, and fuse_grad_accumulation=True leaves autograd "
-                "none (the backward graphs add them): choose one"
-            )
+        check_accumulation_modes(self.fuse_grad_accumulation, self.overlap_grad_accumulation)
         if hooks is not True and not self.fuse_grad_accumulation:
             raise ValueError(
                 f"accumulator_hooks={hooks!r} needs fuse_grad_accumulation=True: without it "
@@ -392,13 +385,47 @@ class CaptureOptions:
         return HookDelivery(self.accumulator_hooks)
 
 
+def check_flag(name: str, value: object) -> None:
+    """Refuse an option that must be a bool (the string 'False', None, 0), naming it.
+
+    Raises:
+        TypeError: for anything but a bool.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_accumulation_modes(fuse: bool, overlap: bool) -> None:
+    """Refuse ``fuse_grad_accumulation`` and ``overlap_grad_accumulation`` together (both
+    known to be bools).
+
+    Raises:
+        ValueError: when both are True.
+    """
+    if overlap and fuse:
+        raise ValueError(
+            "overlap_grad_accumulation=True moves autograd's additions of parameter "
+            "gradients to a side stream, and fuse_grad_accumulation=True leaves autograd "
+            "none (the backward graphs add them): choose one"
+        )
+
+
 def check_options(call: Call, options: CaptureOptions) -> None:
     """What the options require of a valid call, checked before any work.
 
     Raises:
         ValueError: for ``overlap_grad_accumulation`` with an order that has weight steps.
     """
-    if options.overlap_grad_accumulation and call.plan.split_backward:
+    check_overlap_order(call, options.overlap_grad_accumulation)
+
+
+def check_overlap_order(call: Call, overlap: bool) -> None:
+    """Refuse ``overlap_grad_accumulation`` with an order that has weight steps.
+
+    Raises:
+        ValueError: for that.
+    """
+    if overlap and call.plan.split_backward:
         raise ValueError(
             "overlap_grad_accumulation=True needs an order without weight steps (-(c + 0.5)): "
             "there the parameter gradients come at backward_dw(), on the caller's stream"

@@ -290,7 +290,14 @@ def _build(
         buffer_plan = shared_buffers(call, facts) if options.share_buffers else None
         if options.check_memory and backend.name == "cuda":
             # The check walks the buffers of sharing (the default) whether it is on or not.
-            check_fits(memory_plan_of(call, facts, buffer_plan), available_bytes(call.device))
+            plan = memory_plan_of(
+                call,
+                facts,
+                buffer_plan,
+                fuse_grad_accumulation=options.fuse_grad_accumulation,
+                overlap_grad_accumulation=options.overlap_grad_accumulation,
+            )
+            check_fits(plan, available_bytes(call.device))
         built = build_graphs(
             call, facts, buffer_plan, backend, options, hooks=hooks, progress=progress
         )

@@ -34,7 +34,7 @@ import functools
 import itertools
 import operator
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,10 +69,12 @@ __all__ = [
     "has_post_accumulate_hooks",
     "hook_deliveries",
     "hook_relay",
+    "new_buffer_bytes",
     "node_hook_dicts",
     "post_accumulate_hook_refusal",
     "post_accumulate_hooks",
     "python_hooks",
+    "trained_parameters",
 ]
 
 
@@ -555,22 +557,55 @@ def _make_target(name: str, param: torch.nn.Parameter) -> AccumulationTarget:
     if main_grad is not None:
         return AccumulationTarget(param, name, main_grad, into_main_grad=True)
     grad = param.grad
-    # Another call's graphs may add into a buffer for this parameter: share it, as graphs
-    # of one call do. It need not be attached (.grad None until their first replay, or a
-    # .grad autograd made in an eager backward since, which their replay would adopt).
-    earlier = _BUFFERS.get(param)
-    buffer = None if earlier is None else earlier()
-    if buffer is None and grad is not None and _has_layout_of(grad, param):
-        buffer = grad
-        _BUFFERS[param] = weakref.ref(buffer)
-    elif buffer is None:
+    buffer = _reusable_buffer(param)
+    if buffer is None:
         buffer = torch.zeros_like(param, memory_format=torch.preserve_format)
-        _BUFFERS[param] = weakref.ref(buffer)
+    _BUFFERS[param] = weakref.ref(buffer)
     if grad is not None and grad is not buffer:
         with torch.no_grad():
             buffer.copy_(grad)
         param.grad = buffer
     return AccumulationTarget(param, name, buffer, into_main_grad=False)
+
+
+def _reusable_buffer(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """The buffer a parameter without ``main_grad`` accumulates into that exists already:
+    the one another call's graphs add into (it need not be attached: ``.grad`` is None until
+    their first replay, or a ``.grad`` autograd made in an eager backward since, which their
+    replay would adopt), else its ``.grad`` where that has the parameter's layout; None
+    where one must be allocated."""
+    earlier = _BUFFERS.get(param)
+    buffer = None if earlier is None else earlier()
+    if buffer is not None:
+        return buffer
+    grad = param.grad
+    return grad if grad is not None and _has_layout_of(grad, param) else None
+
+
+def new_buffer_bytes(params: Iterable[torch.nn.Parameter]) -> int:
+    """The bytes :func:`allocate_targets` allocates for ``params`` (each counted once):
+    those with neither a ``main_grad`` nor a reusable buffer. Read before warm-up, so that
+    the memory check counts them (warm-up gives no parameter a ``.grad`` it did not have)."""
+    distinct = {id(p): p for p in params}.values()
+    return sum(
+        p.numel() * p.element_size()
+        for p in distinct
+        if _main_grad(p) is None and _reusable_buffer(p) is None
+    )
+
+
+def trained_parameters(
+    named: Sequence[tuple[str, torch.nn.Parameter]],
+    facts_trains: Sequence[bool],
+    *,
+    has_backward: bool,
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters a graph trains (``named``: its callable's, in gradient order;
+    ``facts_trains``: the probe's flag of each), with their names: none for a graph without
+    a backward (captured under no_grad), which gets no gradient buffer either."""
+    if not has_backward:
+        return []
+    return [item for item, trains in zip(named, facts_trains) if trains]
 
 
 # The buffer the graphs of the latest call add a parameter's gradient into (allocated, or

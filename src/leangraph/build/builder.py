@@ -35,6 +35,8 @@ from .accumulation import (
     allocate_targets,
     check_fusable,
     hook_deliveries,
+    new_buffer_bytes,
+    trained_parameters,
 )
 from .capture import run_capture
 from .graph import GraphBuilder, GraphSource
@@ -42,7 +44,7 @@ from .record import GraphRecord, ModuleBinding, ModuleState, ParameterSharing
 from .recorder import MemoryRecorder
 from .warmup import run_warmup
 
-__all__ = ["Built", "build_graphs"]
+__all__ = ["Built", "accumulation_buffer_bytes", "build_graphs"]
 
 
 @dataclass(frozen=True)
@@ -235,21 +237,31 @@ def graph_sources(
     return sources
 
 
+def accumulation_buffer_bytes(call: Call, facts: Sequence[GraphFacts]) -> int:
+    """What ``fuse_grad_accumulation=True`` allocates for ``call`` after warm-up, before
+    capture, outside the pool, and keeps until reset: a buffer per trained parameter (tied
+    ones once) that has neither a ``main_grad`` nor a ``.grad`` of its layout."""
+    trained = (
+        param
+        for graph, graph_facts in enumerate(facts)
+        for _, param in trained_parameters(
+            _named_parameters(call.callables[call.callable_index(graph)]),
+            graph_facts.trains,
+            has_backward=graph_facts.has_backward,
+        )
+    )
+    return new_buffer_bytes(trained)
+
+
 def _named_parameters(fn: object) -> tuple[tuple[str, torch.nn.Parameter], ...]:
     """A callable's parameters with their names, in gradient order (none for a function)."""
     return tuple(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else ()
 
 
 def _trained(source: GraphSource) -> list[tuple[str, torch.nn.Parameter]]:
-    """The parameters a graph trains, with their names, in gradient order: none for a graph
-    without a backward (captured under no_grad), which gets no gradient buffer either."""
-    if not source.facts.has_backward:
-        return []
-    return [
-        (name, param)
-        for name, param, trains in zip(source.param_names, source.params, source.facts.trains)
-        if trains
-    ]
+    """The parameters a graph trains, with their names, in gradient order."""
+    named = list(zip(source.param_names, source.params))
+    return trained_parameters(named, source.facts.trains, has_backward=source.facts.has_backward)
 
 
 def _binding(fn: object) -> ModuleBinding | None:

@@ -779,6 +779,20 @@ def _workload_of(spec: str) -> tuple[Any, Any, dict[str, Any]]:
     return made[0], made[1], keywords
 
 
+# ``leangraph plan --accumulation``: each choice's (fuse_grad_accumulation,
+# overlap_grad_accumulation).
+_ACCUMULATION_MODES: dict[str, tuple[bool, bool]] = {
+    "autograd": (False, False),
+    "fused": (True, False),
+    "overlap": (False, True),
+}
+
+
+def _accumulation_keywords(choice: str) -> dict[str, bool]:
+    fuse, overlap = _ACCUMULATION_MODES[choice]
+    return {"fuse_grad_accumulation": fuse, "overlap_grad_accumulation": overlap}
+
+
 def _plan(args: argparse.Namespace) -> int:
     if args.function is not None:
         given = _workload_given(args)
@@ -789,16 +803,24 @@ def _plan(args: argparse.Namespace) -> int:
                 f"workload); drop {them} or drop --function"
             )
         callables, sample_args, keywords = _workload_of(args.function)
+        if args.accumulation is not None:
+            keywords = {**keywords, **_accumulation_keywords(args.accumulation)}
         plan = leangraph.plan_memory(callables, sample_args, **keywords)
         print(f"memory plan of {args.function}:")
     else:
         work = _workload(args, GPU_WORKLOAD)
         shape = _shape(work)
         count = work.vp * work.layers
+        fuse, overlap = _ACCUMULATION_MODES[args.accumulation or "autograd"]
         blocks = make_blocks(count, shape, "meta")
         samples = tuple((sample_hidden(shape, "meta"),) for _ in range(count * work.microbatches))
         plan = leangraph.plan_memory(
-            tuple(blocks), samples, order=_order_of(work), num_layers_per_chunk=work.layers
+            tuple(blocks),
+            samples,
+            order=_order_of(work),
+            num_layers_per_chunk=work.layers,
+            fuse_grad_accumulation=fuse,
+            overlap_grad_accumulation=overlap,
         )
         print(f"memory plan of {work.describe()}, computed on meta tensors:")
     print(plan.describe())
@@ -1007,6 +1029,15 @@ def _add_plan(sub: Any, common: argparse.ArgumentParser) -> None:
         help="plan your own workload instead: FUNCTION() returns (callables, sample_args) or "
         "(callables, sample_args, dict of plan_memory keywords); MODULE is imported from the "
         "working folder or sys.path; the workload options above do not apply",
+    )
+    plan.add_argument(
+        "--accumulation",
+        choices=sorted(_ACCUMULATION_MODES),
+        help="how parameter gradients accumulate: autograd (the default), fused "
+        "(fuse_grad_accumulation=True: the buffers the graphs add into, counted as the "
+        "parameters stand, every one on the meta workload) or overlap "
+        "(overlap_grad_accumulation=True: capture keeps the latest backward's parameter "
+        "gradients); with --function, over what its keywords say",
     )
     plan.set_defaults(handler=_plan, command_parser=plan)
 

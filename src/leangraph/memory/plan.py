@@ -41,8 +41,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._call import Call, check_plannable, validate_call
+from .._call import (
+    Call,
+    check_accumulation_modes,
+    check_flag,
+    check_overlap_order,
+    check_plannable,
+    validate_call,
+)
 from ..buffers import BufferPlan, plan_buffers
+from ..build.builder import accumulation_buffer_bytes
 from ..order import OrderEntry
 from ..probe import GraphFacts, probe
 from ..result import is_graphed
@@ -63,6 +71,8 @@ def plan_memory(
     order: Sequence[OrderEntry] | None = None,
     num_layers_per_chunk: int | Sequence[int] | None = None,
     meta_attention: str = "cuda",
+    fuse_grad_accumulation: bool = False,
+    overlap_grad_accumulation: bool = False,
 ) -> MemoryPlan:
     """Plan the memory of ``make_graphed_callables`` with the same arguments, without capturing.
 
@@ -89,6 +99,15 @@ def plan_memory(
             which saves the same without the RNG state, or its math path where CPU's kernel
             choice picks that) or ``"math"`` (PyTorch's own meta fallback, the unfused math
             path that saves the ``s x s`` attention probabilities).
+        fuse_grad_accumulation: Plan ``make_graphed_callables(...,
+            fuse_grad_accumulation=True)``: capture and what is held after it add the
+            buffers the backward graphs add parameter gradients into, one per trained
+            parameter that has neither a ``main_grad`` nor a ``.grad`` of its layout (as the
+            parameters stand now: ``zero_grad(set_to_none=True)`` before the call counts
+            them all).
+        overlap_grad_accumulation: Plan ``overlap_grad_accumulation=True``: capture keeps
+            each backward's parameter gradients in the pool until the next backward is
+            recorded.
 
     Returns:
         The :class:`MemoryPlan`.
@@ -98,13 +117,24 @@ def plan_memory(
             of tensor pytrees, or outputs that are not tensors.
         ValueError: for a malformed order, mismatched counts, tensors on several devices, an
             unknown ``meta_attention``, or callables graphed already (a graphed callable, or
-            a module that is or holds one: its forward replays, which save nothing).
+            a module that is or holds one: its forward replays, which save nothing); for
+            both accumulation modes at once, or ``overlap_grad_accumulation`` with an order
+            that has weight steps.
     """
     MetaAttention(meta_attention)  # refuse an unknown kind before any work
+    check_flag("fuse_grad_accumulation", fuse_grad_accumulation)
+    check_flag("overlap_grad_accumulation", overlap_grad_accumulation)
+    check_accumulation_modes(fuse_grad_accumulation, overlap_grad_accumulation)
     call = validate_call(callables, sample_args, sample_kwargs, order, num_layers_per_chunk)
+    check_overlap_order(call, overlap_grad_accumulation)
     check_plannable(call, is_graphed)
     facts = probe(call, around_forward=lambda: MetaAttention(meta_attention))
-    return memory_plan_of(call, facts)
+    return memory_plan_of(
+        call,
+        facts,
+        fuse_grad_accumulation=fuse_grad_accumulation,
+        overlap_grad_accumulation=overlap_grad_accumulation,
+    )
 
 
 def shared_buffers(call: Call, facts: Sequence[GraphFacts]) -> BufferPlan:
@@ -119,11 +149,22 @@ def shared_buffers(call: Call, facts: Sequence[GraphFacts]) -> BufferPlan:
 
 
 def memory_plan_of(
-    call: Call, facts: Sequence[GraphFacts], buffers: BufferPlan | None = None
+    call: Call,
+    facts: Sequence[GraphFacts],
+    buffers: BufferPlan | None = None,
+    *,
+    fuse_grad_accumulation: bool = False,
+    overlap_grad_accumulation: bool = False,
 ) -> MemoryPlan:
     """The memory plan of ``call`` from the probe's ``facts``, with the buffers the engine
     allocates when it shares buffers (the default): ``buffers`` where the caller planned
-    them already."""
+    them already; with the accumulation mode's own memory (see :func:`plan_memory`)."""
     if buffers is None:
         buffers = shared_buffers(call, facts)
-    return walk_plan(call.plan, [f.memory for f in facts], buffers)
+    return walk_plan(
+        call.plan,
+        [f.memory for f in facts],
+        buffers,
+        accumulation_bytes=accumulation_buffer_bytes(call, facts) if fuse_grad_accumulation else 0,
+        hold_param_grads=overlap_grad_accumulation,
+    )

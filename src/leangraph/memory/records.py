@@ -47,6 +47,10 @@ class MemoryPlan:
         static_input_bytes: Shared static input slots (chained inputs need none).
         grad_output_bytes: Gradient seeds (static grad-outputs), one per key.
         static_bytes: The two above.
+        accumulation_bytes: The buffers ``fuse_grad_accumulation=True`` allocates before
+            capture to add parameter gradients into (outside the pool, kept until reset):
+            one per trained parameter with neither a ``main_grad`` nor a ``.grad`` of its
+            layout; 0 without in-graph accumulation.
         warmup_peak_bytes: Lean warm-up peak: in-flight forwards + a backward's gradients and
             its zero grad-outputs, over the graphs warm-up runs (one per callable and sample
             layout).
@@ -56,10 +60,13 @@ class MemoryPlan:
         naive_warmup_peak_bytes: Warm-up peak if every graph were warmed up and every
             warm-up output and saved activation kept for the whole pass (a tool that frees
             warm-up outputs only at the end).
-        capture_peak_bytes: Capture peak: static buffers + in-flight forwards + transient.
+        capture_peak_bytes: Capture peak: static buffers + accumulation buffers + in-flight
+            forwards + transient (+ with ``overlap_grad_accumulation``, the previous
+            backward's parameter gradients, which capture keeps until the next backward).
         pool_bytes: High-water mark of in-flight forwards (activations and outputs) in the
-            capture pool.
-        held_bytes: Held after capture: ``static_bytes + pool_bytes``.
+            capture pool, with ``overlap_grad_accumulation`` the kept parameter gradients
+            included.
+        held_bytes: Held after capture: ``static_bytes + accumulation_bytes + pool_bytes``.
         peak_transient_bytes: Largest backward transient (grad-inputs + parameter grads).
         max_in_flight: Most graphs in flight at once during capture.
         warmup_peak_step, eager_peak_step, capture_peak_step, naive_peak_step: Where each
@@ -74,6 +81,7 @@ class MemoryPlan:
     activation_bytes_per_graph: tuple[int, ...]
     static_input_bytes: int
     grad_output_bytes: int
+    accumulation_bytes: int
     warmup_peak_bytes: int
     eager_peak_bytes: int
     naive_warmup_peak_bytes: int
@@ -94,8 +102,9 @@ class MemoryPlan:
 
     @property
     def held_bytes(self) -> int:
-        """What the graphs hold after capture: the pool's high-water mark + static buffers."""
-        return self.pool_bytes + self.static_bytes
+        """What the graphs hold after capture: the pool's high-water mark, the static buffers
+        and the accumulation buffers."""
+        return self.pool_bytes + self.static_bytes + self.accumulation_bytes
 
     @property
     def peak_step(self) -> str:
@@ -173,12 +182,22 @@ def _describe_plan(plan: MemoryPlan) -> list[str]:
     rows = [
         ("static input slots", plan.static_input_bytes, "shared; chained inputs need none"),
         ("static grad-output seeds", plan.grad_output_bytes, "one per shape"),
+        *(
+            [("accumulation buffers", plan.accumulation_bytes, "fuse_grad_accumulation")]
+            if plan.accumulation_bytes
+            else []
+        ),
         ("eager pass peak", plan.eager_peak_bytes, plan.eager_peak_step),
         ("warm-up peak, keep-all", plan.naive_warmup_peak_bytes, plan.naive_peak_step),
         ("warm-up peak, lean", plan.warmup_peak_bytes, plan.warmup_peak_step),
         ("capture peak", plan.capture_peak_bytes, plan.capture_peak_step),
         ("capture pool high-water", plan.pool_bytes, ""),
-        ("held after capture", plan.held_bytes, "pool high-water + static buffers"),
+        (
+            "held after capture",
+            plan.held_bytes,
+            "pool high-water + static buffers"
+            + (" + accumulation buffers" if plan.accumulation_bytes else ""),
+        ),
     ]
     width = max(len(name) for name, _, _ in rows)
     lines = [

@@ -4,9 +4,12 @@ Warm-up holds, for each forward whose backward has not run, its saved activation
 outputs; a backward step adds its gradients (and warm-up's zero grad-outputs) for the step.
 Warm-up runs one graph per callable and sample layout; the same walk over every graph is what
 an eager pass of the order holds.
-Capture adds the static buffers of the engine's own buffer plan, and the pool keeps what the
-in-flight forwards hold. "What is alive" at a step is the plan's own fold
-(:meth:`~leangraph.plan.Plan.live_weights`); this module only puts bytes on it.
+Capture adds the static buffers of the engine's own buffer plan (and, with in-graph
+accumulation, the buffers it adds parameter gradients into), and the pool keeps what the
+in-flight forwards hold (and, with ``overlap_grad_accumulation``, the latest backward's
+parameter gradients, which capture keeps until the next backward is recorded). "What is
+alive" at a step is the plan's own fold (:meth:`~leangraph.plan.Plan.live_weights`); this
+module only puts bytes on it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ from .records import MemoryPlan, StepMemory
 __all__ = ["walk_plan"]
 
 
-def walk_plan(plan: Plan, graphs: Sequence[LayerMemory], buffers: BufferPlan) -> MemoryPlan:
+def walk_plan(
+    plan: Plan,
+    graphs: Sequence[LayerMemory],
+    buffers: BufferPlan,
+    *,
+    accumulation_bytes: int = 0,
+    hold_param_grads: bool = False,
+) -> MemoryPlan:
     """Walk warm-up (lean), one eager pass over every graph (lean and keep-all) and capture
     over the per-graph measurements.
 
@@ -31,6 +41,10 @@ def walk_plan(plan: Plan, graphs: Sequence[LayerMemory], buffers: BufferPlan) ->
         plan: The liveness plan.
         graphs: The probe's measurement of every graph, by graph index.
         buffers: The static buffers the engine allocates for this plan.
+        accumulation_bytes: The accumulation buffers in-graph accumulation allocates before
+            capture (0 without it).
+        hold_param_grads: Whether capture keeps each backward's parameter gradients until
+            the next backward is recorded (``overlap_grad_accumulation``).
     """
     held = [m.in_flight_bytes for m in graphs]
     transient = _Transients.of(graphs, plan.split_backward, seeds=False)
@@ -40,7 +54,15 @@ def walk_plan(plan: Plan, graphs: Sequence[LayerMemory], buffers: BufferPlan) ->
     warmup = _walk(plan, "warm-up", plan.warmup, 0, held, seeded)
     eager = _walk(plan, "eager", plan.full_pass, 0, held, seeded)
     naive = _walk(plan, "warm-up", plan.full_pass, 0, held, seeded, keep_all=True)
-    capture = _walk(plan, "capture", plan.capture, static_in + grad_out, held, transient)
+    capture = _walk(
+        plan,
+        "capture",
+        plan.capture,
+        static_in + grad_out + accumulation_bytes,
+        held,
+        transient,
+        kept_grads=[m.param_grad_bytes for m in graphs] if hold_param_grads else None,
+    )
     return MemoryPlan(
         ordered=plan.ordered,
         layout=plan.layout,
@@ -48,6 +70,7 @@ def walk_plan(plan: Plan, graphs: Sequence[LayerMemory], buffers: BufferPlan) ->
         activation_bytes_per_graph=tuple(m.activation_bytes for m in graphs),
         static_input_bytes=static_in,
         grad_output_bytes=grad_out,
+        accumulation_bytes=accumulation_bytes,
         warmup_peak_bytes=warmup.peak.live_bytes,
         eager_peak_bytes=eager.peak.live_bytes,
         naive_warmup_peak_bytes=naive.peak.live_bytes,
@@ -107,7 +130,7 @@ class _Transients:
 class _Walk:
     steps: tuple[StepMemory, ...]
     peak: StepMemory
-    high_water: int  # most in-flight bytes, transients excluded
+    high_water: int  # most in-flight bytes (and kept gradients), transients excluded
 
 
 def _walk(
@@ -119,20 +142,26 @@ def _walk(
     transient: _Transients,
     *,
     keep_all: bool = False,
+    kept_grads: Sequence[int] | None = None,
 ) -> _Walk:
     """Live bytes at each step: ``static`` + what live graphs hold + a backward's transient.
 
     ``held[g]`` is what graph ``g`` holds while the plan has it alive; with ``keep_all``
-    nothing dies (the keep-everything baseline).
+    nothing dies (the keep-everything baseline). With ``kept_grads`` (``kept_grads[g]``:
+    graph ``g``'s parameter gradients) the latest backward's stay in the pool until the
+    next backward has been recorded, through that backward's step too.
     """
     records = []
     high_water = 0
+    kept = 0  # the parameter gradients of the latest backward, where they are kept
     counts = plan.live_weights(steps, [1] * len(held), keep_all=keep_all)
     totals = plan.live_weights(steps, held, keep_all=keep_all)
     for index, (step, count, total) in enumerate(zip(steps, counts, totals)):
-        high_water = max(high_water, total)
-        live_bytes = static + total + transient.at(step)
+        high_water = max(high_water, total + kept)
+        live_bytes = static + total + kept + transient.at(step)
         records.append(StepMemory(phase, index, str(step), count, live_bytes))
+        if kept_grads is not None and step.kind is StepKind.BACKWARD:
+            kept = kept_grads[step.graph]
     if not records:
         raise ValueError("the plan has no steps")
     peak = max(records, key=lambda r: r.live_bytes)
