@@ -6,23 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from models import replay_step
+from test_memory_plan import Scale
 from torch import nn
 
 import leangraph
 from leangraph.memory import plan_memory
 
 F32 = 4
-
-
-class Scale(nn.Module):
-    """``(2 * x) * w``: saves ``2 * x`` and returns an activation-sized output."""
-
-    def __init__(self, features: int) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(features))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (2 * x) * self.w
 
 
 class Tied(nn.Module):
