@@ -3,6 +3,8 @@ parameter gradients, and the refusals plan_memory shares with make_graphed_calla
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from models import replay_step
@@ -129,3 +131,19 @@ def test_the_accumulation_options_are_refused_as_make_graphed_callables_refuses_
         plan_memory(layer, (x,), overlap_grad_accumulation=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs an order without weight steps"):
         plan_memory((layer,), ((x,),), order=[1, -1, -1.5], overlap_grad_accumulation=True)
+
+
+def test_a_second_fused_call_shares_the_first_calls_buffers_and_plans_none() -> None:
+    torch.manual_seed(0)
+    layer = Scale(8)
+    samples = ((torch.randn(2, 8, requires_grad=True),),)
+    first = leangraph.make_graphed_callables(layer, samples[0], fuse_grad_accumulation=True)
+    assert layer.w.grad is None  # attached at the first replay; held by the first call till then
+    again = Scale(8)
+    again.w = layer.w  # the same parameter, graphed by a second call
+    plan = plan_memory(again, samples[0], fuse_grad_accumulation=True)
+    assert plan.accumulation_bytes == 0
+    leangraph.reset_all(first)  # its buffer, never attached, goes with its graphs
+    gc.collect()
+    assert plan_memory(again, samples[0], fuse_grad_accumulation=True).accumulation_bytes \
+        == 8 * 4
