@@ -241,11 +241,13 @@ def accumulation_buffer_bytes(call: Call, facts: Sequence[GraphFacts]) -> int:
     """What ``fuse_grad_accumulation=True`` allocates for ``call`` after warm-up, before
     capture, outside the pool, and keeps until reset: a buffer per trained parameter (tied
     ones once) that has neither a ``main_grad`` nor a ``.grad`` of its layout."""
+    # Read once per callable: a callable graphed at many microbatches has a graph per each.
+    named = [_named_parameters(fn) for fn in call.callables]
     trained = (
         param
         for graph, graph_facts in enumerate(facts)
         for _, param in trained_parameters(
-            _named_parameters(call.callables[call.callable_index(graph)]),
+            named[call.callable_index(graph)],
             graph_facts.trains,
             has_backward=graph_facts.has_backward,
         )
