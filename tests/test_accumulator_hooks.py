@@ -123,6 +123,29 @@ def test_r15_a_post_accumulate_grad_hook_added_after_capture_is_refused_at_the_b
         assert torch.equal(p.grad, grad)
 
 
+def test_r15_megatron_ddp_built_after_capture_is_refused_at_the_backward():
+    """Megatron-core's DDP wrapped around the graphed model after capture gives every
+    parameter main_grad, the flag and a hook on its accumulator: without accumulator hooks
+    no replay runs that hook, and main_grad stayed zero, unnoticed."""
+    _, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+        accumulator_hooks=False)
+    graphed(torch.randn(4, 8)).sum().backward()
+    before = [p.grad.clone() for p in module.parameters()]
+    module.up.weight.grad_added_to_main_grad = False  # what Megatron's DDP sets on each
+    out = graphed(torch.randn(4, 8)).sum()
+    with raises(RuntimeError, "callable 0 (Block) parameter 'up.weight' is managed by "
+                "Megatron-core's DistributedDataParallel (it has grad_added_to_main_grad since "
+                "capture)", "Capture with accumulator_hooks=True or 'python', after wrapping "
+                "the model in DDP"):
+        out.backward(retain_graph=True)
+    for p, grad in zip(module.parameters(), before):  # refused before the graph ran
+        assert torch.equal(p.grad, grad)
+    del module.up.weight.grad_added_to_main_grad
+    out.backward()  # the refused backward ran nothing: it may run now
+
+
 def test_v24_option_misuse_is_refused():
     _, module = _block_pair()
     sample = (torch.randn(4, 8, requires_grad=True),)

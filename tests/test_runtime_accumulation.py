@@ -444,6 +444,42 @@ def test_replaced_main_grad_and_a_parameter_frozen_since_capture_are_refused():
         graphed(torch.randn(4, 8)).sum().backward()
 
 
+@HOOK_MODES
+def test_a_main_grad_added_after_capture_is_refused_at_the_backward(hooks):
+    """The graph adds into the ``.grad`` buffer capture chose for a parameter without
+    ``main_grad``; one attached since (a DDP wrapper built after graphing) would get no
+    gradient, where eager's Megatron-style hook would add into it."""
+    _, module = _block_pair()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+        accumulator_hooks=hooks)
+    graphed(torch.randn(4, 8)).sum().backward()
+    before = [p.grad.clone() for p in module.parameters()]
+    module.down.weight.main_grad = torch.zeros(8, 8)
+    out = graphed(torch.randn(4, 8)).sum()
+    with raises(RuntimeError, "callable 0 (Block) parameter 'down.weight' got a main_grad "
+                "since capture (torch.float32 of shape (8, 8) on cpu;", "so main_grad would "
+                "get none. Attach main_grad before capture (wrap the model first), or delete it"):
+        out.backward(retain_graph=True)
+    for p, grad in zip(module.parameters(), before):  # refused before the graph ran
+        assert torch.equal(p.grad, grad)
+    module.down.weight.main_grad = None  # not a tensor: no main_grad, as at capture
+    out.backward()
+
+
+def test_a_replaced_main_grad_is_named_with_what_was_expected_and_got():
+    _, module = _block_pair()
+    _Megatron(module, overlap_grad_reduce=False)
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
+    module.up.weight.main_grad = torch.zeros(3, dtype=torch.bfloat16)
+    with raises(RuntimeError, "parameter 'up.weight': main_grad is another tensor than at "
+                "capture; with fuse_grad_accumulation=True the backward graph adds into the "
+                "main_grad it saw then (torch.float32 of shape (16, 8) on cpu), got "
+                "torch.bfloat16 of shape (3,) on cpu", "Zero main_grad in place"):
+        graphed(torch.randn(4, 8)).sum().backward()
+
+
 def test_existing_grad_is_adopted_and_accumulation_continues_from_it():
     eager, module = _block_pair()
     x = torch.randn(4, 8)

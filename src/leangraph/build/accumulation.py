@@ -69,6 +69,8 @@ __all__ = [
     "has_post_accumulate_hooks",
     "hook_deliveries",
     "hook_relay",
+    "main_grad_of",
+    "megatron_ddp_refusal",
     "new_buffer_bytes",
     "node_hook_dicts",
     "post_accumulate_hook_refusal",
@@ -148,7 +150,8 @@ class FusedGradients:
     python_hooks: PythonHooks | None = None
 
 
-def _main_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+def main_grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """``param.main_grad`` where it is a tensor (Megatron-LM's gradient buffer), else None."""
     main_grad = getattr(param, "main_grad", None)
     return main_grad if isinstance(main_grad, torch.Tensor) else None
 
@@ -171,14 +174,7 @@ def check_fusable(
             if has_post_accumulate_hooks(param):
                 raise ValueError(post_accumulate_hook_refusal(label, name))
             if hasattr(param, MEGATRON_DDP_FLAG):
-                raise ValueError(
-                    f"{label} parameter {name!r} is managed by Megatron-core's "
-                    f"DistributedDataParallel (it has {MEGATRON_DDP_FLAG}), whose "
-                    "gradient-ready hooks are registered on the parameters' accumulators; "
-                    "accumulator_hooks=False would never run them (its backward replays run "
-                    "no autograd accumulator), so DDP would never see the gradients. Capture "
-                    "with accumulator_hooks=True or 'python'"
-                )
+                raise ValueError(megatron_ddp_refusal(label, name))
     elif (
         delivery is HookDelivery.AUTOGRAD
         and params
@@ -191,7 +187,7 @@ def check_fusable(
             "fuse_grad_accumulation=False, or accumulator_hooks='python'"
         )
     for name, param in params:
-        main_grad = _main_grad(param)
+        main_grad = main_grad_of(param)
         if main_grad is None:
             continue
         if (
@@ -227,6 +223,20 @@ def post_accumulate_hook_refusal(label: str, name: str) -> str:
         f"{label} parameter {name!r} has a post-accumulate-grad hook, which "
         "accumulator_hooks=False would never run (its backward replays run no autograd "
         "accumulator); remove the hook, or capture with accumulator_hooks=True (the default)"
+    )
+
+
+def megatron_ddp_refusal(label: str, name: str, *, since_capture: bool = False) -> str:
+    """Why a parameter Megatron-core's DDP manages is refused without accumulator hooks
+    (``since_capture``: DDP was built after the capture, and the replay finds it)."""
+    when = " since capture" if since_capture else ""
+    return (
+        f"{label} parameter {name!r} is managed by Megatron-core's DistributedDataParallel "
+        f"(it has {MEGATRON_DDP_FLAG}{when}), whose gradient-ready hooks are registered on "
+        "the parameters' accumulators; accumulator_hooks=False would never run them (its "
+        "backward replays run no autograd accumulator), so DDP would never see the gradients. "
+        "Capture with accumulator_hooks=True or 'python'"
+        + (", after wrapping the model in DDP" if since_capture else "")
     )
 
 
@@ -553,7 +563,7 @@ def add_into(targets: Sequence[AccumulationTarget], grads: Sequence[torch.Tensor
 
 
 def _make_target(name: str, param: torch.nn.Parameter) -> AccumulationTarget:
-    main_grad = _main_grad(param)
+    main_grad = main_grad_of(param)
     if main_grad is not None:
         return AccumulationTarget(param, name, main_grad, into_main_grad=True)
     grad = param.grad
@@ -590,7 +600,7 @@ def new_buffer_bytes(params: Iterable[torch.nn.Parameter]) -> int:
     return sum(
         p.numel() * p.element_size()
         for p in distinct
-        if _main_grad(p) is None and _reusable_buffer(p) is None
+        if main_grad_of(p) is None and _reusable_buffer(p) is None
     )
 
 

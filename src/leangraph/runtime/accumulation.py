@@ -11,6 +11,7 @@ Megatron-LM's protocol are told their gradient is already in ``main_grad``, and 
 
 from __future__ import annotations
 
+import itertools
 import operator
 import sys
 import weakref
@@ -29,6 +30,8 @@ from ..build.accumulation import (
     check_python_hooks_alone,
     engine_runs_all,
     has_post_accumulate_hooks,
+    main_grad_of,
+    megatron_ddp_refusal,
     node_hook_dicts,
     post_accumulate_hook_refusal,
     post_accumulate_hooks,
@@ -110,8 +113,9 @@ class InGraphAccumulation:
             RuntimeError: for a parameter frozen since capture, with a tensor hook added
                 since, whose ``.grad`` or ``main_grad`` is another tensor than the one the
                 graph adds into (and that something else holds), or whose buffer's memory was
-                swapped (``.data = ...``, ``.set_(...)``); without accumulator hooks,
-                for one that got a post-accumulate-grad hook since.
+                swapped (``.data = ...``, ``.set_(...)``), or, for a ``.grad`` target, that
+                got a tensor ``main_grad`` since; without accumulator hooks, for one that got
+                a post-accumulate-grad hook or Megatron's ``grad_added_to_main_grad`` since.
         """
         if self._as_captured():
             return False
@@ -132,6 +136,8 @@ class InGraphAccumulation:
             )
         if not self._hooks and has_post_accumulate_hooks(param):
             raise RuntimeError(post_accumulate_hook_refusal(self._label, target.name))
+        if not self._hooks and hasattr(param, MEGATRON_DDP_FLAG):
+            raise RuntimeError(megatron_ddp_refusal(self._label, target.name, since_capture=True))
         if not param.requires_grad:
             raise RuntimeError(
                 f"{self._label} parameter {target.name!r} must require grad as at capture: "
@@ -148,14 +154,23 @@ class InGraphAccumulation:
                     "Zero main_grad in place instead, or capture again"
                 )
             if main_grad is not target.buffer:
-                raise RuntimeError(self._replaced(target, "main_grad"))
+                raise RuntimeError(self._replaced_main_grad(target, main_grad))
             return
+        main_grad = main_grad_of(param)
+        if main_grad is not None:
+            raise RuntimeError(
+                f"{self._label} parameter {target.name!r} got a main_grad since capture "
+                f"({_describe(main_grad)}; a DDP wrapper built after graphing, say), but with "
+                "fuse_grad_accumulation=True its backward graph adds the gradient into the "
+                ".grad buffer it chose then, so main_grad would get none. Attach main_grad "
+                "before capture (wrap the model first), or delete it"
+            )
         grad = param.grad
         # A new .grad is adopted by before_replay only where nothing else holds it.
         replaced = grad is not None and grad is not target.buffer
         del grad  # not a reference of its own while _adoptable counts them
         if replaced and not _adoptable(param, target.buffer):
-            raise RuntimeError(self._replaced(target, ".grad"))
+            raise RuntimeError(self._replaced(target))
 
     def before_replay(self, unreached: frozenset[int] = frozenset()) -> None:
         """Make every target the parameter's gradient again (after :meth:`check_targets`
@@ -211,14 +226,17 @@ class InGraphAccumulation:
 
     def _as_captured(self) -> bool:
         """Whether every target is its parameter's gradient as at capture, on the captured
-        memory, every parameter still requires grad, and (without accumulator hooks) none
-        got a hook since."""
+        memory, every parameter still requires grad, none that adds into ``.grad`` got a
+        ``main_grad`` since, and (without accumulator hooks) none got a hook or Megatron's
+        DDP since."""
         try:
             return (
                 all(map(_REQUIRES_GRAD, self._params))
                 and all(map(operator.is_, map(_GRAD, self._grad_params), self._grad_buffers))
                 and all(map(operator.is_, map(_MAIN_GRAD, self._main_params), self._main_buffers))
                 and (self._hooks or not any(map(post_accumulate_hooks, self._params)))
+                and (self._hooks or not any(map(hasattr, self._params, _DDP_FLAG_NAMES)))
+                and not any(map(hasattr, self._grad_params, _MAIN_GRAD_NAMES))
                 and not any(map(TENSOR_HOOKS, self._params))
                 and all(map(operator.eq, map(_DATA_PTR, self._buffers), self._pointers))
             )
@@ -273,20 +291,23 @@ class InGraphAccumulation:
             "capture again"
         )
 
-    def _replaced(self, target: AccumulationTarget, what: str) -> str:
-        if what == ".grad":
-            held = (
-                "another tensor than at capture, which something else holds too (your "
-                "reference, a view into a bucket, a shared storage)"
-            )
-        else:
-            held = "another tensor than at capture"
+    def _replaced(self, target: AccumulationTarget) -> str:
         return (
-            f"{self._label} parameter {target.name!r}: {what} is {held}; with "
-            f"fuse_grad_accumulation=True the backward graph adds into the {what} it saw then, "
-            "so this replay would train wrongly. Clear gradients with zero_grad() "
-            "(set_to_none=True or False) instead of assigning a tensor you keep, or capture "
-            "again"
+            f"{self._label} parameter {target.name!r}: .grad is another tensor than at "
+            "capture, which something else holds too (your reference, a view into a bucket, "
+            "a shared storage); with fuse_grad_accumulation=True the backward graph adds into "
+            "the .grad it saw then, so this replay would train wrongly. Clear gradients with "
+            "zero_grad() (set_to_none=True or False) instead of assigning a tensor you keep, "
+            "or capture again"
+        )
+
+    def _replaced_main_grad(self, target: AccumulationTarget, main_grad: object) -> str:
+        return (
+            f"{self._label} parameter {target.name!r}: main_grad is another tensor than at "
+            f"capture; with fuse_grad_accumulation=True the backward graph adds into the "
+            f"main_grad it saw then ({_describe(target.buffer)}), got {_describe(main_grad)}, "
+            "so this replay would train wrongly. Zero main_grad in place (main_grad.zero_(), "
+            "as Megatron's zero_grad_buffer() does) instead of assigning one, or capture again"
         )
 
 
@@ -359,6 +380,13 @@ def _adoptable(param: torch.Tensor, buffer: torch.Tensor) -> bool:
     )
 
 
+def _describe(value: object) -> str:
+    """A ``main_grad`` as a message names it: its dtype, shape and device, or its type."""
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} of shape {tuple(value.shape)} on {value.device}"
+    return type(value).__name__
+
+
 _STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 _QUEUE_AT_PASS_END = torch.autograd.Variable._execution_engine.queue_callback
 
@@ -384,6 +412,9 @@ _DDP_NO_HOOKS = (
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+# Attribute names for C-level hasattr loops over many parameters.
+_MAIN_GRAD_NAMES = itertools.repeat("main_grad")
+_DDP_FLAG_NAMES = itertools.repeat(MEGATRON_DDP_FLAG)
 _GRAD = operator.attrgetter("grad")
 _MAIN_GRAD = operator.attrgetter("main_grad")
 _DATA_PTR = torch.Tensor.data_ptr
