@@ -476,6 +476,8 @@ def test_reset_gives_the_layers_their_eager_forward_back() -> None:
     graphed.reset()  # idempotent
     assert all(member.is_reset for member in graphed.graphed_set.callables)
     assert torch.equal(model(input_ids=longer).logits, eager(input_ids=longer).logits)
+    copied = copy.deepcopy(model)  # eager again: copies as an eager model does
+    assert torch.equal(copied(input_ids=longer).logits, eager(input_ids=longer).logits)
     # And the layers can be graphed again, for another shape.
     again = graph_causal_lm(model, {"input_ids": longer})
     assert_bitwise(train(model, drop_in_step, [[longer]]), train(eager, drop_in_step, [[longer]]),

@@ -492,6 +492,18 @@ def test_l6_graphed_callables_cannot_be_copied_or_pickled():
         pickle.dumps(graphed[0].forward)
 
 
+def test_l6_a_shallow_copy_of_a_graphed_module_is_refused_too():
+    """copy.copy would share the graphed forward with a copy whose training mode the graphs
+    never see: the copy's eval() would still replay the training graph."""
+    graphed = graphed_blocks(1)[0]
+    for copied in (graphed, graphed.forward):
+        with raises(TypeError, "callable 0 (Block): a graphed callable cannot be copied",
+                    "copy the module before graphing it"):
+            copy.copy(copied)
+    eager = Block(4)
+    assert copy.copy(eager).forward.__func__ is Block.forward  # an eager module copies as usual
+
+
 def test_l6_a_model_holding_graphed_layers_is_saved_by_its_state_dict():
     model = torch.nn.Sequential(*graphed_blocks(2))
     with raises(TypeError, "callable 0 (Block): a graphed callable cannot be copied",

@@ -37,7 +37,7 @@ from .order import OrderEntry, StepKind
 from .probe import probe
 from .progress import ProgressCallback
 from .result import GraphedSet, is_graphed
-from .runtime.graphed import GraphedCallable, autocast_state
+from .runtime.graphed import GraphedCallable, autocast_state, install_forward
 from .runtime.kernels import KernelSettings
 from .runtime.overlap import AdditionFence
 from .runtime.pending import PendingBackwards
@@ -355,7 +355,7 @@ def _hand_back(call: Call, built: Built, options: CaptureOptions) -> Any:
     for member, record in zip(members, built.records):
         module = record.module.module() if record.module is not None else None
         if module is not None:
-            module.forward = member
+            install_forward(module, member)
             entries.append(module)
         else:
             entries.append(member)

@@ -43,6 +43,7 @@ from torch.utils import _pytree as pytree
 
 from leangraph import GraphedCallable, GraphedSet, Layout, Step, make_graphed_callables
 from leangraph.order import parse_order, unordered_layout
+from leangraph.runtime.graphed import remove_forward
 
 from ._options import capture_options
 
@@ -206,8 +207,7 @@ class GraphedDecoderLayers:
         self.graphed_set.reset()
         if self.order is None:
             for layer in self.layers:
-                if isinstance(vars(layer).get("forward"), GraphedCallable):
-                    del vars(layer)["forward"]
+                remove_forward(layer)
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from .unreached import skip_hooks_in_this_pass
 from .versions import SavedReads
 from .weight import WeightStep
 
-__all__ = ["GraphedCallable", "autocast_state"]
+__all__ = ["GraphedCallable", "autocast_state", "install_forward", "remove_forward"]
 
 
 class _State(enum.Enum):
@@ -398,6 +398,24 @@ class GraphedCallable:
                 self._guard.invalidate(f"the backward of {self._label} ran")
             assert self._grads is not None
             return self._grads.hand(reached), unreached
+
+
+def install_forward(module: torch.nn.Module, graphed: GraphedCallable) -> None:
+    """Make ``graphed`` the module's forward: its ``__call__`` runs the module's hooks, then
+    the replay. Copying or pickling the module is refused from then on."""
+    module.forward = graphed
+    # copy.copy(module) would share this forward with a copy whose training mode the graphs
+    # never see (eval() on the copy would still replay the training graph). deepcopy and
+    # pickle reach the callable's own refusal; a shallow copy only asks the module, whose
+    # instance attribute wins over object.__reduce_ex__.
+    vars(module)["__reduce_ex__"] = graphed.__reduce_ex__
+
+
+def remove_forward(module: torch.nn.Module) -> None:
+    """Give a module graphed in place by :func:`install_forward` its eager forward back."""
+    if isinstance(vars(module).get("forward"), GraphedCallable):
+        del vars(module)["forward"]
+        vars(module).pop("__reduce_ex__", None)
 
 
 _NOT_COPIED = (
