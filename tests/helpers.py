@@ -61,6 +61,19 @@ def graphed_blocks(count: int = 3, **kwargs) -> tuple[torch.nn.Module, ...]:
     return mgc(layers, tuple((sample(),) for _ in layers), **kwargs)
 
 
+class Doubling(torch.Tensor):
+    """A subclass that changes what eager computes: it doubles every linear layer's output."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out * 2 if func is torch.nn.functional.linear else out
+
+
+class Tagged(torch.Tensor):
+    """A subclass with torch's default __torch_function__: eager's results stay Tagged."""
+
+
 class Opaque:
     """Neither a tensor nor a constant a graph can hold."""
 

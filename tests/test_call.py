@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Opaque, blocks, raises, sample, scale
+from helpers import Doubling, Opaque, Tagged, blocks, raises, sample, scale
 from models import Block
 
 import leangraph
@@ -374,6 +374,31 @@ def test_v27_a_sample_tensor_must_be_dense_with_storage(device):
         with raises(TypeError, "sample_args[0][1]: a sample tensor must be a dense", named):
             leangraph.plan_memory(double, (sample().to(device), make(dense)))
         assert not calls, kind  # refused before the probe's forward
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_v27_a_sample_tensor_subclass_is_refused_naming_it(device):
+    """A graph replays its plain static buffers' kernels and returns plain tensors: a sample
+    of a subclass eager would follow (its ops, or only its type) is refused before anything
+    runs; an nn.Parameter, which computes as a plain tensor, is a sample like any."""
+    calls = []
+
+    def double(x, y):
+        calls.append(1)
+        return torch.nn.functional.linear(x, y)
+
+    x, weight = sample().to(device), torch.randn(3, 4, device=device)
+    for cls, how in ((Doubling, "overrides __torch_function__"),
+                     (Tagged, "keeps its type through ops")):
+        with raises(TypeError, f"sample_args[0][1]: a sample tensor must be a torch.Tensor, got "
+                               f"a {cls.__qualname__} (a torch.Tensor subclass that {how})",
+                    "as_subclass(torch.Tensor)"):
+            mgc(double, (x, weight.as_subclass(cls)))
+        with raises(TypeError, "sample_kwargs[0]['y']: a sample tensor must be a torch.Tensor"):
+            mgc(double, (x,), sample_kwargs={"y": weight.as_subclass(cls)})
+    assert not calls  # refused before the probe's forward
+    graphed = mgc(double, (x, torch.nn.Parameter(weight)))
+    assert torch.equal(graphed(x, weight), torch.nn.functional.linear(x, weight))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

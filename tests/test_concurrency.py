@@ -159,23 +159,20 @@ def test_reset_waits_for_a_backward_replay():
 
 class Paused(torch.Tensor):
     """A replay argument that holds the replay inside its argument checks (the first time its
-    dtype, shape, device or ``requires_grad`` is read), before the replay takes the
-    callable's lock."""
+    dtype is read), before the replay takes the callable's lock. Its ops are a plain
+    tensor's (``__torch_function__`` disabled, as ``nn.Parameter``'s), so the replay takes it."""
 
     gate: tuple[threading.Event, threading.Event] | None = None  # (entered, release)
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        gate = cls.gate
-        if gate is not None and func in _CHECKED:
-            cls.gate = None
+    @property
+    def dtype(self) -> torch.dtype:  # type: ignore[override]
+        gate = type(self).gate
+        if gate is not None:
+            type(self).gate = None
             gate[0].set()
             assert gate[1].wait(TIMEOUT), "the test never released the gate"
-        return super().__torch_function__(func, types, args, kwargs)
-
-
-_CHECKED = tuple(getattr(torch.Tensor, name).__get__
-                 for name in ("dtype", "shape", "device", "requires_grad"))
+        return torch.Tensor.dtype.__get__(self)
 
 
 def test_a_reset_that_wins_the_race_makes_the_replay_raise():
@@ -186,7 +183,7 @@ def test_a_reset_that_wins_the_race_makes_the_replay_raise():
     module(torch.randn(2, 4, requires_grad=True))  # a replay runs the recorded gate: it is seen
     assert module.passed == ["forward"]
     module.passed.clear()
-    x = torch.randn(2, 4, requires_grad=True).as_subclass(Paused)
+    x = torch.Tensor._make_subclass(Paused, torch.randn(2, 4), True)
     entered, release = threading.Event(), threading.Event()
     Paused.gate = (entered, release)
     try:

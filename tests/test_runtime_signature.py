@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import blocks, graphed_blocks, raises, sample, scale, three_graphs
+from helpers import Doubling, Tagged, blocks, graphed_blocks, raises, sample, scale, three_graphs
 from models import Block
 
 import leangraph
@@ -153,6 +153,34 @@ def test_r25_an_argument_that_is_not_dense_is_refused_naming_it(device, share_bu
     # The refusals left nothing half done: the dense value replays as eager.
     assert torch.equal(graphed(dense), reference(dense))
     assert torch.equal(kwargs_graph(dense, factor=dense), dense * dense)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_r25_a_tensor_subclass_argument_is_refused_naming_it(device):
+    """The replay would compute as for a plain tensor and return a plain one, where eager
+    follows the subclass (a Doubling doubled the outputs, silently lost). An nn.Parameter
+    computes as a plain tensor and replays like one."""
+    torch.manual_seed(0)
+    block = Block(4).to(device)
+    reference = copy.deepcopy(block)
+    graphed = mgc(block, (sample().to(device),))
+    kwargs_graph = mgc(scale, (sample().to(device),),
+                       sample_kwargs={"factor": torch.ones(2, 4, device=device)})
+    dense = torch.randn(2, 4, device=device)
+    for cls, how in ((Doubling, "overrides __torch_function__"),
+                     (Tagged, "keeps its type through ops")):
+        got = f"got a {cls.__qualname__} (a torch.Tensor subclass that {how})"
+        with raises(TypeError, f"callable 0 (Block) input 0 must be a torch.Tensor as at "
+                               f"capture, {got}", "as_subclass(torch.Tensor)"):
+            graphed(dense.as_subclass(cls))
+        with raises(TypeError, f"callable 0 (scale) kwarg 'factor' must be a torch.Tensor as at "
+                               f"capture, {got}"):
+            kwargs_graph(dense, factor=dense.as_subclass(cls))
+    parameter = torch.nn.Parameter(dense.clone())
+    out = graphed(parameter)
+    assert type(out) is torch.Tensor and torch.equal(out, reference(dense))
+    out.sum().backward()
+    assert parameter.grad is not None
 
 
 @pytest.mark.parametrize("shape", [(1, 4), (4,), (2, 1), (3, 4), (2, 4, 1), (1, 2, 4)])

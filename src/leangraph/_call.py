@@ -19,7 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .build.accumulation import TENSOR_HOOKS, HookDelivery
-from .leaves import is_constant, not_dense
+from .leaves import is_constant, not_dense, tensor_subclass
 from .order import OrderEntry, parse_order
 from .plan import Plan, build_plan, build_unordered_plan
 
@@ -251,6 +251,15 @@ def _check_leaves(index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         if isinstance(leaf, torch.Tensor):
             if not_dense(leaf) is not None or leaf.is_inference():
                 _refuse_sample_tensor(_leaf_path(index, path), leaf)
+            subclass = tensor_subclass(leaf)
+            if subclass is not None:
+                raise TypeError(
+                    f"{_leaf_path(index, path)}: a sample tensor must be a torch.Tensor, got a "
+                    f"{subclass}; a graph replays the kernels capture recorded on plain static "
+                    "buffers and returns plain tensors, where eager would follow the subclass. "
+                    "Pass tensor.as_subclass(torch.Tensor) and apply the subclass outside the "
+                    "graphed callable"
+                )
             continue
         if is_constant(leaf):
             continue

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from .runtime.guard import GuardedOutput
+
 __all__ = [
     "CONSTANT_TYPES",
     "TENSOR",
@@ -26,6 +28,7 @@ __all__ = [
     "leaf_names",
     "not_dense",
     "same_constant",
+    "tensor_subclass",
 ]
 
 CONSTANT_TYPES: tuple[type, ...] = (
@@ -88,6 +91,47 @@ def not_dense(tensor: torch.Tensor) -> str | None:
     if tensor.is_quantized:
         return f"quantized tensor ({tensor.dtype})"
     return None
+
+
+# The function behind torch.Tensor's classmethod __torch_function__: a subclass keeping it
+# only keeps its type through ops.
+_DEFAULT_FUNCTION = vars(torch.Tensor)["__torch_function__"].__func__
+
+
+def _func(method: Any) -> Any:
+    """The function behind a bound classmethod (or the callable itself)."""
+    return getattr(method, "__func__", method)
+
+
+def tensor_subclass(tensor: torch.Tensor) -> str | None:
+    """What ``tensor`` is if it is a tensor subclass that eager would compute with otherwise
+    than with a plain tensor, else None.
+
+    A subclass that overrides ``__torch_function__`` or ``__torch_dispatch__`` (a DTensor, a
+    float8 tensor, one that wraps its ops) changes what eager runs, and even the default
+    ``__torch_function__`` makes eager's results that subclass. A graph replays the kernels
+    capture recorded on its plain static buffers and returns plain tensors, so neither holds.
+    A subclass with both disabled (``nn.Parameter``'s) computes as a plain tensor, and so do
+    the outputs of graphs captured with ``debug_outputs=True``, which check their guard first.
+    """
+    cls = type(tensor)
+    if cls is torch.Tensor or cls is GuardedOutput:
+        return None  # debug_outputs' outputs compute as plain tensors once their guard passes
+    function = cls.__torch_function__
+    disabled = function is torch._C._disabled_torch_function_impl
+    dispatches = cls.__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl
+    if disabled and not dispatches:
+        return None
+    overrides = [
+        hook
+        for hook, overridden in (
+            ("__torch_function__", not disabled and _func(function) is not _DEFAULT_FUNCTION),
+            ("__torch_dispatch__", dispatches),
+        )
+        if overridden
+    ]
+    how = f"overrides {' and '.join(overrides)}" if overrides else "keeps its type through ops"
+    return f"{cls.__qualname__} (a torch.Tensor subclass that {how})"
 
 
 class _TensorSlot:

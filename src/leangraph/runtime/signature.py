@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..leaves import TENSOR, LeafTemplate, leaf_names, not_dense, same_constant
+from ..leaves import TENSOR, LeafTemplate, leaf_names, not_dense, same_constant, tensor_subclass
 
 __all__ = ["CallSignature", "TensorSpec"]
 
@@ -36,10 +36,10 @@ class TensorSpec:
         return cls(name, tuple(tensor.shape), tensor.dtype, tensor.device, tensor.requires_grad)
 
     def matches(self, value: object) -> bool:
-        """Whether ``value`` is a tensor of exactly this spec's dtype, shape and device (the
-        replay's usual argument; :meth:`check` accepts more, or says what differs)."""
+        """Whether ``value`` is a plain tensor of exactly this spec's dtype, shape and device
+        (the replay's usual argument; :meth:`check` accepts more, or says what differs)."""
         return (
-            isinstance(value, torch.Tensor)
+            type(value) is torch.Tensor
             and value.dtype is self.dtype
             and value.shape == self.shape
             and value.device == self.device
@@ -58,6 +58,14 @@ class TensorSpec:
         if not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"{owner} {self.name} must be a tensor as at capture, got {type(value).__name__}"
+            )
+        subclass = tensor_subclass(value)
+        if subclass is not None:
+            raise TypeError(
+                f"{owner} {self.name} must be a torch.Tensor as at capture, got a {subclass}; "
+                "the graph replays the kernels capture recorded for a plain tensor and returns "
+                "plain tensors, where eager would follow the subclass. Pass "
+                "tensor.as_subclass(torch.Tensor), or leave this call eager"
             )
         if value.dtype != self.dtype:
             raise TypeError(
@@ -143,7 +151,8 @@ class CallSignature:
 
         Raises:
             TypeError, ValueError: if they differ in structure, keys, constants, dtype, shape
-                or device, or a tensor is nested, naming the argument (a sparse one is named
+                or device, or a tensor is nested or a subclass that computes otherwise than a
+                plain tensor, naming the argument (a sparse one is named
                 where its copy fails).
         """
         positional = not kwargs and len(args) == self._positional_arity
