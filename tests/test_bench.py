@@ -235,9 +235,13 @@ def test_workload_steps_are_its_order_parsed_once_and_lookups_read_one_table():
     for block, copy_ in zip(work.blocks, blocks):
         for p, q in zip(block.parameters(), copy_.parameters()):
             assert torch.equal(p.grad, q.grad)
-    # Fewer inputs than the config's microbatches: parsed for their count.
-    with pytest.raises(ValueError):
+    # Fewer inputs than the config's microbatches: parsed for their count, and refused by
+    # what the caller passed (not the sample_args a capture would count).
+    message = rf"the order runs {count} microbatches, but inputs holds 1 \(one per microbatch\)"
+    with pytest.raises(ValueError, match=message):
         work.train_step(lookup, work.blocks, work.inputs[:1], work.targets[:1])
+    with pytest.raises(ValueError, match=message):
+        run_order(work.order, work.layers_per_chunk, lookup, work.inputs[:1], lambda out, m: out)
 
 
 # -------------------------------------------------------------------------------- plots

@@ -39,14 +39,20 @@ def order_steps(
     loop parses its schedule once, not at every step).
 
     Raises:
-        ValueError: for a malformed order, or one whose counts do not match the layout.
+        ValueError: for a malformed order, or one whose counts do not match the layout (its
+            microbatches, ``num_microbatches``).
     """
-    _, steps = parse_order(
+    layout, steps = parse_order(
         order,
         num_callables=sum(layers_per_chunk),
-        num_samples=sum(layers_per_chunk) * num_microbatches,
+        num_samples=None,
         num_layers_per_chunk=list(layers_per_chunk),
     )
+    if layout.num_microbatches != num_microbatches:
+        raise ValueError(
+            f"the order runs {layout.num_microbatches} microbatches, but inputs holds "
+            f"{num_microbatches} (one per microbatch)"
+        )
     return steps
 
 
