@@ -140,7 +140,8 @@ class InGraphAccumulation:
             raise RuntimeError(megatron_ddp_refusal(self._label, target.name, since_capture=True))
         if not param.requires_grad:
             raise RuntimeError(
-                f"{self._label} parameter {target.name!r} must require grad as at capture: "
+                f"{self._label} parameter {target.name!r} must require grad as at capture, "
+                "got requires_grad=False: "
                 "with fuse_grad_accumulation=True its backward graph adds its gradient "
                 "whatever it requires; capture again to freeze it"
             )

@@ -535,9 +535,10 @@ def _refuse_stale_backward(
     if generation == backward and not record.retain_graph:
         raise RuntimeError(
             f"{label}: second backward through forward replay {generation}: each forward "
-            "replay's backward runs once, as eager autograd's does unless asked to retain the "
-            "graph; to replay a backward again right after itself (not after other graphs' "
-            "backwards), capture with retain_graph_in_backward=True"
+            "replay's backward runs once, even where eager's would run again "
+            "(backward(retain_graph=True) asks that of autograd, not of the graph); to replay "
+            "a backward again right after itself (not after other graphs' backwards), capture "
+            "with retain_graph_in_backward=True"
         )
     if generation == backward and record.split_backward:
         # Eager's second backward adds a second weight gradient; the weight step replays one.
