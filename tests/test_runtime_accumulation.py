@@ -301,7 +301,9 @@ def test_a_parameter_shared_by_two_graphs_fires_its_hooks_once_per_backward(hook
     assert torch.equal(shared.weight.grad, graphed_shared.weight.grad)
 
 
-@pytest.mark.parametrize("held", ["by the caller", "as a view into a bucket"])
+@pytest.mark.parametrize(
+    "held", ["by the caller", "as a view into a bucket", "as a view of a kept base",
+             "beside another view"])
 def test_r14_replaced_grad_held_elsewhere_is_refused_naming_the_parameter(held):
     _, module = _block_pair()
     graphed = leangraph.make_graphed_callables(
@@ -309,8 +311,17 @@ def test_r14_replaced_grad_held_elsewhere_is_refused_naming_the_parameter(held):
     graphed(torch.randn(4, 8)).sum().backward()
     weight = module.up.weight
     bucket = torch.zeros(2 * weight.numel())
-    kept = torch.zeros_like(weight) if held == "by the caller" else bucket[: weight.numel()]
-    weight.grad = kept.view_as(weight) if held != "by the caller" else kept
+    base = torch.zeros(weight.shape[::-1])
+    if held == "by the caller":
+        kept = weight.grad = torch.zeros_like(weight)
+    elif held == "as a view into a bucket":
+        weight.grad = bucket[: weight.numel()].view_as(weight)
+    elif held == "as a view of a kept base":
+        weight.grad = base.t()  # eager accumulates into base's memory
+    else:
+        kept = base[0]
+        weight.grad = base.t()
+        del base
     with raises(RuntimeError, "parameter 'up.weight': .grad is another tensor than at capture, "
                 "which something else holds too", "zero_grad()"):
         graphed(torch.randn(4, 8)).sum().backward()
@@ -411,7 +422,7 @@ def test_a_new_grad_of_another_layout_nothing_else_holds_is_adopted_as_at_captur
     eager, module = _block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
-    inputs = [torch.randn(4, 8) for _ in range(2)]
+    inputs = [torch.randn(4, 8) for _ in range(3)]
     for fn, m in ((graphed, module), (eager, eager)):
         fn(inputs[0]).sum().backward()
         shape = m.up.weight.shape
@@ -419,6 +430,11 @@ def test_a_new_grad_of_another_layout_nothing_else_holds_is_adopted_as_at_captur
         with warnings.catch_warnings():  # eager's: "Grad strides do not match bucket view"
             warnings.simplefilter("ignore")
             fn(inputs[1]).sum().backward()
+            # A view of a tensor nothing else holds is one too (its base lives on in C++).
+            m.up.weight.grad = m.up.weight.grad.t().contiguous().t()
+            m.down.weight.grad = torch.full((2 * m.down.weight.numel(),), 0.25)[
+                : m.down.weight.numel()].view_as(m.down.weight)
+            fn(inputs[2]).sum().backward()
     for (name, a), b in zip(module.named_parameters(), eager.parameters()):
         assert torch.equal(a.grad, b.grad), name
 

@@ -363,21 +363,28 @@ def _adoptable(param: torch.Tensor, buffer: torch.Tensor) -> bool:
     forward in eval mode say, reaches a parameter whose ``.grad`` is None, or one assigned and
     not kept), dense, of the buffer's shape, dtype and device: the buffer may then take its
     values and its place, as capture adopts a ``.grad`` of another layout (its strides are
-    the buffer's after; values are all the optimizer reads). One held elsewhere (a user's
-    reference, a view into a bucket, a shared storage) may not."""
+    the buffer's after; values are all the optimizer reads). So may a view of a tensor
+    nothing else holds (``g.t().contiguous().t()``). One held elsewhere (a user's reference
+    to it or its base, a view into a bucket, a shared storage) may not."""
     # Python references: the argument and the getter's own (nothing else holds it).
     if sys.getrefcount(param.grad) > 2 or _STORAGE_USE_COUNT is None:
         return False
     grad = param.grad
     assert grad is not None
+    base = grad._base
+    # A view (x.t().contiguous().t() makes one) keeps its base alive from C++: it is held
+    # elsewhere only if Python holds the base too (beyond this local, the argument and the
+    # reference the base's own tensor keeps), or another tensor shares the storage.
+    if base is not None and sys.getrefcount(base) > 3:
+        return False
     return (
-        grad._base is None
-        and grad.layout is torch.strided
+        grad.layout is torch.strided
         and grad.shape == buffer.shape
         and grad.dtype == buffer.dtype
         and grad.device == buffer.device
-        # The tensor's own reference and the Python storage object's (made here).
-        and _STORAGE_USE_COUNT(grad.untyped_storage()._cdata) <= 2
+        # The tensor's own reference, its base's (a view's) and the Python storage
+        # object's (made here).
+        and _STORAGE_USE_COUNT(grad.untyped_storage()._cdata) <= (2 if base is None else 3)
     )
 
 
