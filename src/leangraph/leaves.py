@@ -98,11 +98,6 @@ def not_dense(tensor: torch.Tensor) -> str | None:
 _DEFAULT_FUNCTION = vars(torch.Tensor)["__torch_function__"].__func__
 
 
-def _func(method: Any) -> Any:
-    """The function behind a bound classmethod (or the callable itself)."""
-    return getattr(method, "__func__", method)
-
-
 def tensor_subclass(tensor: torch.Tensor) -> str | None:
     """What ``tensor`` is if it is a tensor subclass that eager would compute with otherwise
     than with a plain tensor, else None.
@@ -122,10 +117,11 @@ def tensor_subclass(tensor: torch.Tensor) -> str | None:
     dispatches = cls.__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl
     if disabled and not dispatches:
         return None
+    own_function = not disabled and getattr(function, "__func__", None) is not _DEFAULT_FUNCTION
     overrides = [
         hook
         for hook, overridden in (
-            ("__torch_function__", not disabled and _func(function) is not _DEFAULT_FUNCTION),
+            ("__torch_function__", own_function),
             ("__torch_dispatch__", dispatches),
         )
         if overridden

@@ -63,6 +63,7 @@ __all__ = [
     "check_fusable",
     "check_python_hooks_alone",
     "deliver_gradients",
+    "describe_buffer",
     "engine_runs_all",
     "engine_runs_any",
     "fire_relay",
@@ -198,9 +199,15 @@ def check_fusable(
             raise ValueError(
                 f"{label} parameter {name!r}: fuse_grad_accumulation=True adds its gradient "
                 f"into main_grad, which must be a floating-point tensor of shape "
-                f"{tuple(param.shape)} on {param.device}; got {main_grad.dtype} of shape "
-                f"{tuple(main_grad.shape)} on {main_grad.device}"
+                f"{tuple(param.shape)} on {param.device}; got {describe_buffer(main_grad)}"
             )
+
+
+def describe_buffer(value: object) -> str:
+    """A gradient buffer as messages name it: its dtype, shape and device, or its type."""
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} of shape {tuple(value.shape)} on {value.device}"
+    return type(value).__name__
 
 
 MEGATRON_DDP_FLAG = "grad_added_to_main_grad"

@@ -28,6 +28,7 @@ from ..build.accumulation import (
     accumulator_node,
     call_python_hooks,
     check_python_hooks_alone,
+    describe_buffer,
     engine_runs_all,
     has_post_accumulate_hooks,
     main_grad_of,
@@ -161,10 +162,10 @@ class InGraphAccumulation:
         if main_grad is not None:
             raise RuntimeError(
                 f"{self._label} parameter {target.name!r} got a main_grad since capture "
-                f"({_describe(main_grad)}; a DDP wrapper built after graphing, say), but with "
-                "fuse_grad_accumulation=True its backward graph adds the gradient into the "
-                ".grad buffer it chose then, so main_grad would get none. Attach main_grad "
-                "before capture (wrap the model first), or delete it"
+                f"({describe_buffer(main_grad)}; a DDP wrapper built after graphing, say), "
+                "but with fuse_grad_accumulation=True its backward graph adds the gradient "
+                "into the .grad buffer it chose then, so main_grad would get none. Attach "
+                "main_grad before capture (wrap the model first), or delete it"
             )
         grad = param.grad
         # A new .grad is adopted by before_replay only where nothing else holds it.
@@ -306,7 +307,8 @@ class InGraphAccumulation:
         return (
             f"{self._label} parameter {target.name!r}: main_grad is another tensor than at "
             f"capture; with fuse_grad_accumulation=True the backward graph adds into the "
-            f"main_grad it saw then ({_describe(target.buffer)}), got {_describe(main_grad)}, "
+            f"main_grad it saw then ({describe_buffer(target.buffer)}), got "
+            f"{describe_buffer(main_grad)}, "
             "so this replay would train wrongly. Zero main_grad in place (main_grad.zero_(), "
             "as Megatron's zero_grad_buffer() does) instead of assigning one, or capture again"
         )
@@ -386,13 +388,6 @@ def _adoptable(param: torch.Tensor, buffer: torch.Tensor) -> bool:
         # object's (made here).
         and _STORAGE_USE_COUNT(grad.untyped_storage()._cdata) <= (2 if base is None else 3)
     )
-
-
-def _describe(value: object) -> str:
-    """A ``main_grad`` as a message names it: its dtype, shape and device, or its type."""
-    if isinstance(value, torch.Tensor):
-        return f"{value.dtype} of shape {tuple(value.shape)} on {value.device}"
-    return type(value).__name__
 
 
 _STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
