@@ -56,6 +56,29 @@ def blocks(count: int = 3, width: int = 4) -> tuple[Block, ...]:
     return tuple(Block(width) for _ in range(count))
 
 
+def block_pair(width: int = 8, dtype: torch.dtype = torch.float32) -> tuple[Block, Block]:
+    """An eager Block and an identical copy to graph."""
+    torch.manual_seed(0)
+    eager = Block(width).to(dtype)
+    return eager, copy.deepcopy(eager)
+
+
+def fused_after_one_step(module: torch.nn.Module, hooks: bool | str) -> tuple[
+        torch.nn.Module, list[torch.Tensor]]:
+    """``module`` graphed with fused accumulation after one full step, and a copy of each
+    parameter's ``.grad`` then, for tests that change the module before the next backward."""
+    graphed = mgc(module, (torch.randn(4, 8, requires_grad=True),),
+                  fuse_grad_accumulation=True, accumulator_hooks=hooks)
+    graphed(torch.randn(4, 8)).sum().backward()
+    return graphed, [p.grad.clone() for p in module.parameters()]
+
+
+def assert_grads_unchanged(module: torch.nn.Module, before: Sequence[torch.Tensor]) -> None:
+    """A refused backward ran no graph: every ``.grad`` is what it was."""
+    for p, grad in zip(module.parameters(), before, strict=True):
+        assert torch.equal(p.grad, grad)
+
+
 def graphed_blocks(count: int = 3, **kwargs) -> tuple[torch.nn.Module, ...]:
     layers = blocks(count)
     return mgc(layers, tuple((sample(),) for _ in layers), **kwargs)

@@ -15,19 +15,13 @@ import copy
 
 import pytest
 import torch
-from helpers import raises
+from helpers import assert_grads_unchanged, block_pair, fused_after_one_step, raises
 from models import Block, ThreeOutputs, TwoOutputs, assert_histories_equal, train_both
 
 import leangraph
 import leangraph.schedules
 
 ZB = [1, 2, 1, -2, 2, -1, -2.5, -2, -1.5, -1, -2.5, -1.5]
-
-
-def _block_pair(width: int = 8):
-    torch.manual_seed(0)
-    eager = Block(width)
-    return eager, copy.deepcopy(eager)
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
@@ -57,7 +51,7 @@ def test_accumulator_node_hooks_fire_only_with_accumulator_hooks(hooks):
     """DDP and Megatron hook the accumulator nodes (held, as they hold them), here after
     capture: with the relay, or called by the replay, each fires once per backward; without
     accumulator hooks none does, which is what the option trades."""
-    _, module = _block_pair()
+    _, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
         accumulator_hooks=hooks)
@@ -74,7 +68,7 @@ def test_accumulator_node_hooks_fire_only_with_accumulator_hooks(hooks):
 
 
 def test_v24_a_post_accumulate_grad_hook_is_refused_before_warm_up():
-    _, module = _block_pair()
+    _, module = block_pair()
     module.up.bias.register_post_accumulate_grad_hook(lambda _: None)
     warmed: list[bool] = []
     with raises(ValueError, "parameter 'up.bias' has a post-accumulate-grad hook, which "
@@ -88,7 +82,7 @@ def test_v24_a_post_accumulate_grad_hook_is_refused_before_warm_up():
 def test_v24_a_megatron_ddp_parameter_is_refused_before_warm_up():
     """Megatron-core's DDP sets grad_added_to_main_grad on every parameter it manages and
     hooks their accumulators, which no replay runs with accumulator_hooks=False."""
-    _, module = _block_pair()
+    _, module = block_pair()
     module.down.weight.grad_added_to_main_grad = False
     warmed: list[bool] = []
     with raises(ValueError, "callable 0 (Block) parameter 'down.weight' is managed by "
@@ -100,7 +94,7 @@ def test_v24_a_megatron_ddp_parameter_is_refused_before_warm_up():
             accumulator_hooks=False, pre_warmup_hook=lambda: warmed.append(True))
     assert warmed == []
     for hooks in (True, "python"):  # either runs Megatron DDP's hooks
-        _, module = _block_pair()
+        _, module = block_pair()
         module.down.weight.grad_added_to_main_grad = False
         graphed = leangraph.make_graphed_callables(
             module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
@@ -109,30 +103,21 @@ def test_v24_a_megatron_ddp_parameter_is_refused_before_warm_up():
 
 
 def test_r15_a_post_accumulate_grad_hook_added_after_capture_is_refused_at_the_backward():
-    _, module = _block_pair()
-    graphed = leangraph.make_graphed_callables(
-        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
-        accumulator_hooks=False)
-    graphed(torch.randn(4, 8)).sum().backward()
-    before = [p.grad.clone() for p in module.parameters()]
+    _, module = block_pair()
+    graphed, before = fused_after_one_step(module, False)
     module.down.weight.register_post_accumulate_grad_hook(lambda _: None)
     out = graphed(torch.randn(4, 8)).sum()
     with raises(RuntimeError, "parameter 'down.weight' has a post-accumulate-grad hook"):
         out.backward()
-    for p, grad in zip(module.parameters(), before):  # refused before the graph ran
-        assert torch.equal(p.grad, grad)
+    assert_grads_unchanged(module, before)  # refused before the graph ran
 
 
 def test_r15_megatron_ddp_built_after_capture_is_refused_at_the_backward():
     """Megatron-core's DDP wrapped around the graphed model after capture gives every
     parameter main_grad, the flag and a hook on its accumulator: without accumulator hooks
     no replay runs that hook, and main_grad stayed zero, unnoticed."""
-    _, module = _block_pair()
-    graphed = leangraph.make_graphed_callables(
-        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
-        accumulator_hooks=False)
-    graphed(torch.randn(4, 8)).sum().backward()
-    before = [p.grad.clone() for p in module.parameters()]
+    _, module = block_pair()
+    graphed, before = fused_after_one_step(module, False)
     module.up.weight.grad_added_to_main_grad = False  # what Megatron's DDP sets on each
     out = graphed(torch.randn(4, 8)).sum()
     with raises(RuntimeError, "callable 0 (Block) parameter 'up.weight' is managed by "
@@ -140,14 +125,13 @@ def test_r15_megatron_ddp_built_after_capture_is_refused_at_the_backward():
                 "capture)", "Capture with accumulator_hooks=True or 'python', after wrapping "
                 "the model in DDP"):
         out.backward(retain_graph=True)
-    for p, grad in zip(module.parameters(), before):  # refused before the graph ran
-        assert torch.equal(p.grad, grad)
+    assert_grads_unchanged(module, before)  # refused before the graph ran
     del module.up.weight.grad_added_to_main_grad
     out.backward()  # the refused backward ran nothing: it may run now
 
 
 def test_v24_option_misuse_is_refused():
-    _, module = _block_pair()
+    _, module = block_pair()
     sample = (torch.randn(4, 8, requires_grad=True),)
     with raises(TypeError, "accumulator_hooks must be True, False or 'python', got int 0"):
         leangraph.make_graphed_callables(module, sample, fuse_grad_accumulation=True,
@@ -165,7 +149,7 @@ def test_v24_option_misuse_is_refused():
 def test_an_input_without_grad_still_trains_the_parameters(case):
     """The parameters are no inputs of the replay's autograd node here; a stand-in makes the
     outputs require grad when no input does, as eager's would."""
-    eager, module = _block_pair()
+    eager, module = block_pair()
     sample = (torch.randn(4, 8, requires_grad=True),)
     if case == "split-backward":
         graphed = leangraph.make_graphed_callables(
@@ -190,7 +174,7 @@ def test_an_input_without_grad_still_trains_the_parameters(case):
 def test_only_the_relay_hands_autograd_the_parameters(hooks):
     """What the modes trade: with the relay the replay's autograd node reaches every
     parameter's accumulator (autograd visits each per backward); otherwise none."""
-    _, module = _block_pair()
+    _, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
         accumulator_hooks=hooks)
@@ -207,7 +191,7 @@ def test_only_the_relay_hands_autograd_the_parameters(hooks):
 def test_python_hooks_get_what_autograd_gives_an_accumulator_without_a_gradient():
     """Pre-hooks, post-accumulate-grad hooks and hooks of each node, in that order, with
     autograd's arguments, grad mode as in the backward (off)."""
-    _, module = _block_pair()
+    _, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
         accumulator_hooks="python")
@@ -228,7 +212,7 @@ def test_python_hooks_get_what_autograd_gives_an_accumulator_without_a_gradient(
 
 
 def test_r17_a_hook_returning_a_value_is_refused_naming_the_parameter():
-    _, module = _block_pair()
+    _, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
         accumulator_hooks="python")
@@ -243,7 +227,7 @@ def test_r17_a_parameter_also_used_outside_the_graph(hooks):
     """A backward pass reaching a parameter both through the graph and eagerly: the relay
     fires its hooks once, after both gradients, as eager does; called by the replay they
     could not be, so that is refused before the graph runs."""
-    eager, module = _block_pair()
+    eager, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
         accumulator_hooks=hooks)
@@ -273,7 +257,7 @@ def test_r17_a_parameter_also_used_outside_the_graph(hooks):
 def test_the_accumulators_hooked_through_are_held_until_reset(hooks):
     """The replays keep each parameter's accumulator node (and so the hooks on it) while they
     can replay, and let it go at reset."""
-    _, module = _block_pair()
+    _, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
         accumulator_hooks=hooks)
@@ -382,7 +366,7 @@ def test_tied_parameters_of_two_callables_keep_the_relay_with_python_hooks():
 def test_hooks_see_the_grad_mode_of_the_backward_pass_as_in_eager(hooks, create_graph):
     """Autograd runs accumulators, and their hooks, in the pass's grad mode (on with
     ``create_graph=True``); the replay's calls do the same."""
-    eager, module = _block_pair()
+    eager, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
         accumulator_hooks=hooks)
@@ -638,7 +622,7 @@ def test_hook_order_over_an_interleaved_step_as_in_eager(mode, tied):
 def test_hooks_fire_once_per_backward_of_a_retained_graph(mode):
     """``backward(retain_graph=True)`` twice (captured with retain_graph_in_backward): every
     hook fires twice, and ``.grad`` holds both gradients, as in eager."""
-    eager, module = _block_pair()
+    eager, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module,
         (torch.randn(4, 8, requires_grad=True),),
@@ -669,7 +653,7 @@ def test_torch_autograd_grad_fires_no_parameter_hook(mode):
     """``torch.autograd.grad`` with respect to the input accumulates into no parameter: no
     hook fires, ``.grad`` stays None, and the input's gradient is eager's. (Fused, the graph
     adds every gradient, so such a pass is refused: R18.)"""
-    eager, module = _block_pair()
+    eager, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), **MODES[mode]
     )

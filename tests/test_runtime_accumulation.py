@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import raises
+from helpers import assert_grads_unchanged, block_pair, fused_after_one_step, raises
 from models import Block, TwoOutputs, assert_histories_equal, train_both
 
 import leangraph
@@ -24,12 +24,6 @@ ZB = [1, 2, 1, -2, 2, -1, -2.5, -2, -1.5, -1, -2.5, -1.5]
 HOOK_MODES = pytest.mark.parametrize("hooks", [True, "python"], ids=["relay", "python"])
 
 
-def _block_pair(width: int = 8, dtype: torch.dtype = torch.float32):
-    torch.manual_seed(0)
-    eager = Block(width).to(dtype)
-    return eager, copy.deepcopy(eager)
-
-
 def _log_hooks(module: torch.nn.Module, log: list[str]) -> None:
     for name, p in module.named_parameters():
         p.register_post_accumulate_grad_hook(lambda _, name=name: log.append(name))
@@ -38,7 +32,7 @@ def _log_hooks(module: torch.nn.Module, log: list[str]) -> None:
 @HOOK_MODES
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_drop_in_accumulates_like_eager_over_microbatches_and_steps(set_to_none, hooks):
-    eager, graphed_module = _block_pair()
+    eager, graphed_module = block_pair()
     eager_log: list[str] = []
     graphed_log: list[str] = []
     _log_hooks(eager, eager_log)
@@ -68,7 +62,7 @@ def test_drop_in_accumulates_like_eager_over_microbatches_and_steps(set_to_none,
 def test_no_accumulation_outside_the_graph():
     """The replay's autograd hands the parameters no gradient: their ``.grad`` stays the
     buffer the graph adds into, the same tensor across microbatches and steps."""
-    _, module = _block_pair()
+    _, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
     graphed(torch.randn(4, 8)).sum().backward()
@@ -97,7 +91,7 @@ def test_capture_and_reset_leave_the_parameters_hook_state_as_it_was(options):
     """Capture notes the order in which the backward reaches the parameters through tensor
     hooks it removes again; torch leaves an emptied hook dict behind, which capture takes
     away too, so a parameter that had no hooks has none (``_backward_hooks is None``)."""
-    _, module = _block_pair()
+    _, module = block_pair()
     before = _hook_state(module)
     assert all(hooks is None for hooks, *_ in before.values())
     graphed = leangraph.make_graphed_callables(
@@ -180,7 +174,7 @@ class _Megatron:
 @HOOK_MODES
 @pytest.mark.parametrize("overlap_grad_reduce", [False, True])
 def test_main_grad_follows_megatrons_protocol_exactly_in_bf16(overlap_grad_reduce, hooks):
-    eager, module = _block_pair(dtype=torch.bfloat16)
+    eager, module = block_pair(dtype=torch.bfloat16)
     ddp_eager = _Megatron(eager, overlap_grad_reduce)
     ddp_graphed = _Megatron(module, overlap_grad_reduce)
     graphed = leangraph.make_graphed_callables(
@@ -213,7 +207,7 @@ def test_main_grad_of_a_parameter_also_used_eagerly_in_the_pass_gets_both_gradie
     made autograd's in-place addition fail with torch's "more than one element of the
     written-to tensor refers to a single memory location", and the flag would have had the
     hook drop the eager gradient."""
-    eager, module = _block_pair()
+    eager, module = block_pair()
     ddp_eager = _Megatron(eager, overlap_grad_reduce)
     ddp_graphed = _Megatron(module, overlap_grad_reduce)
     graphed = leangraph.make_graphed_callables(
@@ -305,7 +299,7 @@ def test_a_parameter_shared_by_two_graphs_fires_its_hooks_once_per_backward(hook
     "held", ["by the caller", "as a view into a bucket", "as a view of a kept base",
              "beside another view"])
 def test_r14_replaced_grad_held_elsewhere_is_refused_naming_the_parameter(held):
-    _, module = _block_pair()
+    _, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
     graphed(torch.randn(4, 8)).sum().backward()
@@ -346,7 +340,7 @@ def test_r14_a_grad_whose_memory_was_swapped_is_refused_and_the_backward_keeps_i
     before anything changed: with the memory given back the same backward trains as the same
     graphs without the swap (and, on the CPU, as eager: on CUDA cuBLAS may pick other
     kernels for these tiny matmuls under capture than eagerly)."""
-    eager, module = _block_pair()
+    eager, module = block_pair()
     eager, module, unswapped = eager.to(device), module.to(device), copy.deepcopy(module).to(device)
     graphed, reference = (
         leangraph.make_graphed_callables(
@@ -381,7 +375,7 @@ def test_r14_a_grad_whose_memory_was_swapped_is_refused_and_the_backward_keeps_i
 
 
 def test_r14_a_main_grad_whose_memory_was_swapped_is_refused():
-    _, module = _block_pair()
+    _, module = block_pair()
     _Megatron(module, overlap_grad_reduce=False)
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
@@ -397,7 +391,7 @@ def test_a_new_grad_nothing_else_holds_is_adopted_and_trains_as_eager(hooks):
     """A ``.grad`` that only the parameter refers to (assigned afresh, or made by autograd for
     an eager backward, here an eval-mode step through the eager fallback) takes the buffer's
     place, its values kept: no one can tell the two apart."""
-    eager, module = _block_pair()
+    eager, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
         accumulator_hooks=hooks)
@@ -419,7 +413,7 @@ def test_a_new_grad_of_another_layout_nothing_else_holds_is_adopted_as_at_captur
     """A fresh ``.grad`` with other strides than the parameter's (eager accumulates into it,
     with a warning) was refused as "held elsewhere"; its values are adopted, as capture
     adopts such a ``.grad``, and training goes on as eager's."""
-    eager, module = _block_pair()
+    eager, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
     inputs = [torch.randn(4, 8) for _ in range(3)]
@@ -440,7 +434,7 @@ def test_a_new_grad_of_another_layout_nothing_else_holds_is_adopted_as_at_captur
 
 
 def test_replaced_main_grad_and_a_parameter_frozen_since_capture_are_refused():
-    _, module = _block_pair()
+    _, module = block_pair()
     _Megatron(module, overlap_grad_reduce=False)
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
@@ -452,7 +446,7 @@ def test_replaced_main_grad_and_a_parameter_frozen_since_capture_are_refused():
     with raises(RuntimeError, "parameter 'down.bias': main_grad was deleted (or set to None) "
                 "since capture", "got no main_grad"):
         out.backward()
-    _, module = _block_pair()
+    _, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
     module.norm.weight.requires_grad_(False)
@@ -465,26 +459,21 @@ def test_a_main_grad_added_after_capture_is_refused_at_the_backward(hooks):
     """The graph adds into the ``.grad`` buffer capture chose for a parameter without
     ``main_grad``; one attached since (a DDP wrapper built after graphing) would get no
     gradient, where eager's Megatron-style hook would add into it."""
-    _, module = _block_pair()
-    graphed = leangraph.make_graphed_callables(
-        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
-        accumulator_hooks=hooks)
-    graphed(torch.randn(4, 8)).sum().backward()
-    before = [p.grad.clone() for p in module.parameters()]
+    _, module = block_pair()
+    graphed, before = fused_after_one_step(module, hooks)
     module.down.weight.main_grad = torch.zeros(8, 8)
     out = graphed(torch.randn(4, 8)).sum()
     with raises(RuntimeError, "callable 0 (Block) parameter 'down.weight' got a main_grad "
                 "since capture (torch.float32 of shape (8, 8) on cpu;", "so main_grad would "
                 "get none. Attach main_grad before capture (wrap the model first), or delete it"):
         out.backward(retain_graph=True)
-    for p, grad in zip(module.parameters(), before):  # refused before the graph ran
-        assert torch.equal(p.grad, grad)
+    assert_grads_unchanged(module, before)  # refused before the graph ran
     module.down.weight.main_grad = None  # not a tensor: no main_grad, as at capture
     out.backward()
 
 
 def test_a_replaced_main_grad_is_named_with_what_was_expected_and_got():
-    _, module = _block_pair()
+    _, module = block_pair()
     _Megatron(module, overlap_grad_reduce=False)
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
@@ -497,7 +486,7 @@ def test_a_replaced_main_grad_is_named_with_what_was_expected_and_got():
 
 
 def test_existing_grad_is_adopted_and_accumulation_continues_from_it():
-    eager, module = _block_pair()
+    eager, module = block_pair()
     x = torch.randn(4, 8)
     eager(x).sum().backward()
     module(x).sum().backward()
@@ -512,7 +501,7 @@ def test_existing_grad_is_adopted_and_accumulation_continues_from_it():
 
 
 def test_v22_option_and_main_grad_misuse_raise_before_warm_up():
-    _, module = _block_pair()
+    _, module = block_pair()
     warmed: list[bool] = []
     with raises(TypeError, "fuse_grad_accumulation must be a bool, got int 1"):
         leangraph.make_graphed_callables(
@@ -554,7 +543,7 @@ def test_an_unused_parameter_keeps_no_grad_as_in_eager():
 
 @pytest.mark.parametrize("share_buffers", [True, False])
 def test_retained_backwards_accumulate_twice_as_eager_does(share_buffers):
-    eager, module = _block_pair()
+    eager, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), retain_graph_in_backward=True,
         share_buffers=share_buffers, fuse_grad_accumulation=True)
@@ -568,7 +557,7 @@ def test_retained_backwards_accumulate_twice_as_eager_does(share_buffers):
 
 
 def test_a_compiled_module_accumulates_in_graph_exactly():
-    eager, module = _block_pair()
+    eager, module = block_pair()
     compiled = torch.compile(module, backend="aot_eager")
     graphed = leangraph.make_graphed_callables(
         compiled, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
@@ -670,7 +659,7 @@ def test_r18_a_backward_pass_that_accumulates_into_no_parameter_is_refused(hooks
     """``torch.autograd.grad`` leaves eager's ``.grad`` alone, and the fused graph would add
     every gradient: refused before it runs; a plain backward of the same replay then trains
     as eager's."""
-    eager, module = _block_pair()
+    eager, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
         accumulator_hooks=hooks)
@@ -693,7 +682,7 @@ def test_r18_autograd_grad_with_respect_to_the_parameters_is_refused_with_the_re
     their gradients instead of running their accumulators (torch's check of a captured leaf
     raised its own "A leaf node was passed to _will_engine_execute_node"); refused as R18,
     and a plain backward of the same replay then trains as eager's."""
-    eager, module = _block_pair()
+    eager, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
     x = torch.randn(4, 8, requires_grad=True)
@@ -714,7 +703,7 @@ def test_r18_autograd_grad_of_a_parameter_also_used_outside_the_graph_with_pytho
     """With ``accumulator_hooks="python"`` the replay checks that no accumulator of its
     parameters runs outside it; ``torch.autograd.grad`` asking for one that eager code uses
     too captured it, and torch's helper raised its own error there: refused as R18."""
-    _, module = _block_pair()
+    _, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
         accumulator_hooks="python")
@@ -731,7 +720,7 @@ def test_r18_with_the_relay_a_backward_into_some_parameters_is_refused():
     """``backward(inputs=[...])`` accumulates into the parameters named only. The relay
     hands autograd every parameter, so it sees which; without it (``"python"``, False) the
     replay is on no path to a parameter and autograd does not run it (docs/concepts.md)."""
-    _, module = _block_pair()
+    _, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
     out = graphed(torch.randn(4, 8)).sum()
@@ -806,7 +795,7 @@ def test_two_calls_share_the_buffer_whatever_grad_the_second_capture_finds(
 def test_r14_a_tensor_hook_added_to_a_parameter_after_capture_is_refused(hooks):
     """Fused, the graph adds the gradient itself: a ``register_hook`` hook could neither see
     nor change it before it lands, as eager's does (the relay would call it with None)."""
-    _, module = _block_pair()
+    _, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
         accumulator_hooks=hooks)
