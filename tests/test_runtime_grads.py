@@ -14,7 +14,7 @@ from helpers import one_graph, three_graphs
 from models import Block, ThreeOutputs, assert_histories_equal, train_both
 
 import leangraph
-from leangraph.runtime.grads import GradRouting, copies
+from leangraph.runtime.grads import NO_LEAVES, GradRouting, copies
 from leangraph.runtime.pending import PendingBackwards
 
 ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
@@ -585,3 +585,110 @@ def test_in_an_order_a_weight_also_used_eagerly_earlier_gets_eagers_gradient(dev
             assert torch.equal(got.weight.grad, want.weight.grad), step
             assert torch.equal(got.bias.grad, want.bias.grad), step
     leangraph.reset_all(graphed)
+
+
+# --------------------------------------------------------------------------------------------
+# A leaf input whose .grad exists: autograd adds its gradient in place and keeps nothing, so
+# the replay lends it (a tensor over the buffer) instead of copying, as a parameter's.
+# --------------------------------------------------------------------------------------------
+
+
+def _handed_input_grads(monkeypatch) -> list[torch.Tensor | None]:
+    handed: list[torch.Tensor | None] = []
+    original = GradRouting.hand
+
+    def hand(self, reached, accumulating=NO_LEAVES):
+        result = original(self, reached, accumulating)
+        handed.append(result[0])
+        return result
+
+    monkeypatch.setattr(GradRouting, "hand", hand)
+    return handed
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_leaf_inputs_gradient_is_lent_where_its_grad_exists_and_copied_where_not(
+        monkeypatch, device):
+    handed = _handed_input_grads(monkeypatch)
+    torch.manual_seed(0)
+    layer = Block(8).to(device)
+    eager = copy.deepcopy(layer)
+    graphed = leangraph.make_graphed_callables(
+        layer, (torch.randn(4, 8, device=device, requires_grad=True),))
+    buffer = graphed.forward._record.static_grads[0]
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    y = x.detach().clone().requires_grad_()
+    for _ in range(3):  # .grad None first: copied (autograd keeps it); then lent, added into
+        graphed(x).square().sum().backward()
+        eager(y).square().sum().backward()
+        torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0 if device == "cpu" else 1e-5)
+    assert [g.data_ptr() == buffer.data_ptr() for g in handed] == [False, True, True]
+    assert all(g is not buffer for g in handed)  # a tensor over it, never the buffer
+    x.grad = None
+    graphed(x).square().sum().backward()
+    assert handed[-1].data_ptr() != buffer.data_ptr()
+    leangraph.reset_all([graphed])
+
+
+@pytest.mark.parametrize("keep", ["autograd.grad", "tensor-hook", "non-leaf"])
+def test_an_input_gradient_kept_beyond_the_pass_is_a_copy_though_grad_exists(keep):
+    """``torch.autograd.grad`` returns a leaf's gradient (its accumulator does not run); a
+    tensor hook sees it and may store it; a non-leaf's goes to its node, not an accumulator:
+    each keeps eager's values after the next replays overwrite the buffer."""
+    reference, graphed = one_graph()
+    kept: dict[str, list[torch.Tensor]] = {"graphed": [], "eager": []}
+    for key, layer in (("graphed", graphed[0]), ("eager", reference[0])):
+        torch.manual_seed(1)
+        x = torch.randn(2, 4, requires_grad=True)
+        x.grad = torch.zeros_like(x)
+        if keep == "tensor-hook":
+            x.register_hook(kept[key].append)
+        for step in range(3):
+            inp = x * 1.0 if keep == "non-leaf" else x
+            if keep == "non-leaf":
+                inp.register_hook(kept[key].append)
+            loss = layer(inp).square().sum() * (step + 1)
+            if keep == "autograd.grad":
+                kept[key].append(torch.autograd.grad(loss, x)[0])
+            else:
+                loss.backward()
+    assert len(kept["graphed"]) == 3
+    for got, want in zip(kept["graphed"], kept["eager"]):
+        assert torch.equal(got, want)
+
+
+class _InputAlsoUsedEagerlyEarlier(torch.nn.Module):
+    """Three layers of one shape; the input goes to the first eagerly (``2 * x``) and to the
+    last: a backward pass hands ``x`` the last graph's gradient first, and its accumulator
+    waits for the eager use's, which comes after the two other graphs replayed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.middle, self.last = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.middle(torch.tanh(self.first(2 * x))))
+        return self.last(x) * hidden
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_lent_input_gradient_autograd_waits_with_is_moved_before_the_next_replay(device):
+    """The last graph's input gradient, lent (``x.grad`` exists), sits in autograd's buffer
+    for ``x`` while the middle and first graphs replay, over memory that may share the
+    last's buffer: the next replay moves it onto a copy first, so ``x.grad`` is eager's."""
+    torch.manual_seed(0)
+    model = _InputAlsoUsedEagerlyEarlier().to(device)
+    eager = copy.deepcopy(model)
+    layers = (model.first, model.middle, model.last)
+    leangraph.make_graphed_callables(
+        layers, tuple((torch.randn(4, 16, device=device, requires_grad=True),) for _ in layers))
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    y = x.detach().clone().requires_grad_()
+    for step in range(4):
+        model(x).square().sum().backward()
+        eager(y).square().sum().backward()
+        if device == "cpu":
+            assert torch.equal(x.grad, y.grad), step
+        else:
+            torch.testing.assert_close(x.grad, y.grad, msg=f"step {step}")
+    leangraph.reset_all(layers)

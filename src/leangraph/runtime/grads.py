@@ -3,8 +3,9 @@
 A backward graph writes its gradients into static buffers that later replays overwrite.
 Autograd may *store* some of them (a leaf input's ``.grad``, or a parameter's ``.grad`` while
 it is None), hold them while it waits for other branches, or hand them to code outside the
-graphs; those get copies. The rest are the static buffers themselves (an input's) or
-tensors made once over them (a parameter's), not views made per replay, which cost a call
+graphs; those get copies. The rest are the static buffers themselves (a chained layer's
+input's) or tensors made once over them (a parameter's, or a leaf input's whose ``.grad``
+exists), not views made per replay, which cost a call
 per gradient per replay; either is safe to hand, since autograd adds into a gradient it was
 handed only where it holds the sole reference to the tensor and its memory, and leangraph
 holds one.
@@ -19,14 +20,16 @@ every replay first settles what the previous backward replays lent
 autograd still holds the lent tensor, that tensor is moved onto a copy of its values
 (autograd adds the copy), and the routing lends a new tensor over the buffer from then on.
 Leangraph cannot see the eager use; this sees its effect, one C-level read of each lent
-parameter's ``.grad`` version per backward replay.
+parameter's ``.grad`` version per backward replay. A leaf input's lent gradient is settled
+the same way (eager code may take the input too: ``2 * x`` beside the graphed ``layer(x)``).
 """
 
 from __future__ import annotations
 
 import operator
+import types
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -36,7 +39,16 @@ from ..build.accumulation import TENSOR_HOOKS
 from ..build.record import GraphRecord
 from .pending import PendingBackwards
 
-__all__ = ["GradRouting", "settle_lent_gradients", "trained_elsewhere_in_pass"]
+__all__ = [
+    "NO_LEAVES",
+    "GradRouting",
+    "accumulating_leaves",
+    "settle_lent_gradients",
+    "trained_elsewhere_in_pass",
+]
+
+NO_LEAVES: Mapping[int, torch.Tensor] = types.MappingProxyType({})
+"""No input's gradient accumulating into a leaf's ``.grad`` (``accumulating`` left out)."""
 
 
 class GradRouting:
@@ -50,10 +62,11 @@ class GradRouting:
     parameter still has to run in this backward pass (several microbatches, or tied weights,
     differentiated together): autograd then waits for that graph's gradient too, whose replay
     may overwrite this buffer first, so it gets a copy. An input's gradient is copied too,
-    leaf or not, except input 0's of a chain (``record.input_grad_lent``: the previous
-    layer's seed, which that layer's backward replay reads in place). Any other node it
-    flows to may keep it past the next replay: ``AccumulateGrad`` takes a view of it as a
-    leaf's ``.grad`` (a parameter reaching the graph through ``view`` or ``x + p``),
+    except input 0's of a chain (``record.input_grad_lent``: the previous layer's seed,
+    which that layer's backward replay reads in place) and a leaf's that autograd adds into
+    its existing ``.grad`` (:func:`accumulating_leaves`), lent as a parameter's is. Any
+    other node it flows to may keep it past the next replay: ``AccumulateGrad`` takes a view
+    of it as a leaf's ``.grad`` (a parameter reaching the graph through ``view`` or ``x + p``),
     ``torch.autograd.grad`` returns it, a tensor hook stores it, a node waits for more
     gradients (an input several graphs take, GPipe's summed losses).
     """
@@ -72,13 +85,20 @@ class GradRouting:
         # Per tensor passed to the replay that gets a gradient: its static gradient, or None;
         # a parameter's as a tensor of its own over the buffer, which autograd may hold
         # past the next replay (settle_lent_gradients moves that one onto a copy).
-        self._buffers = inputs + params
-        self._grads = inputs + tuple(None if g is None else g.detach() for g in params)
-        # Every input's gradient but a chain's (see the class docstring): copied.
+        # Every input's gradient but a chain's (see the class docstring): copied, unless the
+        # replay finds it goes straight into a leaf's .grad (``accumulating``).
         lent = record.input_grad_lent
         self._inputs_copied = tuple(
             i for i, g in enumerate(inputs) if g is not None and not (i == 0 and lent)
         )
+        self._buffers = inputs + params
+        # A chain's input gradient is the buffer itself, which the previous layer's backward
+        # replay reads in place; every other one a tensor of its own over its buffer, as a
+        # lent one must be (settle_lent_gradients moves it, never the buffer, onto a copy).
+        self._grads = tuple(
+            g if g is None or i not in self._inputs_copied else g.detach()
+            for i, g in enumerate(inputs)
+        ) + tuple(None if g is None else g.detach() for g in params)
         self._params_with_grad = tuple(
             (len(inputs) + j, param)
             for j, (param, grad) in enumerate(zip(record.params, params))
@@ -97,10 +117,23 @@ class GradRouting:
         self._seen_version = -1
         self._other_calls_ids: frozenset[int] = frozenset()
 
-    def scatter(self) -> tuple[torch.Tensor | None, ...]:
-        """One gradient per tensor passed to the replay (inputs, then parameters)."""
+    @property
+    def inputs_copied(self) -> tuple[int, ...]:
+        """The positions of the inputs whose gradients are copied, unless a replay finds
+        them accumulating into a leaf's ``.grad`` (:func:`accumulating_leaves`)."""
+        return self._inputs_copied
+
+    def scatter(
+        self, accumulating: Mapping[int, torch.Tensor] = NO_LEAVES
+    ) -> tuple[torch.Tensor | None, ...]:
+        """One gradient per tensor passed to the replay (inputs, then parameters); lent, not
+        copied, for the inputs at the positions of ``accumulating`` (:meth:`hand`)."""
         grads = self._grads
-        copy_at = list(self._inputs_copied)
+        copy_at = (
+            [i for i in self._inputs_copied if i not in accumulating]
+            if accumulating
+            else list(self._inputs_copied)
+        )
         if _TRAINING.version != self._seen_version:
             self._seen_version = _TRAINING.version
             self._other_calls_ids = _TRAINING.by_other_calls(self._delivered, self._pending)
@@ -124,14 +157,22 @@ class GradRouting:
             handed[index] = copy
         return tuple(handed)
 
-    def hand(self, reached: frozenset[int] | None) -> tuple[torch.Tensor | None, ...]:
+    def hand(
+        self,
+        reached: frozenset[int] | None,
+        accumulating: Mapping[int, torch.Tensor] = NO_LEAVES,
+    ) -> tuple[torch.Tensor | None, ...]:
         """What the backward replay hands autograd: :meth:`scatter`'s gradients, None
         outside ``reached`` where given (:meth:`without_unreached`), the lent ones noted
-        (:meth:`lend`)."""
-        handed = self.scatter()
+        (:meth:`lend`).
+
+        ``accumulating``: per input position, the leaf input whose ``.grad`` autograd adds
+        that input's gradient into in place, right away (:func:`accumulating_leaves`); that
+        gradient is lent as a parameter's is, not copied, and settled the same way."""
+        handed = self.scatter(accumulating)
         if reached is not None:
             handed = self.without_unreached(handed, reached)
-        self.lend(handed)
+        self.lend(handed, accumulating)
         return handed
 
     def without_unreached(
@@ -142,16 +183,25 @@ class GradRouting:
         backward gives them none, not zeros."""
         return tuple(g if i in reached else None for i, g in enumerate(handed))
 
-    def lend(self, handed: tuple[torch.Tensor | None, ...]) -> None:
-        """Note the parameter gradients of ``handed`` (what the replay returns to autograd)
-        that are lent tensors over the static buffers, not copies, for the next
-        :func:`settle_lent_gradients`."""
+    def lend(
+        self,
+        handed: tuple[torch.Tensor | None, ...],
+        accumulating: Mapping[int, torch.Tensor] = NO_LEAVES,
+    ) -> None:
+        """Note the gradients of ``handed`` (what the replay returns to autograd) that are
+        lent tensors over the static buffers, not copies, for the next
+        :func:`settle_lent_gradients`: the parameters', and the inputs' of ``accumulating``."""
         grads = self._grads
+        params: tuple[torch.Tensor, ...]
         if handed is grads:  # the usual case: every parameter's, none copied or left out
             positions, params = self._lent_positions, self._delivered
         else:
             pairs = [(i, p) for i, p in self._params_with_grad if handed[i] is grads[i]]
             positions, params = tuple(i for i, _ in pairs), tuple(p for _, p in pairs)
+        if accumulating:
+            inputs = [(i, leaf) for i, leaf in accumulating.items() if handed[i] is grads[i]]
+            positions += tuple(i for i, _ in inputs)
+            params += tuple(leaf for _, leaf in inputs)
         if not positions:
             return
         try:
@@ -167,7 +217,8 @@ class GradRouting:
         versions: tuple[int, ...],
     ) -> None:
         """Move the lent tensors autograd may not have added yet onto copies (see the module
-        docstring); the routing lends new tensors over those buffers from then on. A
+        docstring); the routing lends new tensors over those buffers from then on.
+        ``params``: whose ``.grad`` each was lent to (a parameter, or a leaf input). A
         ``.grad`` replaced since by one at the same version (or by None) is taken as not
         added: a needless copy, never a wrong gradient."""
         grads = list(self._grads)
@@ -194,6 +245,37 @@ class GradRouting:
 # through a pool. Appended and popped whole (atomic under the GIL).
 _LENT: list[tuple[GradRouting, tuple[int, ...], tuple[torch.Tensor, ...], tuple[int, ...]]] = []
 _GRAD_VERSION = operator.attrgetter("grad._version")
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
+# Whether the running backward pass executes a node (torch >= 1.13); without it, nothing
+# is taken as executed, so every input's gradient is copied as before.
+_WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", lambda node: False)
+
+
+def accumulating_leaves(node: Any, positions: Iterable[int]) -> Mapping[int, torch.Tensor]:
+    """Called from a backward replay's autograd ``node`` (with grad mode off): of the inputs
+    at ``positions``, each that is a leaf whose ``AccumulateGrad`` this backward pass runs,
+    with a ``.grad`` already and no tensor hook, by position. Autograd adds such an input's
+    gradient into its ``.grad`` in place and keeps nothing (the routing's reference keeps
+    it from taking the tensor over), so the gradient may be lent instead of copied, as a
+    parameter's is. Not so under ``torch.autograd.grad``, which runs no accumulator of a
+    leaf but returns the gradient (``_will_engine_execute_node`` raises for one then); a
+    tensor hook may keep what it sees."""
+    edges = node.next_functions  # one per tensor passed to the replay, inputs first
+    found: dict[int, torch.Tensor] = {}
+    for position in positions:
+        accumulator = edges[position][0]
+        if type(accumulator) is not _ACCUMULATE_GRAD:  # a non-leaf's node, or no gradient
+            continue
+        leaf = accumulator.variable
+        if leaf.grad is None or TENSOR_HOOKS(leaf):
+            continue
+        try:
+            if not _WILL_EXECUTE(accumulator):
+                continue
+        except RuntimeError:  # torch.autograd.grad: it returns the gradient
+            continue
+        found[position] = leaf
+    return found
 
 
 def _held_elsewhere(lent: torch.Tensor | None) -> bool:

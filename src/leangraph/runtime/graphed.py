@@ -15,7 +15,7 @@ import operator
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +30,13 @@ from ..probe import OutputView
 from ..result import GraphedSet
 from .accumulation import InGraphAccumulation
 from .ddp import refuse_unreached_in_ddp, strict_ddp
-from .grads import GradRouting, settle_lent_gradients, trained_elsewhere_in_pass
+from .grads import (
+    NO_LEAVES,
+    GradRouting,
+    accumulating_leaves,
+    settle_lent_gradients,
+    trained_elsewhere_in_pass,
+)
 from .guard import OutputGuard
 from .kernels import KernelSettings
 from .modules import ModuleWatch
@@ -362,11 +368,16 @@ class GraphedCallable:
             return outputs
 
     def _replay_backward(
-        self, grads: Sequence[torch.Tensor], generation: int, ddp: weakref.ref[Any] | None = None
+        self,
+        grads: Sequence[torch.Tensor],
+        generation: int,
+        ddp: weakref.ref[Any] | None = None,
+        accumulating: Mapping[int, torch.Tensor] = NO_LEAVES,
     ) -> tuple[tuple[torch.Tensor | None, ...], frozenset[int]]:
         """The gradients to hand autograd, and the ids of the trained parameters no output
         with a gradient reached (whose hooks ``_call_accumulator_hooks`` leaves out); ``ddp``:
-        the torch DDP the forward replay ran inside (``strict_ddp``), if any (R29)."""
+        the torch DDP the forward replay ran inside (``strict_ddp``), if any (R29);
+        ``accumulating``: the leaf inputs whose gradients may be lent (``GradRouting.hand``)."""
         with self._lock:
             record = self._require_ready("run a backward")
             if self._on_cuda and _STREAM_CAPTURING():
@@ -397,7 +408,7 @@ class GraphedCallable:
             elif self._guard is not None:
                 self._guard.invalidate(f"the backward of {self._label} ran")
             assert self._grads is not None
-            return self._grads.hand(reached), unreached
+            return self._grads.hand(reached, accumulating), unreached
 
 
 def install_forward(module: torch.nn.Module, graphed: GraphedCallable) -> None:
@@ -832,8 +843,13 @@ def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | Non
     # Read before the replay: a reset() in another thread may run once the replay returned
     # (the callable's lock is free again) and before its hooks, and must not take the hooks
     # its gradients owe.
-    record, fused = owner._record, owner._fused
-    grad_inputs, unreached = owner._replay_backward(grads, ctx.generation, ctx.ddp)
+    record, fused, routing = owner._record, owner._fused, owner._grads
+    accumulating = (
+        accumulating_leaves(ctx, routing.inputs_copied)
+        if routing is not None and routing.inputs_copied
+        else NO_LEAVES
+    )
+    grad_inputs, unreached = owner._replay_backward(grads, ctx.generation, ctx.ddp, accumulating)
     if unreached:
         _skip_unreached_hooks(owner, record, fused, unreached)
     _call_accumulator_hooks(record, fused, unreached)
