@@ -7,6 +7,7 @@ backend)."""
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -628,6 +629,19 @@ def test_a_leaf_inputs_gradient_is_lent_where_its_grad_exists_and_copied_where_n
     graphed(x).square().sum().backward()
     assert handed[-1].data_ptr() != buffer.data_ptr()
     leangraph.reset_all([graphed])
+
+
+def test_a_leaf_input_lent_its_gradient_is_not_kept_alive_by_the_routing(monkeypatch):
+    handed = _handed_input_grads(monkeypatch)
+    _, graphed = one_graph()
+    x = torch.randn(2, 4, requires_grad=True)
+    x.grad = torch.zeros_like(x)
+    graphed[0](x).sum().backward()
+    assert handed[-1].data_ptr() == graphed[0].forward._record.static_grads[0].data_ptr()
+    gone = weakref.ref(x)
+    del x
+    assert gone() is None  # until the next replay settles what was lent, only weakly held
+    graphed[0](torch.randn(2, 4, requires_grad=True)).sum().backward()  # settles nothing
 
 
 @pytest.mark.parametrize("keep", ["autograd.grad", "tensor-hook", "non-leaf"])

@@ -199,9 +199,7 @@ class GradRouting:
             pairs = [(i, p) for i, p in self._params_with_grad if handed[i] is grads[i]]
             positions, params = tuple(i for i, _ in pairs), tuple(p for _, p in pairs)
         if accumulating:
-            inputs = [(i, leaf) for i, leaf in accumulating.items() if handed[i] is grads[i]]
-            positions += tuple(i for i, _ in inputs)
-            params += tuple(leaf for _, leaf in inputs)
+            self._lend_to_leaves(handed, accumulating)
         if not positions:
             return
         try:
@@ -209,6 +207,24 @@ class GradRouting:
         except AttributeError:  # a .grad of None: lent only where there is one (scatter)
             return
         _LENT.append((self, positions, params, versions))
+
+    def _lend_to_leaves(
+        self, handed: tuple[torch.Tensor | None, ...], accumulating: Mapping[int, torch.Tensor]
+    ) -> None:
+        """:meth:`lend` for the leaf inputs: noted by weak reference, so that the routing
+        keeps no input (nor its ``.grad``) alive past its backward. One that is gone has
+        nothing waiting to add into it: autograd's accumulator holds its leaf."""
+        grads = self._grads
+        lent = [(i, leaf) for i, leaf in accumulating.items() if handed[i] is grads[i]]
+        if not lent:
+            return
+        leaves = tuple(leaf for _, leaf in lent)
+        try:
+            versions = tuple(map(_GRAD_VERSION, leaves))
+        except AttributeError:  # a .grad set to None since: autograd copies what it gets
+            return
+        refs = tuple(map(weakref.ref, leaves))
+        _LENT_TO_LEAVES.append((self, tuple(i for i, _ in lent), refs, versions))
 
     def _settle(
         self,
@@ -244,6 +260,10 @@ class GradRouting:
 # the versions of their .grad then). Process-wide: graphs of any call may share memory
 # through a pool. Appended and popped whole (atomic under the GIL).
 _LENT: list[tuple[GradRouting, tuple[int, ...], tuple[torch.Tensor, ...], tuple[int, ...]]] = []
+# The same for the leaf inputs' gradients lent, each leaf weakly held.
+_LENT_TO_LEAVES: list[
+    tuple[GradRouting, tuple[int, ...], tuple[weakref.ref[torch.Tensor], ...], tuple[int, ...]]
+] = []
 _GRAD_VERSION = operator.attrgetter("grad._version")
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 # Whether the running backward pass executes a node (torch >= 1.13); without it, nothing
@@ -293,6 +313,15 @@ def settle_lent_gradients() -> None:
     ``.grad`` yet (its ``.grad`` is at the same version: autograd waits for a
     gradient from eager code reaching the parameter in the same pass), is moved onto a copy,
     so that the replay cannot write over it (see the module docstring)."""
+    while _LENT_TO_LEAVES:
+        routing, positions, refs, versions = _LENT_TO_LEAVES.pop()
+        alive = [
+            (position, leaf, version)
+            for position, leaf, version in zip(positions, (ref() for ref in refs), versions)
+            if leaf is not None
+        ]
+        if alive:
+            routing._settle(*map(tuple, zip(*alive)))
     while _LENT:
         routing, positions, params, versions = _LENT.pop()
         try:
