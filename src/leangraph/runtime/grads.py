@@ -215,16 +215,11 @@ class GradRouting:
         keeps no input (nor its ``.grad``) alive past its backward. One that is gone has
         nothing waiting to add into it: autograd's accumulator holds its leaf."""
         grads = self._grads
-        lent = [(i, leaf) for i, leaf in accumulating.items() if handed[i] is grads[i]]
-        if not lent:
-            return
-        leaves = tuple(leaf for _, leaf in lent)
-        try:
-            versions = tuple(map(_GRAD_VERSION, leaves))
-        except AttributeError:  # a .grad set to None since: autograd copies what it gets
-            return
-        refs = tuple(map(weakref.ref, leaves))
-        _LENT_TO_LEAVES.append((self, tuple(i for i, _ in lent), refs, versions))
+        for position, leaf in accumulating.items():
+            grad = leaf.grad
+            # A .grad set to None since accumulating_leaves: autograd copies what it gets.
+            if handed[position] is grads[position] and grad is not None:
+                _LENT_TO_LEAVES.append((self, position, weakref.ref(leaf), grad._version))
 
     def _settle(
         self,
@@ -260,10 +255,8 @@ class GradRouting:
 # the versions of their .grad then). Process-wide: graphs of any call may share memory
 # through a pool. Appended and popped whole (atomic under the GIL).
 _LENT: list[tuple[GradRouting, tuple[int, ...], tuple[torch.Tensor, ...], tuple[int, ...]]] = []
-# The same for the leaf inputs' gradients lent, each leaf weakly held.
-_LENT_TO_LEAVES: list[
-    tuple[GradRouting, tuple[int, ...], tuple[weakref.ref[torch.Tensor], ...], tuple[int, ...]]
-] = []
+# The same for the leaf inputs' gradients lent, one entry per leaf, weakly held.
+_LENT_TO_LEAVES: list[tuple[GradRouting, int, weakref.ref[torch.Tensor], int]] = []
 _GRAD_VERSION = operator.attrgetter("grad._version")
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 # Whether the running backward pass executes a node (torch >= 1.13); without it, nothing
@@ -314,14 +307,10 @@ def settle_lent_gradients() -> None:
     gradient from eager code reaching the parameter in the same pass), is moved onto a copy,
     so that the replay cannot write over it (see the module docstring)."""
     while _LENT_TO_LEAVES:
-        routing, positions, refs, versions = _LENT_TO_LEAVES.pop()
-        alive = [
-            (position, leaf, version)
-            for position, leaf, version in zip(positions, (ref() for ref in refs), versions)
-            if leaf is not None
-        ]
-        if alive:
-            routing._settle(*map(tuple, zip(*alive)))
+        routing, position, ref, version = _LENT_TO_LEAVES.pop()
+        leaf = ref()  # gone: nothing waits to add into it
+        if leaf is not None and (leaf.grad is None or leaf.grad._version == version):
+            routing._settle((position,), (leaf,), (version,))
     while _LENT:
         routing, positions, params, versions = _LENT.pop()
         try:
