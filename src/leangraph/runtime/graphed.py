@@ -217,7 +217,7 @@ class GraphedCallable:
                     self._sequence.ran_eagerly(self._index)
                     return eager(*args, **kwargs)
             self._modules.check_replayable()
-        record = self._require_ready("call")
+        record = _ready_record(self, "call")
         if self._autocast is not None and autocast_state(self._device_type) != self._autocast:
             _refuse_other_autocast(self._label, self._autocast, self._device_type)
         if self._kernels is not None and self._kernels.read() != self._kernels.captured:
@@ -280,9 +280,8 @@ class GraphedCallable:
         adds them into ``main_grad`` or ``.grad`` itself, and the hooks run as after a fused
         backward replay. The ``.grad`` it sets is a fresh tensor, not graph-owned memory
         (with ``fuse_grad_accumulation``, the buffer the graphs add into until reset). Call
-        it at the schedule's W step,
-        after the backward through this callable's outputs (which computed input gradients
-        only) and before its next forward replay.
+        it at the schedule's W step, after the backward through this callable's outputs
+        (which computed input gradients only) and before its next forward replay.
 
         Raises:
             GraphResetError: if the callable was reset.
@@ -290,7 +289,7 @@ class GraphedCallable:
                 weight step.
         """
         with self._lock:
-            self._require_ready("run its weight step")
+            _ready_record(self, "run its weight step")
             if self._weight is None:
                 raise RuntimeError(
                     f"{self._label}: backward_dw() needs an order with -(c + 0.5) weight "
@@ -327,17 +326,11 @@ class GraphedCallable:
         if getattr(self, "_record", None) is not None:
             self._release()
 
-    def _require_ready(self, what: str) -> GraphRecord:
-        record = self._record
-        if self._state is _State.RESET or record is None:
-            raise GraphResetError(f"{self._label}: cannot {what}: this graphed callable was reset")
-        return record
-
     def _replay_forward(
         self, inputs: Sequence[torch.Tensor], token: BackwardToken
     ) -> tuple[torch.Tensor, ...]:
         with self._lock:
-            record = self._require_ready("replay its forward graph")
+            record = _ready_record(self, "replay its forward graph")
             if self._on_cuda and _STREAM_CAPTURING():
                 _refuse_inside_capture(self._label, "forward")
             _check_no_pending_backward(self, record)
@@ -379,7 +372,7 @@ class GraphedCallable:
         the torch DDP the forward replay ran inside (``strict_ddp``), if any (R29);
         ``accumulating``: the leaf inputs whose gradients may be lent (``GradRouting.hand``)."""
         with self._lock:
-            record = self._require_ready("run a backward")
+            record = _ready_record(self, "run a backward")
             if self._on_cuda and _STREAM_CAPTURING():
                 _refuse_inside_capture(self._label, "backward")
             _refuse_stale_backward(
@@ -447,6 +440,14 @@ def _refuse_inside_capture(label: str, graph: str) -> None:
         "its graphs are launched at every replay, and a capture cannot take them in. Call "
         "it outside the capture, or capture the eager callable in your graph instead"
     )
+
+
+def _ready_record(owner: GraphedCallable, what: str) -> GraphRecord:
+    """The callable's record, for a replay or step about to ``what``; refused once reset."""
+    record = owner._record
+    if owner._state is _State.RESET or record is None:
+        raise GraphResetError(f"{owner._label}: cannot {what}: this graphed callable was reset")
+    return record
 
 
 def _check_no_pending_backward(owner: GraphedCallable, record: GraphRecord) -> None:
