@@ -622,7 +622,10 @@ def test_a_leaf_inputs_gradient_is_lent_where_its_grad_exists_and_copied_where_n
     for _ in range(3):  # .grad None first: copied (autograd keeps it); then lent, added into
         graphed(x).square().sum().backward()
         eager(y).square().sum().backward()
-        torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0 if device == "cpu" else 1e-5)
+        if device == "cpu":
+            assert torch.equal(x.grad, y.grad)
+        else:  # cuBLAS may choose other kernels for tiny matmuls under capture
+            torch.testing.assert_close(x.grad, y.grad)
     assert [g.data_ptr() == buffer.data_ptr() for g in handed] == [False, True, True]
     assert all(g is not buffer for g in handed)  # a tensor over it, never the buffer
     x.grad = None
