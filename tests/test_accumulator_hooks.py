@@ -46,11 +46,10 @@ def _accumulator(param: torch.Tensor):
     return param.view_as(param).grad_fn.next_functions[0][0]
 
 
-@pytest.mark.parametrize("hooks", [True, "python", False])
-def test_accumulator_node_hooks_fire_only_with_accumulator_hooks(hooks):
+@pytest.mark.parametrize("hooks", [True, "python"])
+def test_accumulator_node_hooks_fire_with_accumulator_hooks(hooks):
     """DDP and Megatron hook the accumulator nodes (held, as they hold them), here after
-    capture: with the relay, or called by the replay, each fires once per backward; without
-    accumulator hooks none does, which is what the option trades."""
+    capture: with the relay, or called by the replay, each fires once per backward."""
     _, module = block_pair()
     graphed = leangraph.make_graphed_callables(
         module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
@@ -64,7 +63,41 @@ def test_accumulator_node_hooks_fire_only_with_accumulator_hooks(hooks):
     for _ in range(2):
         graphed(torch.randn(4, 8)).sum().backward()
     names = [name for name, _ in module.named_parameters()]
-    assert sorted(fired) == (sorted(names * 2) if hooks else [])
+    assert sorted(fired) == sorted(names * 2)
+
+
+@pytest.mark.parametrize("kind", ["register_hook", "register_prehook"])
+def test_v24_a_hook_on_an_accumulator_node_is_refused_before_warm_up(kind):
+    """A DDP wrapper written in Python (DeepSpeed's ZeRO, say) hooks the accumulator nodes,
+    which no replay runs with accumulator_hooks=False: the hook would never fire."""
+    _, module = block_pair()
+    node = _accumulator(module.down.bias)  # held, as such a wrapper holds it
+    getattr(node, kind)(lambda *_: None)
+    warmed: list[bool] = []
+    with raises(ValueError, "callable 0 (Block) parameter 'down.bias' has a hook on its "
+                "gradient accumulator node (node.register_hook or register_prehook",
+                "which accumulator_hooks=False would never run"):
+        leangraph.make_graphed_callables(
+            module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True,
+            accumulator_hooks=False, pre_warmup_hook=lambda: warmed.append(True))
+    assert warmed == []
+
+
+@pytest.mark.parametrize("kind", ["register_hook", "register_prehook"])
+def test_r15_a_hook_on_an_accumulator_node_added_after_capture_is_refused_at_the_backward(kind):
+    """The node is the one capture holds, so a hook registered on the parameter's
+    accumulator after capture is seen; removed again, the refused backward may run."""
+    _, module = block_pair()
+    graphed, before = fused_after_one_step(module, False)
+    node = _accumulator(module.up.weight)
+    handle = getattr(node, kind)(lambda *_: None)
+    out = graphed(torch.randn(4, 8)).sum()
+    with raises(RuntimeError, "callable 0 (Block) parameter 'up.weight' has a hook on its "
+                "gradient accumulator node since capture"):
+        out.backward(retain_graph=True)
+    assert_grads_unchanged(module, before)  # refused before the graph ran
+    handle.remove()
+    out.backward()  # the refused backward ran nothing: it may run now
 
 
 def test_v24_a_post_accumulate_grad_hook_is_refused_before_warm_up():

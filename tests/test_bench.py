@@ -71,15 +71,15 @@ def test_bench_runs_eager_and_leangraph_on_cpu_and_losses_agree():
     assert "leangraph" in format_table(result)
 
 
-def test_grad_hooks_fire_per_parameter_per_microbatch_where_the_method_runs_them(capsys):
-    """Every method but accumulator_hooks=False calls the hooks as eager does: once per
-    parameter per microbatch's backward; the table has their count per step."""
-    methods = ("eager", "leangraph", OVERLAP, FUSED, FUSED_PYTHON_HOOKS, FUSED_NO_HOOKS)
+def test_grad_hooks_fire_per_parameter_per_microbatch_in_every_method(capsys):
+    """Every method calls the hooks as eager does: once per parameter per microbatch's
+    backward; the table has their count per step."""
+    methods = ("eager", "leangraph", OVERLAP, FUSED, FUSED_PYTHON_HOOKS)
     result = run_bench(_tiny(grad_hooks=True, methods=methods))
     params = sum(1 for _ in make_blocks(1, TINY, "cpu")[0].parameters())
     expected = params * 2 * 4  # 2 blocks on the rank, 4 microbatches
     calls = {name: m.grad_hook_calls_per_step for name, m in result.methods.items()}
-    assert calls == {**dict.fromkeys(methods, expected), FUSED_NO_HOOKS: 0}
+    assert calls == dict.fromkeys(methods, expected)
     assert all(result.losses_agree.values())
     assert "grad hooks/step" in format_table(result)
     assert "grad hooks/step" not in format_table(run_bench(_tiny()))
@@ -490,3 +490,23 @@ def test_bench_on_cuda_counts_launches_and_compares_with_the_limit():
         assert result.methods[name].held_bytes is not None
     table = format_table(result)
     assert "x limit" in table and "kernels outside graphs/step" in table
+
+
+def test_grad_hooks_leave_out_the_method_that_runs_no_accumulator(capsys):
+    """accumulator_hooks=False refuses a parameter whose accumulator node has a hook (it
+    would never fire), so the bench does not run that method with --grad-hooks: named, it is
+    a usage error; among the default methods, it is left out with a note."""
+    with pytest.raises(ValueError, match="the leangraph-fused-nohooks method cannot run with "
+                       "gradient-ready hooks"):
+        _tiny(grad_hooks=True, methods=("eager", FUSED_NO_HOOKS))
+    tiny = ["--device", "cpu", "--pp", "2", "--vp", "2", "--microbatches", "4", "--layers",
+            "1", "--hidden", "16", "--heads", "2", "--sequence", "8", "--steps", "1",
+            "--no-progress", "--grad-hooks"]
+    assert main(["bench", *tiny, "--methods", f"eager,{FUSED_NO_HOOKS}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--grad-hooks: the leangraph-fused-nohooks method" in err
+    assert main(["bench", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "the leangraph-fused-nohooks method runs no accumulator hook, so it is left out" in out
+    workload = out.split("workload:")[1].splitlines()[0]
+    assert FUSED_PYTHON_HOOKS in workload and FUSED_NO_HOOKS not in workload

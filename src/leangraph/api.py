@@ -197,7 +197,8 @@ def make_graphed_callables(
             microseconds of host time per parameter. ``"python"``: the replay calls the
             hooks registered from Python itself (Megatron-core DDP's among them), in eager's
             order, and autograd runs no accumulator; for loops without torch DDP, whose
-            hooks are C++. False: no hook fires, and a post-accumulate-grad hook is refused.
+            hooks are C++. False: no hook fires, and a parameter with a post-accumulate-grad hook
+            or a hook on its accumulator node is refused.
             A forward replay inside torch DDP is refused with either (errors.md R17).
         overlap_grad_accumulation: Without ``fuse_grad_accumulation``, have autograd add
             the parameter gradients into ``.grad`` on a side stream, overlapping the next

@@ -74,6 +74,7 @@ __all__ = [
     "megatron_ddp_refusal",
     "new_buffer_bytes",
     "node_hook_dicts",
+    "node_hook_refusal",
     "post_accumulate_hook_refusal",
     "post_accumulate_hooks",
     "python_hooks",
@@ -149,6 +150,9 @@ class FusedGradients:
     relay: Relay | None
     delivery: HookDelivery = HookDelivery.AUTOGRAD
     python_hooks: PythonHooks | None = None
+    # With NONE: the accumulators' hook dicts, which must stay empty (no replay runs them);
+    # the nodes are held, so that a hook registered after capture lands in these dicts.
+    unrun_hooks: PythonHooks | None = None
 
 
 def main_grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -176,6 +180,10 @@ def check_fusable(
                 raise ValueError(post_accumulate_hook_refusal(label, name))
             if hasattr(param, MEGATRON_DDP_FLAG):
                 raise ValueError(megatron_ddp_refusal(label, name))
+            with torch.enable_grad():  # the call may come under no_grad
+                node = accumulator_node(param)
+            if any(node_hook_dicts(node)):
+                raise ValueError(node_hook_refusal(label, name))
     elif (
         delivery is HookDelivery.AUTOGRAD
         and params
@@ -230,6 +238,18 @@ def post_accumulate_hook_refusal(label: str, name: str) -> str:
         f"{label} parameter {name!r} has a post-accumulate-grad hook, which "
         "accumulator_hooks=False would never run (its backward replays run no autograd "
         "accumulator); remove the hook, or capture with accumulator_hooks=True (the default)"
+    )
+
+
+def node_hook_refusal(label: str, name: str, *, since_capture: bool = False) -> str:
+    """Why a parameter whose accumulator node has a hook is refused without accumulator
+    hooks (``since_capture``: registered after the capture, and the replay finds it)."""
+    when = " since capture" if since_capture else ""
+    return (
+        f"{label} parameter {name!r} has a hook on its gradient accumulator node{when} "
+        "(node.register_hook or register_prehook, as DDP wrappers register gradient-ready "
+        "hooks), which accumulator_hooks=False would never run (its backward replays run "
+        "no autograd accumulator); capture with accumulator_hooks=True or 'python'"
     )
 
 

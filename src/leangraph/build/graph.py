@@ -433,10 +433,12 @@ def _fused_gradients(
     # eager, so its .grad stays None: it is no target at replay either.
     targets = tuple(accumulate[i] for i in sorted(reached))
     params = [accumulate[i].param for i in reached]
-    if not params or delivery is HookDelivery.NONE:
+    if not params:
         return FusedGradients(targets, None, delivery)
+    names = [accumulate[i].name for i in reached]
+    if delivery is HookDelivery.NONE:
+        return FusedGradients(targets, None, delivery, unrun_hooks=python_hooks(names, params))
     if delivery is HookDelivery.PYTHON:
-        names = [accumulate[i].name for i in reached]
         return FusedGradients(targets, None, delivery, python_hooks(names, params))
     return FusedGradients(targets, hook_relay(params), delivery)
 

@@ -79,6 +79,7 @@ __all__ = [
     "FUSED",
     "FUSED_NO_HOOKS",
     "FUSED_PYTHON_HOOKS",
+    "GRAD_HOOKS_WITHOUT_ACCUMULATORS",
     "GRAPHED_METHODS",
     "GRAPH_LAUNCH_CALLS",
     "KERNEL_LAUNCH_CALLS",
@@ -158,6 +159,12 @@ LEANGRAPH_METHODS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
 )
 """The methods that call ``leangraph.make_graphed_callables``, each with its options."""
 OPT_IN_METHODS = (OVERLAP, FUSED, FUSED_PYTHON_HOOKS, FUSED_NO_HOOKS)
+GRAD_HOOKS_WITHOUT_ACCUMULATORS = (
+    f"the {FUSED_NO_HOOKS} method cannot run with gradient-ready hooks (grad_hooks): "
+    "accumulator_hooks=False runs no accumulator, so it refuses a parameter whose "
+    "accumulator node has a hook, which would never fire"
+)
+"""Why :data:`FUSED_NO_HOOKS` and ``BenchConfig.grad_hooks`` do not go together."""
 """The methods the bench runs only when asked (``--methods``, or a preset's own list)."""
 CUDA_METHODS: Mapping[str, str] = MappingProxyType(
     {"torch": "torch.cuda.make_graphed_callables", "whole-step": "torch.cuda.CUDAGraph"}
@@ -226,6 +233,8 @@ class BenchConfig:
             why = method_unavailable(name, self.device)
             if why is not None:
                 raise ValueError(f"the {name} method {why}")
+        if self.grad_hooks and FUSED_NO_HOOKS in self.methods:
+            raise ValueError(GRAD_HOOKS_WITHOUT_ACCUMULATORS)
         if self.launch_steps < 0:
             raise ValueError(f"launch_steps must be at least 0, got {self.launch_steps}")
         if self.launch_steps and not cuda:

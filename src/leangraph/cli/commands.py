@@ -31,6 +31,7 @@ from .bench import (
     FUSED,
     FUSED_NO_HOOKS,
     FUSED_PYTHON_HOOKS,
+    GRAD_HOOKS_WITHOUT_ACCUMULATORS,
     GRAPHED_METHODS,
     LEANGRAPH_METHODS,
     METHODS,
@@ -542,6 +543,12 @@ def _bench(args: argparse.Namespace) -> int:
         )
         described = work.describe()
     if args.grad_hooks:
+        if FUSED_NO_HOOKS in config.methods and args.methods is not None:
+            raise UsageError(f"--grad-hooks: {GRAD_HOOKS_WITHOUT_ACCUMULATORS}; drop one of them")
+        if FUSED_NO_HOOKS in config.methods:
+            kept = tuple(m for m in config.methods if m != FUSED_NO_HOOKS)
+            config = replace(config, methods=kept)
+            notes.append(f"the {FUSED_NO_HOOKS} method runs no accumulator hook, so it is left out")
         config = replace(config, grad_hooks=True)
     if device == "cpu":
         print(
@@ -990,7 +997,8 @@ def _add_bench_measures(bench: argparse.ArgumentParser) -> None:
         action="store_true",
         help="register a gradient-ready hook on every parameter's accumulator node, as "
         "Megatron-core's DDP does, for every method but whole-step (after capture), and "
-        "print each method's hook calls per step",
+        f"print each method's hook calls per step ({FUSED_NO_HOOKS}, which would never run "
+        "them, is left out)",
     )
 
 

@@ -34,6 +34,7 @@ from ..build.accumulation import (
     main_grad_of,
     megatron_ddp_refusal,
     node_hook_dicts,
+    node_hook_refusal,
     post_accumulate_hook_refusal,
     post_accumulate_hooks,
 )
@@ -61,8 +62,18 @@ class InGraphAccumulation:
             with torch.enable_grad():  # the call may come under no_grad
                 watched = (accumulator_node(self.autograd_inputs[0]),)
         self._watched = watched if fused.targets else ()
-        # Without accumulator hooks, a post-accumulate-grad hook added since capture is refused.
+        # Without accumulator hooks, a post-accumulate-grad hook added since capture is refused,
+        # and so is a hook on an accumulator node (held in ``unrun_hooks``, so a hook
+        # registered later lands in the dicts read here).
         self._hooks = fused.delivery is not HookDelivery.NONE
+        unrun = fused.unrun_hooks
+        self._unrun_hooks = unrun
+        self._unrun_hook_dicts = () if unrun is None else unrun.pre_hooks + unrun.post_hooks
+        self._unrun_by_param = (
+            {}
+            if unrun is None
+            else {id(p): d for p, *d in zip(unrun.params, unrun.pre_hooks, unrun.post_hooks)}
+        )
         # Why a forward replay inside torch's DDP is refused, if it is: its reducer hooks the
         # accumulators from C++, which neither mode without the relay runs.
         self._ddp_refusal: str | None = None
@@ -116,7 +127,8 @@ class InGraphAccumulation:
                 graph adds into (and that something else holds), or whose buffer's memory was
                 swapped (``.data = ...``, ``.set_(...)``), or, for a ``.grad`` target, that
                 got a tensor ``main_grad`` since; without accumulator hooks, for one that got
-                a post-accumulate-grad hook or Megatron's ``grad_added_to_main_grad`` since.
+                a post-accumulate-grad hook, a hook on its accumulator node or Megatron's
+                ``grad_added_to_main_grad`` since.
         """
         if self._as_captured():
             return False
@@ -139,6 +151,8 @@ class InGraphAccumulation:
             raise RuntimeError(post_accumulate_hook_refusal(self._label, target.name))
         if not self._hooks and hasattr(param, MEGATRON_DDP_FLAG):
             raise RuntimeError(megatron_ddp_refusal(self._label, target.name, since_capture=True))
+        if any(self._unrun_by_param.get(id(param), ())):
+            raise RuntimeError(node_hook_refusal(self._label, target.name, since_capture=True))
         if not param.requires_grad:
             raise RuntimeError(
                 f"{self._label} parameter {target.name!r} must require grad as at capture, "
@@ -229,8 +243,8 @@ class InGraphAccumulation:
     def _as_captured(self) -> bool:
         """Whether every target is its parameter's gradient as at capture, on the captured
         memory, every parameter still requires grad, none that adds into ``.grad`` got a
-        ``main_grad`` since, and (without accumulator hooks) none got a hook or Megatron's
-        DDP since."""
+        ``main_grad`` since, and (without accumulator hooks) none got a hook (on it or on its
+        accumulator node) or Megatron's DDP since."""
         try:
             return (
                 all(map(_REQUIRES_GRAD, self._params))
@@ -238,6 +252,7 @@ class InGraphAccumulation:
                 and all(map(operator.is_, map(_MAIN_GRAD, self._main_params), self._main_buffers))
                 and (self._hooks or not any(map(post_accumulate_hooks, self._params)))
                 and (self._hooks or not any(map(hasattr, self._params, _DDP_FLAG_NAMES)))
+                and not any(self._unrun_hook_dicts)
                 and not any(map(hasattr, self._grad_params, _MAIN_GRAD_NAMES))
                 and not any(map(TENSOR_HOOKS, self._params))
                 and all(map(operator.eq, map(_DATA_PTR, self._buffers), self._pointers))
