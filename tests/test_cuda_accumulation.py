@@ -96,6 +96,31 @@ def test_fused_training_without_accumulator_hooks_is_exact_on_cuda(order, layers
     leangraph.reset_all(graphed)
 
 
+def test_r15_a_hook_on_an_accumulator_node_after_capture_is_refused_on_cuda():
+    """Without accumulator hooks the nodes capture holds (made after each graph's capture,
+    as ``"python"`` makes them) are the ones a later hook lands on: refused at the next
+    backward, before the graph runs; removed, the same backward runs."""
+    torch.manual_seed(0)
+    module = Block(64).cuda()
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(8, 64, device="cuda", requires_grad=True),),
+        fuse_grad_accumulation=True, accumulator_hooks=False)
+    graphed(torch.randn(8, 64, device="cuda")).sum().backward()
+    before = [p.grad.clone() for p in module.parameters()]
+    node = module.up.weight.view_as(module.up.weight).grad_fn.next_functions[0][0]
+    handle = node.register_hook(lambda *_: None)
+    out = graphed(torch.randn(8, 64, device="cuda")).sum()
+    with pytest.raises(RuntimeError, match="parameter 'up.weight' has a hook on its gradient "
+                       "accumulator node since capture"):
+        out.backward(retain_graph=True)
+    torch.cuda.synchronize()
+    assert all(torch.equal(p.grad, g) for p, g in zip(module.parameters(), before))
+    handle.remove()
+    out.backward()
+    assert not all(torch.equal(p.grad, g) for p, g in zip(module.parameters(), before))
+    leangraph.reset_all(graphed)
+
+
 def _accumulators_run(**options) -> int:
     """AccumulateGrad nodes autograd's engine runs in 4 fused backwards of one block whose
     input requires grad (1 accumulator of its own per backward, and without a relay the empty
