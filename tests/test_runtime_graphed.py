@@ -102,10 +102,20 @@ def test_reset_all_frees_modules_by_reference_counting_alone(ordered, with_hooks
         {"order": [1, 2, -2, -1, -2.5, -1.5]},
         {"fuse_grad_accumulation": True},
         {"fuse_grad_accumulation": True, "accumulator_hooks": "python"},
+        {"fuse_grad_accumulation": True, "accumulator_hooks": False},
         {"overlap_grad_accumulation": True},
         {"debug_outputs": True},
     ],
-    ids=["unordered", "ordered", "weight-steps", "fused", "fused-python", "overlap", "debug"],
+    ids=[
+        "unordered",
+        "ordered",
+        "weight-steps",
+        "fused",
+        "fused-python",
+        "fused-nohooks",
+        "overlap",
+        "debug",
+    ],
 )
 def test_dropping_every_reference_without_reset_frees_by_reference_counting_alone(options):
     """No reset at all: once the caller drops the result, its modules and the set after a
