@@ -159,13 +159,13 @@ LEANGRAPH_METHODS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
 )
 """The methods that call ``leangraph.make_graphed_callables``, each with its options."""
 OPT_IN_METHODS = (OVERLAP, FUSED, FUSED_PYTHON_HOOKS, FUSED_NO_HOOKS)
+"""The methods the bench runs only when asked (``--methods``, or a preset's own list)."""
 GRAD_HOOKS_WITHOUT_ACCUMULATORS = (
     f"the {FUSED_NO_HOOKS} method cannot run with gradient-ready hooks (grad_hooks): "
     "accumulator_hooks=False runs no accumulator, so it refuses a parameter whose "
     "accumulator node has a hook, which would never fire"
 )
 """Why :data:`FUSED_NO_HOOKS` and ``BenchConfig.grad_hooks`` do not go together."""
-"""The methods the bench runs only when asked (``--methods``, or a preset's own list)."""
 CUDA_METHODS: Mapping[str, str] = MappingProxyType(
     {"torch": "torch.cuda.make_graphed_callables", "whole-step": "torch.cuda.CUDAGraph"}
 )

@@ -63,11 +63,10 @@ class InGraphAccumulation:
                 watched = (accumulator_node(self.autograd_inputs[0]),)
         self._watched = watched if fused.targets else ()
         # Without accumulator hooks, a post-accumulate-grad hook added since capture is refused,
-        # and so is a hook on an accumulator node (held in ``unrun_hooks``, so a hook
-        # registered later lands in the dicts read here).
+        # and so is a hook on an accumulator node (the record's ``unrun_hooks`` hold the nodes,
+        # so a hook registered later lands in the dicts read here).
         self._hooks = fused.delivery is not HookDelivery.NONE
         unrun = fused.unrun_hooks
-        self._unrun_hooks = unrun
         self._unrun_hook_dicts = () if unrun is None else unrun.pre_hooks + unrun.post_hooks
         self._unrun_by_param = (
             {}
