@@ -166,11 +166,13 @@ def check_fusable(
 ) -> None:
     """Refuse, before warm-up, parameters whose gradient cannot be added into a buffer, and
     (with ``NONE``) parameters with a hook that would never fire: a post-accumulate-grad
-    hook, or Megatron-core DDP's on their accumulators (:data:`MEGATRON_DDP_FLAG`).
+    hook, a Python hook on their accumulator node, or Megatron-core DDP's on it
+    (:data:`MEGATRON_DDP_FLAG`).
 
     Raises:
         ValueError: for a ``main_grad`` of another shape or device, or not floating point;
-            for a post-accumulate-grad hook or a Megatron-DDP parameter with ``NONE``.
+            for a post-accumulate-grad hook, an accumulator-node hook or a Megatron-DDP
+            parameter with ``NONE``.
         RuntimeError: for ``AUTOGRAD``, if this torch's accumulators skip hooks for a
             missing gradient.
     """
