@@ -1,6 +1,7 @@
 """``accumulator_hooks=False`` and ``"python"`` (with ``fuse_grad_accumulation=True``): replays
-run no autograd accumulator, so training stays exact. With False no accumulator hook fires and
-a post-accumulate-grad hook is refused, before warm-up (V24) or at the next backward (R15);
+run no autograd accumulator, so training stays exact. With False no accumulator hook fires, and
+a post-accumulate-grad hook or a hook on an accumulator node is refused, before warm-up (V24)
+or at the next backward (R15);
 with ``"python"`` the replays call the hooks registered from Python themselves, and refuse
 what they cannot call or order (R17) (CPU backend; the CUDA versions are in
 test_cuda_accumulation.py; the hooks' order and Megatron's protocol in
