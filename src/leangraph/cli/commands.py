@@ -543,9 +543,11 @@ def _bench(args: argparse.Namespace) -> int:
         )
         described = work.describe()
     if args.grad_hooks:
-        if FUSED_NO_HOOKS in config.methods and args.methods is not None:
-            raise UsageError(f"--grad-hooks: {GRAD_HOOKS_WITHOUT_ACCUMULATORS}; drop one of them")
         if FUSED_NO_HOOKS in config.methods:
+            if args.methods is not None:
+                raise UsageError(
+                    f"--grad-hooks: {GRAD_HOOKS_WITHOUT_ACCUMULATORS}; drop one of them"
+                )
             kept = tuple(m for m in config.methods if m != FUSED_NO_HOOKS)
             config = replace(config, methods=kept)
             notes.append(f"the {FUSED_NO_HOOKS} method runs no accumulator hook, so it is left out")
