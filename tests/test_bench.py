@@ -104,7 +104,20 @@ def test_bench_cli_writes_json(tmp_path, capsys):
     assert {point["allocated_bytes"] for point in data["leangraph_timeline"]} == {None}
     assert {m["step_peak_bytes"] for m in data["methods"].values()} == {None}
     printed = capsys.readouterr().out
-    assert "CPU reference backend" in printed and f"wrote {out}" in printed
+    assert "CPU reference backend" in printed
+    assert f"wrote {out} (every figure, the config and leangraph's memory timeline)" in printed
+
+
+def test_the_json_without_leangraph_has_no_timeline_and_says_so(tmp_path, capsys):
+    from leangraph.cli.commands import main
+
+    out = tmp_path / "eager.json"
+    code = main(["bench", "--device", "cpu", "--methods", "eager", "--microbatches", "4",
+                 "--layers", "1", "--hidden", "16", "--sequence", "8", "--steps", "1",
+                 "--json", str(out), "--no-progress"])
+    assert code == 0
+    assert "leangraph_timeline" not in json.loads(out.read_text())
+    assert f"wrote {out} (every figure and the config)\n" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")

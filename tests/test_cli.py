@@ -169,8 +169,9 @@ USAGE_ERRORS = [
      "leangraph bench", "--hidden, --dtype: not with --preset llama3-70b-pp4vp5, which sets"),
     (["bench", "--preset", "llama3-70b-pp4vp5-norope", "--replay-micro"], "leangraph bench",
      "--replay-micro: not with --preset llama3-70b-pp4vp5-norope"),
+    # The preset sets pp and vp, whose flags it refuses: named without them.
     (["bench", "--device", "cpu", "--preset", "llama3-70b-pp4vp5", "--microbatches", "6"],
-     "leangraph bench", "--microbatches 6 must be a multiple of --pp 4 with --vp 5"),
+     "leangraph bench", "--microbatches 6 must be a multiple of pp 4 with vp 5 ("),
     (["bench", "--preset", "llama3-70b"], "leangraph bench", "invalid choice: 'llama3-70b'"),
     (["plan", "--dtype", "fp8"], "leangraph plan", "invalid choice: 'fp8'"),
     (["plan", "--vp", "2", "--microbatches", "2"], "leangraph plan",
@@ -187,6 +188,25 @@ USAGE_ERRORS = [
     (["plan", "--function", "os:no_such_function"], "leangraph plan",
      "module os has no attribute 'no_such_function'"),
     (["plan", "--function", "os:sep"], "leangraph plan", "os.sep is a str, not a function"),
+    (["plan", "--function", "os:O_RDONLY"], "leangraph plan",
+     "os.O_RDONLY is an int, not a function"),
+    # A path ending in '/' names a folder: refused before the run, not by the write at its end.
+    (["bench", "--device", "cpu", "--json", "new.json/"], "leangraph bench",
+     "--json new.json/: ends in '/', a folder's name; give a file name"),
+    # Counts past their bounds, and integers too long to be counts (told by their length).
+    (["demo", "--steps", "10001"], "leangraph demo",
+     "argument --steps: must be at most 10000 (its data is made before the first step), got"),
+    (["bench", "--steps", "100001"], "leangraph bench",
+     "argument --steps: must be at most 100000 (more would run for days), got 100001"),
+    (["bench", "--rounds", "1001"], "leangraph bench", "argument --rounds: must be at most 1000"),
+    (["bench", "--replays", "1000001"], "leangraph bench",
+     "argument --replays: must be at most 1000000"),
+    (["demo", "--steps", "9" * 5000], "leangraph demo",
+     "argument --steps: expected an integer of at most 30 digits, got one of 5000"),
+    (["demo", "--hidden", "12ab" + "x" * 100], "leangraph demo",
+     "argument --hidden: expected an integer, got '12ab" + "x" * 36 + "'... (104 characters)"),
+    (["bench", "--device", "cpu", "--replay-micro", "--pp", "2", "--layers", "3"],
+     "leangraph bench", "--pp, --layers: not used with --replay-micro"),
     (["plan", "--function", "os:getcwd"], "leangraph plan",
      "must return (callables, sample_args) or (callables, sample_args, dict"),
     (["plan", "--pp", "2", "--hidden", "8", "--function", "os:getcwd"], "leangraph plan",
@@ -194,7 +214,7 @@ USAGE_ERRORS = [
     # Counts far past any machine: refused at once, not hours of work or torch's overflow.
     (["plan", "--vp", "100000000000000000000"], "leangraph plan",
      "--vp 100000000000000000000 x --layers 4 x --microbatches 16 is "
-     "6400000000000000000000 graphs to capture; at most 100000"),
+     "6400000000000000000000 graphs to plan; at most 100000 (each is probed and planned"),
     (["bench", "--device", "cpu", "--microbatches", "1000000"], "leangraph bench",
      "--vp 2 x --layers 2 x --microbatches 1000000 is 4000000 graphs to capture"),
     (["demo", "--microbatches", "100000000"], "leangraph demo",
@@ -485,6 +505,20 @@ def test_line_display_writes_one_line_per_phase():
     ]
 
 
+def test_a_phase_of_one_counts_it_in_the_singular():
+    stream = io.StringIO()
+    progress = PhaseProgress(line_display(stream))
+    progress.begin("eager reference training", 1, "steps")
+    progress.begin("graphed training", 2, "steps")
+    progress.begin("capture", 1, "graph steps")
+    assert stream.getvalue().splitlines() == [
+        "progress: eager reference training (1 step)",
+        "progress: graphed training (2 steps)",
+        "progress: capture (1 graph step)",
+    ]
+    assert Phase("capture", 0, 1, "graph steps").count() == "0/1 graph step"
+
+
 def test_expect_capture_ignores_the_old_steps_per_pass_with_a_warning():
     stream = io.StringIO()
     progress = PhaseProgress(line_display(stream))
@@ -532,6 +566,27 @@ def test_an_output_file_that_cannot_be_written_is_refused_before_the_run(capsys)
     assert main(["bench", "--no-progress", "--steps", "1", "--json", "/proc/leangraph.json"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--json /proc/leangraph.json: cannot be written" in err
+
+
+def test_an_output_path_ending_in_a_slash_is_refused_though_a_file_has_its_name(tmp_path,
+                                                                                monkeypatch,
+                                                                                capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "exist.json").write_text("kept")
+    status, out, err = run_cli(["bench", "--device", "cpu", "--json", "exist.json/"], capsys)
+    assert status == 2 and out == ""
+    assert_one_line(err, "--json exist.json/: ends in '/', a folder's name", "leangraph bench")
+    assert (tmp_path / "exist.json").read_text() == "kept"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes (POSIX)")
+def test_a_named_pipe_with_no_reader_is_refused_at_once_not_waited_on(tmp_path, monkeypatch,
+                                                                      capsys):
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo(tmp_path / "pipe")
+    status, out, err = run_cli(["bench", "--device", "cpu", "--json", "pipe"], capsys)
+    assert status == 2 and out == ""
+    assert_one_line(err, "--json pipe: cannot be written (", "leangraph bench")
 
 
 def test_output_checks_follow_a_symbolic_link_and_leave_it_as_it_was(tmp_path, monkeypatch,

@@ -116,10 +116,15 @@ def _count(minimum: int, maximum: tuple[int, str] | None = None) -> Callable[[st
     bound, and why), at most that."""
 
     def parse(text: str) -> int:
+        digits = text.strip().lstrip("+-")
+        if len(digits) > _MAX_DIGITS and digits.isdigit():  # int() refuses, or it is huge
+            raise argparse.ArgumentTypeError(
+                f"expected an integer of at most {_MAX_DIGITS} digits, got one of {len(digits)}"
+            )
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected an integer, got {_shown(text)}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
         if maximum is not None and value > maximum[0]:
@@ -129,6 +134,30 @@ def _count(minimum: int, maximum: tuple[int, str] | None = None) -> Callable[[st
 
     parse.__name__ = f"integer >= {minimum}"
     return parse
+
+
+_MAX_DIGITS = 30
+"""Integer flags take at most this many digits: every count far smaller is refused by a bound
+of its own, so a longer one is a slip, told by its length rather than echoed (Python's
+``int`` refuses more than 4300 digits, as not an integer at all)."""
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    """``text`` as an error echoes it: quoted, cut to ``limit`` characters."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+MAX_STEPS = 100_000
+"""The most training steps a command runs per method (more would run for days)."""
+
+MAX_DEMO_STEPS = 10_000
+"""The most steps of ``demo``, which makes every step's data before its first step."""
+
+MAX_ROUNDS = 1_000
+"""The most rounds of ``bench --rounds`` (each captures and times every graphed method)."""
+
+MAX_REPLAYS = 1_000_000
+"""The most replays per method and round of ``bench --replay-micro``."""
 
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -205,8 +234,16 @@ def _workload_given(args: argparse.Namespace) -> list[str]:
     return [_flag(f.name) for f in fields(Workload) if getattr(args, f.name) is not None]
 
 
-def _workload(args: argparse.Namespace, defaults: Workload) -> Workload:
-    """The workload of ``args``, checked: ``defaults`` where a flag was left out."""
+def _workload(
+    args: argparse.Namespace,
+    defaults: Workload,
+    *,
+    captured: bool = True,
+    fixed: Sequence[str] = (),
+) -> Workload:
+    """The workload of ``args``, checked: ``defaults`` where a flag was left out; ``fixed``:
+    the fields no flag may set (a preset's), which errors name without a flag; ``captured``:
+    the command captures its graphs (``plan`` only plans them)."""
     given = {f.name: getattr(args, f.name) for f in fields(Workload)}
     work = replace(defaults, **{k: v for k, v in given.items() if v is not None})
     if work.rank >= work.pp:
@@ -215,14 +252,20 @@ def _workload(args: argparse.Namespace, defaults: Workload) -> Workload:
         )
     if work.hidden % work.heads:
         raise UsageError(f"--hidden {work.hidden} must be a multiple of --heads {work.heads}")
+
+    def named(field: str) -> str:
+        value = getattr(work, field)
+        return f"{field} {value}" if field in fixed else f"{_flag(field)} {value}"
+
     if work.vp > 1 and work.microbatches % work.pp:
         raise UsageError(
-            f"--microbatches {work.microbatches} must be a multiple of --pp {work.pp} with "
-            f"--vp {work.vp} (Megatron-LM's interleaved 1F1B runs microbatches in groups of pp)"
+            f"{named('microbatches')} must be a multiple of {named('pp')} with {named('vp')} "
+            "(Megatron-LM's interleaved 1F1B runs microbatches in groups of pp)"
         )
     _refuse_too_many_graphs(
         work.vp * work.layers * work.microbatches,
-        f"--vp {work.vp} x --layers {work.layers} x --microbatches {work.microbatches}",
+        f"{named('vp')} x {named('layers')} x {named('microbatches')}",
+        captured=captured,
     )
     _refuse_oversized(_shape(work))
     _order_of(work)  # any rule the schedule has beyond these
@@ -237,12 +280,18 @@ MAX_TENSOR_BYTES = 2**50
 below sizes whose byte counts overflow torch's 64-bit size arithmetic."""
 
 
-def _refuse_too_many_graphs(graphs: int, product: str) -> None:
-    """Refuse more than :data:`MAX_GRAPHS` graphs; ``product`` says what multiplies to them."""
+def _refuse_too_many_graphs(graphs: int, product: str, *, captured: bool = True) -> None:
+    """Refuse more than :data:`MAX_GRAPHS` graphs; ``product`` says what multiplies to them,
+    ``captured`` whether the command captures them or only plans them."""
     if graphs > MAX_GRAPHS:
+        verb, steps = (
+            ("capture", "probed, planned and captured")
+            if captured
+            else ("plan", "probed and planned")
+        )
         raise UsageError(
-            f"{product} is {graphs} graphs to capture; at most {MAX_GRAPHS} (each is probed, "
-            "planned and captured in turn: far more would run for hours)"
+            f"{product} is {graphs} graphs to {verb}; at most {MAX_GRAPHS} (each is {steps} in "
+            "turn: far more would run for hours)"
         )
 
 
@@ -314,6 +363,8 @@ def _output_file(path: str | None, flag: str) -> None:
         return
     if not path.strip():
         raise UsageError(f"{flag} {path!r}: an empty file name; give a file name")
+    if path.endswith(("/", os.sep)):  # Path() drops the slash, the open at the end would not
+        raise UsageError(f"{flag} {path}: ends in '/', a folder's name; give a file name")
     try:  # a name the system refuses (too long, say) fails these checks as the open would
         _check_output_file(Path(path), path, flag)
     except OSError as exc:
@@ -332,8 +383,9 @@ def _check_output_file(target: Path, path: str, flag: str) -> None:
         named = f"{target.parent}" if folder == target.parent.resolve() else f"{folder}"
         raise UsageError(f"{flag} {path}: folder {named} {what}")
     existed = resolved.exists()
-    with open(target, "a"):  # opened as the run will open it, so that a run is not lost at its end
-        pass
+    # Opened for writing as the run will open it, so that a run is not lost at its end; without
+    # blocking, so that a named pipe with no reader is refused (ENXIO) rather than waited on.
+    os.close(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666))
     if not existed:  # the file the open made, not a link to it
         resolved.unlink(missing_ok=True)
 
@@ -596,7 +648,7 @@ def _preset_config(
             f"{', '.join(fixed)}: not with --preset {preset.name}, which sets the workload "
             f"(only --sequence and --microbatches change its size); drop {them} or drop --preset"
         )
-    work = _workload(args, _preset_workload(preset))
+    work = _workload(args, _preset_workload(preset), fixed=_PRESET_FIXED)
     if device == "cpu":
         raise UsageError(
             f"--preset {preset.name}: {preset.title} ({preset.weight_bytes() / 1024**3:.0f} GiB "
@@ -633,6 +685,11 @@ def _preset_workload(preset: BenchPreset) -> Workload:
     )
 
 
+def _given(name: str) -> Callable[[argparse.Namespace], bool]:
+    """Whether the workload flag of field ``name`` was given (such flags default to None)."""
+    return lambda args: getattr(args, name) is not None
+
+
 _NOT_WITH_REPLAY_MICRO = (
     ("--methods", lambda a: a.methods is not None),
     ("--steps", lambda a: a.steps is not None),
@@ -641,6 +698,7 @@ _NOT_WITH_REPLAY_MICRO = (
     ("--grad-hooks", lambda a: a.grad_hooks),
     ("--plot", lambda a: a.plot is not None),
     ("--bars", lambda a: a.bars is not None),
+    *((_flag(name), _given(name)) for name in ("pp", "vp", "rank", "microbatches", "layers")),
 )
 """The bench's flags that the replay microbenchmark has no use for, and how to tell one given."""
 
@@ -695,7 +753,8 @@ def _write_json(path: str, data: object) -> None:
 def _write_bench_outputs(args: argparse.Namespace, result: BenchResult) -> None:
     if args.json:
         _write_json(args.json, result.to_json())
-        print(f"wrote {args.json} (every figure, the config and leangraph's memory timeline)")
+        timeline = " and leangraph's memory timeline" if result.report is not None else ""
+        print(f"wrote {args.json} (every figure{',' if timeline else ' and'} the config{timeline})")
     if args.plot:
         plot_timeline(result, args.plot)
         print(f"wrote {args.plot} (leangraph's memory timeline)")
@@ -750,7 +809,10 @@ def _import_function(spec: str) -> Callable[[], Any]:
         raise UsageError(f"--function {spec}: module {module_name} has no attribute {attr!r}")
     if not callable(function):
         kind = type(function).__name__
-        raise UsageError(f"--function {spec}: {module_name}.{attr} is a {kind}, not a function")
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
+        raise UsageError(
+            f"--function {spec}: {module_name}.{attr} is {article} {kind}, not a function"
+        )
     return function
 
 
@@ -817,7 +879,7 @@ def _plan(args: argparse.Namespace) -> int:
         plan = leangraph.plan_memory(callables, sample_args, **keywords)
         print(f"memory plan of {args.function}:")
     else:
-        work = _workload(args, GPU_WORKLOAD)
+        work = _workload(args, GPU_WORKLOAD, captured=False)
         shape = _shape(work)
         count = work.vp * work.layers
         fuse, overlap = _ACCUMULATION_MODES[args.accumulation or "autograd"]
@@ -862,7 +924,11 @@ def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
         "they differ.",
     )
     demo.add_argument(
-        "--steps", type=_count(1), metavar="N", default=5, help="training steps of each"
+        "--steps",
+        type=_count(1, (MAX_DEMO_STEPS, "its data is made before the first step")),
+        metavar="N",
+        default=5,
+        help=f"training steps of each, at most {MAX_DEMO_STEPS}",
     )
     demo.add_argument(
         "--microbatches",
@@ -947,10 +1013,10 @@ def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     bench.add_argument(
         "--steps",
-        type=_count(1),
+        type=_count(1, (MAX_STEPS, "more would run for days")),
         metavar="N",
-        help="timed training steps per method, after one measured for memory and one warm "
-        "(default: 5 on a GPU, 3 on the CPU)",
+        help="timed training steps per method, after one measured for memory and one warm, "
+        f"at most {MAX_STEPS} (default: 5 on a GPU, 3 on the CPU)",
     )
     bench.add_argument(
         "--methods",
@@ -982,10 +1048,11 @@ def _add_bench_measures(bench: argparse.ArgumentParser) -> None:
     """What the bench measures besides each method's one run: rounds, launches, hooks."""
     bench.add_argument(
         "--rounds",
-        type=_count(0),
+        type=_count(0, (MAX_ROUNDS, "each captures every graphed method again")),
         metavar="N",
         default=0,
-        help="then capture and time the graphed methods again, taking turns, this many times",
+        help="then capture and time the graphed methods again, taking turns, this many times "
+        f"(at most {MAX_ROUNDS})",
     )
     bench.add_argument(
         "--launches",
@@ -1016,10 +1083,11 @@ def _add_replay_micro(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument(
         "--replays",
-        type=_count(1),
+        type=_count(1, (MAX_REPLAYS, "more would run for hours")),
         metavar="N",
-        help="with --replay-micro: replays per method and round (default: "
-        f"{ReplayMicroConfig().replays}, in each of {ReplayMicroConfig().rounds} rounds)",
+        help="with --replay-micro: replays per method and round, at most "
+        f"{MAX_REPLAYS} (default: {ReplayMicroConfig().replays}, in each of "
+        f"{ReplayMicroConfig().rounds} rounds)",
     )
 
 

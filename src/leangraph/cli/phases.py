@@ -40,8 +40,9 @@ _KIND_NAMES = {
 
 @dataclass(frozen=True, slots=True)
 class Phase:
-    """The phase running now: ``done`` of ``total`` ``unit`` (``total`` None: not counted);
-    ``detail`` says what finished last (``backward of graph (chunk 2, microbatch 0, ...)``)."""
+    """The phase running now: ``done`` of ``total`` ``unit`` (a plural noun; ``total`` None:
+    not counted); ``detail`` says what finished last (``backward of graph (chunk 2,
+    microbatch 0, ...)``)."""
 
     name: str
     done: int = 0
@@ -51,7 +52,15 @@ class Phase:
 
     def count(self) -> str:
         """``17/64 graph steps``, or nothing when the phase is not counted."""
-        return "" if self.total is None else f"{self.done}/{self.total} {self.unit}".rstrip()
+        return "" if self.total is None else f"{self.done}/{self.total} {self.units()}".rstrip()
+
+    def size(self) -> str:
+        """`` (64 graph steps)``, `` (1 step)``, or nothing when the phase is not counted."""
+        return "" if self.total is None else f" ({self.total} {self.units()}".rstrip() + ")"
+
+    def units(self) -> str:
+        """``unit`` as ``total`` counts it: given as a plural, one of it is singular."""
+        return self.unit[:-1] if self.total == 1 and self.unit.endswith("s") else self.unit
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +144,7 @@ def line_display(stream: TextIO) -> Callable[[Phase], None]:
     def show(phase: Phase) -> None:
         if phase.name != last[0]:
             last[0] = phase.name
-            size = "" if phase.total is None else f" ({phase.total} {phase.unit}".rstrip() + ")"
-            print(f"progress: {phase.name}{size}", file=stream, flush=True)
+            print(f"progress: {phase.name}{phase.size()}", file=stream, flush=True)
 
     return show
 
