@@ -516,6 +516,32 @@ def test_v22_option_and_main_grad_misuse_raise_before_warm_up():
     assert warmed == []
 
 
+@pytest.mark.parametrize("value", ["oops", [0.0] * 8, 0.0])
+def test_v22_a_main_grad_that_is_no_tensor_is_refused_not_passed_over(value):
+    """Only None means no main_grad: anything else set there is a mistake, which the graphs
+    would silently leave out (adding into ``.grad`` instead)."""
+    _, module = block_pair()
+    module.up.weight.main_grad = value
+    with raises(ValueError, "parameter 'up.weight': fuse_grad_accumulation=True adds its gradient "
+                "into main_grad, which must be a floating-point tensor of shape (16, 8) on cpu; "
+                f"got {type(value).__name__}"):
+        leangraph.make_graphed_callables(
+            module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
+
+
+def test_a_main_grad_that_is_no_tensor_set_after_capture_is_refused_at_the_backward():
+    _, module = block_pair()
+    graphed, before = fused_after_one_step(module, True)
+    module.down.weight.main_grad = [0.0] * 8
+    out = graphed(torch.randn(4, 8)).sum()
+    with raises(RuntimeError, "callable 0 (Block) parameter 'down.weight' got a main_grad "
+                "since capture (list;"):
+        out.backward(retain_graph=True)
+    assert_grads_unchanged(module, before)
+    del module.down.weight.main_grad
+    out.backward()
+
+
 class _WithUnused(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

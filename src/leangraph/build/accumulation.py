@@ -170,7 +170,8 @@ def check_fusable(
     (:data:`MEGATRON_DDP_FLAG`).
 
     Raises:
-        ValueError: for a ``main_grad`` of another shape or device, or not floating point;
+        ValueError: for a ``main_grad`` (other than None) that is not a floating-point
+            tensor of the parameter's shape on its device;
             for a post-accumulate-grad hook, an accumulator-node hook or a Megatron-DDP
             parameter with ``NONE``.
         RuntimeError: for ``AUTOGRAD``, if this torch's accumulators skip hooks for a
@@ -198,11 +199,12 @@ def check_fusable(
             "fuse_grad_accumulation=False, or accumulator_hooks='python'"
         )
     for name, param in params:
-        main_grad = main_grad_of(param)
+        main_grad = getattr(param, "main_grad", None)  # None: no main_grad, the .grad's turn
         if main_grad is None:
             continue
         if (
-            main_grad.shape != param.shape
+            not isinstance(main_grad, torch.Tensor)
+            or main_grad.shape != param.shape
             or main_grad.device != param.device
             or not main_grad.is_floating_point()
         ):

@@ -31,7 +31,6 @@ from ..build.accumulation import (
     describe_buffer,
     engine_runs_all,
     has_post_accumulate_hooks,
-    main_grad_of,
     megatron_ddp_refusal,
     node_hook_dicts,
     node_hook_refusal,
@@ -171,7 +170,7 @@ class InGraphAccumulation:
             if main_grad is not target.buffer:
                 raise RuntimeError(self._replaced_main_grad(target, main_grad))
             return
-        main_grad = main_grad_of(param)
+        main_grad = getattr(param, "main_grad", None)  # tensor or not: the graph adds to .grad
         if main_grad is not None:
             raise RuntimeError(
                 f"{self._label} parameter {target.name!r} got a main_grad since capture "
