@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import copy
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
 import torch
 import torch.nn.functional as F
 from helpers import assert_replays_like_eager, notes, raises, sample
@@ -579,6 +581,22 @@ def test_reseeding_the_generator_inside_the_callable_is_refused():
 
     with pytest.raises(RuntimeError, match="re-seeded or restored during the capture"):
         mgc(reseeds, (leaf(4, 8),))
+
+
+def test_a_draw_of_another_thread_during_the_capture_is_refused_naming_the_thread():
+    """The default generator's state moves with every thread's draws: the check cannot tell
+    them from a reset, and says so, with the way out (a generator of the thread's own)."""
+    def draws_while_another_thread_draws(x: torch.Tensor) -> torch.Tensor:
+        out = F.dropout(x, 0.5)
+        other = threading.Thread(target=torch.randn, args=(3,))  # a data thread, say
+        other.start()
+        other.join()
+        return F.dropout(out, 0.5)
+
+    with raises(RuntimeError, "re-seeded or restored during the capture",
+                "or drawn from by another thread (its state cannot tell which)",
+                "give a thread that draws while others capture a torch.Generator of its own"):
+        mgc(draws_while_another_thread_draws, (leaf(4, 8),))
 
 
 def _forks(x: torch.Tensor) -> torch.Tensor:

@@ -325,7 +325,8 @@ class _Builder:
             raise refusal(
                 f"{func} drawing from a CPU generator that was re-seeded or restored during the "
                 "capture (torch.manual_seed, torch.set_rng_state, torch.utils.checkpoint "
-                "recomputing its forward)",
+                "recomputing its forward), or drawn from by another thread (its state cannot "
+                "tell which)",
                 _RESET_WHY,
             )
 
@@ -337,7 +338,8 @@ class _Builder:
             raise unsited_refusal(
                 "a re-seeded or restored CPU generator: the callable (or its backward) left it "
                 "in another state than its last draw, or the capture's start, left it "
-                "(torch.manual_seed, torch.set_rng_state, torch.random.fork_rng around a draw)",
+                "(torch.manual_seed, torch.set_rng_state, torch.random.fork_rng around a draw; "
+                "or another thread drew from it meanwhile, which its state cannot tell apart)",
                 _RESET_WHY,
             )
 
@@ -500,7 +502,8 @@ _RESET_WHY = (
     "a replay draws on from the generator as it is then and cannot repeat that reset; CUDA "
     "refuses to seed or restore a generator during capture too. Seed before the capture; "
     "checkpoint around the graphed callable, not inside it (preserve_rng_state=False would "
-    "recompute other dropout masks)"
+    "recompute other dropout masks); give a thread that draws while others capture a "
+    "torch.Generator of its own"
 )
 
 
