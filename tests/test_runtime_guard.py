@@ -49,6 +49,39 @@ def _refused(tensor: torch.Tensor, *parts: str) -> None:
             assert part in str(info.value), (part, str(info.value))
 
 
+def test_tensors_over_an_outputs_memory_are_guarded_as_it_is():
+    """``out.detach()`` kept for logging, a slice, a view, a split: each reads the graph's
+    buffer, so each raises once the window ends, where a copy stays the caller's own."""
+    graphed = _guarded()
+    out = graphed(sample())
+    aliases = {"detach": out.detach(), "slice": out[0], "view": out.view(-1),
+               "transpose": out.t(), "split": out.split(1)[0], "data": out.data}
+    copies = {"clone": out.clone(), "scaled": out * 2, "cat": torch.cat([out, out])}
+    expected = out.detach().clone()
+    assert all(isinstance(a, GuardedOutput) for a in aliases.values())
+    assert not any(isinstance(c, GuardedOutput) for c in copies.values())
+    assert torch.equal(aliases["detach"], expected)  # valid inside the window
+    same = out.mul_(1)  # an in-place op gives the output itself back
+    assert same is out
+    out.sum().backward()
+    for name, alias in aliases.items():
+        with pytest.raises(RuntimeError, match="was read after the backward of"):
+            alias + 1
+    assert torch.equal(copies["clone"], expected)
+
+
+def test_a_view_of_a_guarded_output_still_carries_the_gradient():
+    torch.manual_seed(0)
+    block = Block(4)
+    eager = copy.deepcopy(block)
+    graphed = mgc((block,), ((sample(),),), debug_outputs=True)[0]
+    x = sample()
+    graphed(x)[:, :2].sum().backward()
+    eager(x)[:, :2].sum().backward()
+    for p, q in zip(block.parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_outputs_are_guarded_only_in_debug_mode_and_derived_tensors_never():
     torch.manual_seed(0)
     plain = mgc((Block(4),), ((sample(),),))[0](sample())
