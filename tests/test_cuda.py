@@ -218,6 +218,21 @@ def test_debug_mode_catches_a_read_of_a_reused_output_on_cuda():
     leangraph.reset_all(graphed)
 
 
+def test_debug_mode_guards_a_kept_detach_and_slice_of_an_output_on_cuda():
+    torch.manual_seed(0)
+    graphed = leangraph.make_graphed_callables(
+        Block(64).cuda(), (torch.randn(8, 64, device="cuda", requires_grad=True),),
+        debug_outputs=True)
+    out = graphed(torch.randn(8, 64, device="cuda", requires_grad=True))
+    logged, row, copied = out.detach(), out[0], out.clone()
+    out.sum().backward()
+    for alias in (logged, row):
+        with pytest.raises(RuntimeError, match="was read after the backward"):
+            alias.sum()
+    assert torch.isfinite(copied).all()  # memory of its own: still the caller's
+    leangraph.reset_all(graphed)
+
+
 def test_capture_memory_error_when_the_plan_does_not_fit():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
