@@ -309,6 +309,17 @@ def test_w8_a_host_read_during_capture_is_refused_on_the_cpu_backend():
         assert notes(info.value).startswith("leangraph: raised during capture of callable 0 (")
 
 
+def test_w8_a_host_read_in_a_torch_module_graphed_as_it_is_names_its_forward():
+    """No user frame lies between the capture and the read: the module's own code (torch's
+    batch norm reads ``num_batches_tracked`` with ``momentum=None``) is named, not the line
+    of the make_graphed_callables call."""
+    with raises(RuntimeError, "the CPU backend cannot capture Tensor.item()",
+                f"at {Path(torch.nn.modules.batchnorm.__file__)}:",
+                " in forward: it reads a tensor's values on the host") as info:
+        mgc(nn.BatchNorm1d(4, momentum=None), (leaf(8, 4),))
+    assert __file__ not in str(info.value)
+
+
 def test_indexing_with_integer_indices_is_captured_and_replays_exactly():
     index = torch.tensor([3, 0, 0, 2])
     torch.manual_seed(0)

@@ -215,10 +215,25 @@ def _library_frame(filename: str) -> bool:
     return filename.startswith(_STDLIB_DIR) and "site-packages" not in filename
 
 
+CALLABLE_ENTRY = "_run_callable"
+"""The function of ``leangraph.build.graph`` that calls the callable being captured."""
+
+
 def user_site() -> str:
     """' at FILE:LINE in FUNCTION' for the innermost frame outside torch, leangraph and the
-    standard library: where in the user's code the refused thing happened ('' if none)."""
+    standard library: where in the user's code the refused thing happened. Where the callable
+    is torch's own (a ``torch.nn`` module graphed as it is), leangraph's capture comes before
+    any such frame: then the innermost ``forward`` in torch, the module's code that did it
+    ('' if none)."""
+    torch_forward = None
     for frame in reversed(traceback.extract_stack()):
         if not _library_frame(frame.filename):
             return f" at {frame.filename}:{frame.lineno} in {frame.name}"
-    return ""
+        if frame.filename.startswith(_LEANGRAPH_DIR):
+            if frame.name == CALLABLE_ENTRY:
+                break  # where the capture called the callable: all below it was torch's
+        elif torch_forward is None and frame.name == "forward":
+            torch_forward = frame
+    if torch_forward is None:
+        return ""
+    return f" at {torch_forward.filename}:{torch_forward.lineno} in forward"
