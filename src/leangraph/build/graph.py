@@ -453,7 +453,10 @@ def _structure(spec: pytree.TreeSpec) -> str:
 
 
 def _run_callable(source: GraphSource, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Run the callable on ``leaves``; its outputs must look as the probe saw them."""
+    """Run the callable on ``leaves``; its outputs must look as the probe saw them.
+
+    The CPU backend's refusals find the callable's own frames below this one by its name
+    (``backends._cpu_refusals.CALLABLE_ENTRY``): rename both together."""
     args, kwargs = source.signature.unflatten(leaves)
     output_leaves, tree = pytree.tree_flatten(source.fn(*args, **kwargs))
     expected = source.facts
