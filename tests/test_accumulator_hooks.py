@@ -370,9 +370,9 @@ def test_r17_two_calls_calling_one_parameters_hooks_in_one_pass(hooks):
     assert torch.equal(eager[0].weight.grad, tied[0].weight.grad)
 
 
-def test_tied_parameters_of_two_callables_keep_the_relay_with_python_hooks():
-    """Within one call the graphs training a parameter another callable trains keep the
-    relay, so the hooks fire once per pass, after both gradients, as in eager."""
+def test_tied_parameters_of_two_callables_fire_once_per_pass_with_python_hooks():
+    """Within one call the graphs training a parameter another callable trains hand autograd
+    their gradients, so the hooks fire once per pass, after both gradients, as in eager."""
     torch.manual_seed(0)
     eager = _tied_pair()
     tied = copy.deepcopy(eager)
@@ -383,11 +383,7 @@ def test_tied_parameters_of_two_callables_keep_the_relay_with_python_hooks():
     graphed = leangraph.make_graphed_callables(
         tied, tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(2)),
         fuse_grad_accumulation=True, accumulator_hooks="python")
-    for _ in range(2):
-        for module in (*eager, *tied):
-            # From None, adding the two graphs' gradients one by one rounds as eager's sum of
-            # them; onto an existing .grad it may not (docs/concepts.md).
-            module.zero_grad(set_to_none=True)
+    for _ in range(2):  # the second onto the first's .grad
         x = torch.randn(4, 8)
         eager[1](eager[0](x)).sum().backward()
         graphed[1](graphed[0](x)).sum().backward()
@@ -633,9 +629,8 @@ def _interleaved_hook_logs(mode: str, tied: bool):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_hook_order_over_an_interleaved_step_as_in_eager(mode, tied):
     """The sequence of hook events over two interleaved-1F1B steps, against eager's: with the
-    relay, or the hooks called by the replay, the same sequence; a parameter tied across
-    callables has one accumulator node, which carries one number, so within a layer its
-    events may come after its neighbours'. By default and with overlap_grad_accumulation,
+    relay, or the hooks called by the replay, the same sequence; the layers tying a weight
+    across callables hand autograd their gradients, as unfused graphs do. By default and with overlap_grad_accumulation,
     autograd picks the order among the accumulators of one replay (docs/concepts.md): the
     same events per backward pass, each layer's together, in eager's order of layers."""
     logs, held, graphed = _interleaved_hook_logs(mode, tied)

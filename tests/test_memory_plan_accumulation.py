@@ -73,50 +73,60 @@ def test_by_hand_overlap_keeps_the_latest_backwards_parameter_gradients() -> Non
     assert plain.pool_bytes == 4 * t and overlap.pool_bytes == 4 * t + w_grad
 
 
-def test_fused_counts_tied_parameters_once_and_skips_those_with_a_buffer() -> None:
+def test_fused_counts_a_parameter_once_and_skips_those_with_a_buffer() -> None:
     shared = nn.Parameter(torch.ones(4, 4))
-    layers = (Tied(shared), Tied(shared))
+    layer = Tied(shared)
     samples = tuple((torch.randn(2, 4, requires_grad=True),) for _ in range(2))
-    order = [1, -1]
-    every = (4 * 4 + 4 + 4) * F32  # the shared weight once, each bias
-    plan = plan_memory(layers, samples, order=order, num_layers_per_chunk=2,
-                       fuse_grad_accumulation=True)
-    assert plan.accumulation_bytes == every
+    order = [1, 1, -1, -1]  # two microbatches: two graphs train each parameter
+    plan = plan_memory((layer,), samples, order=order, fuse_grad_accumulation=True)
+    assert plan.accumulation_bytes == (4 * 4 + 4) * F32
     # A .grad of the parameter's layout is adopted (the caller's memory already); one of
     # other strides is replaced by a new buffer; a main_grad is used as it is.
-    layers[0].bias.grad = torch.zeros(4)
-    layers[1].bias.grad = torch.zeros(8)[::2]
+    layer.bias.grad = torch.zeros(8)[::2]
     shared.main_grad = torch.zeros(4, 4)  # type: ignore[attr-defined]
-    plan = plan_memory(layers, samples, order=order, num_layers_per_chunk=2,
-                       fuse_grad_accumulation=True)
+    plan = plan_memory((layer,), samples, order=order, fuse_grad_accumulation=True)
     assert plan.accumulation_bytes == 4 * F32
+    layer.bias.grad = torch.zeros(4)
+    plan = plan_memory((layer,), samples, order=order, fuse_grad_accumulation=True)
+    assert plan.accumulation_bytes == 0
+
+
+def test_fused_counts_no_buffer_for_layers_tying_a_weight_across_callables() -> None:
+    shared = nn.Parameter(torch.ones(4, 4))
+    layers = (Tied(shared), Tied(shared), Scale(4))
+    samples = tuple((torch.randn(2, 4, requires_grad=True),) for _ in range(3))
+    plan = plan_memory(layers, samples, order=[1, -1], num_layers_per_chunk=3,
+                       fuse_grad_accumulation=True)
+    assert plan.accumulation_bytes == 4 * F32  # Scale's weight: autograd accumulates the rest
 
 
 def test_fused_plan_counts_exactly_the_buffers_capture_allocates() -> None:
     torch.manual_seed(0)
-    shared = nn.Parameter(torch.randn(8, 8))
-    layers = (Tied(shared), Tied(shared), Scale(8))
-    layers[0].bias.grad = torch.zeros(8)  # adopted
-    layers[1].bias.grad = torch.zeros(16)[::2]  # other strides: replaced
+    single = Tied(nn.Parameter(torch.randn(8, 8)))
+    single.bias.grad = torch.zeros(8)  # adopted
+    scale = Scale(8)
+    scale.w.grad = torch.zeros(16)[::2]  # other strides: replaced
+    tied = nn.Parameter(torch.randn(8, 8))
+    pair = (Tied(tied), Tied(tied))  # accumulated by autograd: no buffer
     frozen = Scale(8)
     frozen.w.requires_grad_(False)  # trains nothing
-    callables = (*layers, frozen)
+    callables = (single, scale, *pair, frozen)
     samples = tuple((torch.randn(2, 8, requires_grad=True),) for _ in range(2 * len(callables)))
     order = [1, 1, -1, -1]
     kwargs = {"order": order, "num_layers_per_chunk": len(callables)}
     plan = plan_memory(callables, samples, fuse_grad_accumulation=True, **kwargs)
-    params = [p for fn in callables for p in fn.parameters()]
-    before = {id(p): p.grad for p in params}
+    fused = [p for fn in (single, scale) for p in fn.parameters()]
+    before = {id(p): p.grad for p in fused}
     graphed = leangraph.make_graphed_callables(callables, samples, fuse_grad_accumulation=True,
                                                **kwargs)
     # A buffer is attached as .grad at the first replay that adds into it.
     replay_step(graphed, order, [len(callables)],
                 [torch.randn(2, 8, requires_grad=True) for _ in range(2)])
-    allocated = {id(p): p.grad for p in params
+    allocated = {id(p): p.grad for p in fused
                  if p.grad is not None and p.grad is not before[id(p)]}
     assert sum(g.numel() * g.element_size() for g in allocated.values()) \
-        == plan.accumulation_bytes == (8 * 8 + 8 + 8) * F32
-    assert frozen.w.grad is None
+        == plan.accumulation_bytes == (8 * 8 + 8) * F32
+    assert frozen.w.grad is None and tied.grad is not None
     leangraph.reset_all(graphed)
 
 

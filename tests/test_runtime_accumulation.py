@@ -295,6 +295,84 @@ def test_a_parameter_shared_by_two_graphs_fires_its_hooks_once_per_backward(hook
     assert torch.equal(shared.weight.grad, graphed_shared.weight.grad)
 
 
+class _TiedBf16(torch.nn.Module):
+    """A bf16 layer training a weight it shares with another layer, and a bias of its own."""
+
+    def __init__(self, shared: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.shared = shared
+        self.bias = torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.shared.t() + self.bias)
+
+
+def _tied_bf16_stacks() -> tuple[torch.nn.ModuleList, torch.nn.ModuleList]:
+    torch.manual_seed(0)
+    shared = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.bfloat16) / 3)
+    eager = torch.nn.ModuleList([_TiedBf16(shared), _TiedBf16(shared)])
+    return eager, copy.deepcopy(eager)  # deepcopy keeps the tie
+
+
+@pytest.mark.parametrize("into", ["main_grad", "grad"])
+@HOOK_MODES
+def test_a_weight_tied_across_callables_accumulates_as_eager_bitwise_in_bf16(into, hooks):
+    """Eager sums a tied weight's two bf16 gradients and then accumulates the sum once: into
+    an fp32 ``main_grad`` (Megatron's hook) or onto a ``.grad`` holding earlier passes'. The
+    graphs of the layers tying it hand autograd their gradients, so that every pass adds
+    what eager's adds; the rest stay fused."""
+    eager, stack = _tied_bf16_stacks()
+    if into == "main_grad":
+        ddp = [_Megatron(eager, overlap_grad_reduce=False), _Megatron(stack, False)]
+    samples = tuple((torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True),)
+                    for _ in range(2))
+    graphed = leangraph.make_graphed_callables(
+        tuple(stack), samples, order=[1, -1], num_layers_per_chunk=[2],
+        fuse_grad_accumulation=True, accumulator_hooks=hooks)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):  # never zeroed: each pass adds onto the ones before
+        x = torch.randn(4, 8, generator=gen).to(torch.bfloat16)
+        for layers in (eager, graphed):
+            layers[1](layers[0](x.clone().requires_grad_())).float().square().sum().backward()
+    for a, b in zip(eager.parameters(), stack.parameters()):
+        got, expected = (b.main_grad, a.main_grad) if into == "main_grad" else (b.grad, a.grad)
+        assert torch.equal(got, expected)
+    if into == "main_grad":
+        # Each pass readies every parameter once; within a layer, in autograd's order.
+        passes = [[sorted(d.ready[i:i + 3]) for i in range(0, 12, 3)] for d in ddp]
+        assert passes[1] == passes[0] and len(ddp[0].ready) == 4 * 3
+    leangraph.reset_all(graphed)
+
+
+def test_only_the_graphs_of_layers_tying_a_weight_leave_accumulating_to_autograd():
+    """A third layer, untied, still adds its gradients in its graph into the buffer the call
+    attached, so a ``.grad`` the caller replaces with a tensor it holds is refused (R14); the
+    tied weight's accumulates as in eager, into whichever ``.grad`` it has."""
+    eager, stack = _tied_bf16_stacks()
+    third = torch.nn.Linear(8, 8, dtype=torch.bfloat16)
+    eager_third = copy.deepcopy(third)
+    samples = tuple((torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True),)
+                    for _ in range(3))
+    graphed = leangraph.make_graphed_callables(
+        (*stack, third), samples, order=[1, -1], num_layers_per_chunk=[3],
+        fuse_grad_accumulation=True)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    for layers in ((*eager, eager_third), graphed):
+        layers[2](layers[1](layers[0](x))).float().sum().backward()
+    kept = {}
+    for name, model in (("eager", eager), ("graphed", stack)):
+        kept[name] = model[0].shared.grad = torch.ones(8, 8, dtype=torch.bfloat16)
+    for layers in ((*eager, eager_third), graphed):
+        layers[2](layers[1](layers[0](x))).float().sum().backward()
+    assert stack[0].shared.grad is kept["graphed"]
+    assert torch.equal(kept["graphed"], kept["eager"])
+    third.weight.grad = kept_third = torch.zeros(8, 8, dtype=torch.bfloat16)
+    with raises(RuntimeError, "parameter 'weight': .grad is another tensor than at capture"):
+        graphed[2](graphed[1](graphed[0](x))).float().sum().backward()
+    del kept_third
+    leangraph.reset_all(graphed)
+
+
 @pytest.mark.parametrize(
     "held", ["by the caller", "as a view into a bucket", "as a view of a kept base",
              "beside another view"])

@@ -190,6 +190,9 @@ def make_graphed_callables(
         fuse_grad_accumulation: Add parameter gradients into ``main_grad`` (where present)
             or ``.grad`` inside the backward graphs; both then alias graph-written memory
             until reset ([concepts](docs/concepts.md): zeroing, hooks, Megatron's flag).
+            The graphs of callables that train a parameter another callable trains too
+            (tied weights) add none in: they hand autograd their gradients unfused, so that
+            the tied ones are summed before they accumulate, as in eager.
         accumulator_hooks: With ``fuse_grad_accumulation``, how the hooks on the
             parameters' accumulators fire after each backward replay (post-accumulate-grad
             hooks, torch DDP's and Megatron-core DDP's gradient-ready hooks). True: autograd

@@ -67,8 +67,8 @@ __all__ = [
     "engine_runs_all",
     "engine_runs_any",
     "fire_relay",
+    "fused_parameters",
     "has_post_accumulate_hooks",
-    "hook_deliveries",
     "hook_relay",
     "main_grad_of",
     "megatron_ddp_refusal",
@@ -554,28 +554,29 @@ def allocate_targets(
     return result
 
 
-def hook_deliveries(
+def fused_parameters(
     params_of: Sequence[Sequence[tuple[str, torch.nn.Parameter]]],
     callable_of: Sequence[int],
-    requested: HookDelivery,
-) -> list[HookDelivery]:
-    """How each graph (``params_of[g]``: its trained parameters, named; ``callable_of[g]``:
-    its callable) fires its accumulators' hooks: as ``requested``, except that with
-    ``PYTHON`` a graph training a parameter another callable trains too (tied weights) keeps
-    autograd's relay. Only autograd knows when a backward pass has brought all of a
-    parameter's gradients, so only its accumulator can fire the hooks once per pass, after
-    the last one. (The graphs of one callable, one per microbatch, have their backward
-    passes one by one; where two meet in one pass, :func:`call_python_hooks` refuses.)"""
-    if requested is not HookDelivery.PYTHON:
-        return [requested] * len(params_of)
+) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """The parameters each graph adds into their buffers itself (``params_of[g]``: the ones
+    it trains, named; ``callable_of[g]``: its callable): all of them, except in a graph
+    training a parameter that another callable trains too (tied weights), which fuses none
+    and hands autograd its gradients as unfused graphs do.
+
+    One backward pass reaches a tied parameter through several graphs. Eager sums their
+    gradients first, in the gradients' dtype, and accumulates the sum once; graphs adding
+    one after another round each gradient into the buffer on its own, which differs from
+    eager's wherever the buffer holds values already or is wider than the gradients (an
+    fp32 ``main_grad`` of a bf16 parameter). Autograd's input buffer makes eager's sum, and
+    only autograd knows when a pass has brought every contribution, so its accumulator
+    fires the hooks once, after the last. (The graphs of one callable, one per microbatch,
+    have their backward passes one by one.)"""
     callables_training: dict[int, set[int]] = collections.defaultdict(set)
     for params, index in zip(params_of, callable_of):
         for _, param in params:
             callables_training[id(param)].add(index)
     return [
-        HookDelivery.AUTOGRAD
-        if any(len(callables_training[id(p)]) > 1 for _, p in params)
-        else HookDelivery.PYTHON
+        [] if any(len(callables_training[id(p)]) > 1 for _, p in params) else list(params)
         for params in params_of
     ]
 

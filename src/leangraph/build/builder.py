@@ -31,10 +31,9 @@ from ..report import CaptureRecord
 from ..runtime.signature import CallSignature
 from .accumulation import (
     AccumulationTarget,
-    HookDelivery,
     allocate_targets,
     check_fusable,
-    hook_deliveries,
+    fused_parameters,
     new_buffer_bytes,
     trained_parameters,
 )
@@ -71,19 +70,17 @@ def build_graphs(
         Whatever the callables raise, with a note naming the phase, graph and step.
     """
     sources = graph_sources(call, facts, hooks, options)
-    # With in-graph accumulation: per graph, the parameters it trains and how their hooks fire.
-    trained: list[list[tuple[str, torch.nn.Parameter]]] = []
-    deliveries: list[HookDelivery] = []
+    # With in-graph accumulation: per graph, the parameters its backward adds in itself.
+    fused: list[list[tuple[str, torch.nn.Parameter]]] = []
     if options.fuse_grad_accumulation:
-        trained = [_trained(source) for source in sources]
         callables = [call.callable_index(source.index) for source in sources]
-        deliveries = hook_deliveries(trained, callables, options.hook_delivery)
-        for source, params, delivery in zip(sources, trained, deliveries):
-            check_fusable(source.label, params, delivery=delivery)
+        fused = fused_parameters([_trained(source) for source in sources], callables)
+        for source, params in zip(sources, fused):
+            check_fusable(source.label, params, delivery=options.hook_delivery)
     builders = [GraphBuilder(source, backend.new_pair()) for source in sources]
     try:
         capture = _warm_up_and_capture(
-            call, builders, buffer_plan, backend, options, trained, deliveries, progress
+            call, builders, buffer_plan, backend, options, fused, progress
         )
         return Built(tuple(b.record() for b in builders), capture)
     except BaseException as exc:
@@ -99,8 +96,7 @@ def _warm_up_and_capture(
     buffer_plan: BufferPlan | None,
     backend: GraphBackend,
     options: CaptureOptions,
-    trained: Sequence[Sequence[tuple[str, torch.nn.Parameter]]],
-    deliveries: Sequence[HookDelivery],
+    fused: Sequence[Sequence[tuple[str, torch.nn.Parameter]]],
     progress: ProgressCallback | None,
 ) -> CaptureRecord:
     plan = call.plan
@@ -132,9 +128,9 @@ def _warm_up_and_capture(
     buffers = None if buffer_plan is None else StaticBuffers.allocate(buffer_plan)
     targets: list[tuple[AccumulationTarget, ...]] = []
     if options.fuse_grad_accumulation:
-        targets = allocate_targets(trained)
-        for builder, graph_targets, delivery in zip(builders, targets, deliveries):
-            builder.fuse_into(graph_targets, delivery=delivery)
+        targets = allocate_targets(fused)
+        for builder, graph_targets in zip(builders, targets):
+            builder.fuse_into(graph_targets, delivery=options.hook_delivery)
     # A capture that runs its work adds capture-time gradients into the targets and updates
     # module buffers (BatchNorm's statistics): keep what they held (an adopted .grad, a
     # main_grad) and put it back, as a CUDA capture, which runs nothing, leaves it.
@@ -239,20 +235,17 @@ def graph_sources(
 
 def accumulation_buffer_bytes(call: Call, facts: Sequence[GraphFacts]) -> int:
     """What ``fuse_grad_accumulation=True`` allocates for ``call`` after warm-up, before
-    capture, outside the pool, and keeps until reset: a buffer per trained parameter (tied
-    ones once) that has neither a ``main_grad`` nor a ``.grad`` of its layout."""
+    capture, outside the pool, and keeps until reset: a buffer per parameter a graph adds
+    into itself (:func:`fused_parameters`; each once) that has neither a ``main_grad`` nor a
+    ``.grad`` of its layout."""
     # Read once per callable: a callable graphed at many microbatches has a graph per each.
     named = [_named_parameters(fn) for fn in call.callables]
-    trained = (
-        param
-        for graph, graph_facts in enumerate(facts)
-        for _, param in trained_parameters(
-            named[call.callable_index(graph)],
-            graph_facts.trains,
-            has_backward=graph_facts.has_backward,
-        )
-    )
-    return new_buffer_bytes(trained)
+    callables = [call.callable_index(graph) for graph in range(len(facts))]
+    trained = [
+        trained_parameters(named[index], graph_facts.trains, has_backward=graph_facts.has_backward)
+        for index, graph_facts in zip(callables, facts)
+    ]
+    return new_buffer_bytes(p for params in fused_parameters(trained, callables) for _, p in params)
 
 
 def _named_parameters(fn: object) -> tuple[tuple[str, torch.nn.Parameter], ...]:
