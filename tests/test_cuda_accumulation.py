@@ -63,6 +63,47 @@ def test_bf16_gradients_accumulate_into_fp32_main_grad_exactly_on_cuda(hooks):
             ddp.zero_grad_buffer()
 
 
+class _TiedLinear(torch.nn.Module):
+    def __init__(self, shared: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.shared = shared
+        self.bias = torch.nn.Parameter(torch.randn(shared.shape[0], dtype=shared.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.shared.t() + self.bias)
+
+
+@HOOK_MODES
+def test_a_weight_tied_across_layers_accumulates_into_fp32_main_grad_as_eager_on_cuda(hooks):
+    """Two layers tying a bf16 weight and an untied block after them: eager sums the tied
+    weight's two gradients in bf16 before Megatron's hook adds them into main_grad; so do the
+    replays, whose tied layers hand autograd their gradients, over passes never zeroed."""
+    torch.manual_seed(0)
+    shared = torch.nn.Parameter(torch.randn(256, 256, dtype=torch.bfloat16) / 16)
+    eager = torch.nn.ModuleList([_TiedLinear(shared), _TiedLinear(shared), Block(256)])
+    eager = eager.to("cuda", torch.bfloat16)
+    model = copy.deepcopy(eager)
+    ddp_eager = _Megatron(eager, overlap_grad_reduce=True)
+    ddp_graphed = _Megatron(model, overlap_grad_reduce=True, hooks=False)
+    samples = tuple((torch.randn(32, 256, device="cuda", dtype=torch.bfloat16,
+                                 requires_grad=True),) for _ in range(3))
+    graphed = leangraph.make_graphed_callables(
+        tuple(model), samples, order=[1, -1], num_layers_per_chunk=[3],
+        fuse_grad_accumulation=True, accumulator_hooks=hooks)
+    ddp_graphed.register_hooks()
+    for _ in range(3):
+        x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
+        for layers in (eager, graphed):
+            layers[2](layers[1](layers[0](x))).float().square().sum().backward()
+    torch.cuda.synchronize()
+    assert sorted(ddp_graphed.ready) == sorted(ddp_eager.ready)
+    assert len(ddp_eager.ready) == 3 * len(ddp_eager.params)
+    for a, b in zip(eager.parameters(), model.parameters()):
+        assert torch.equal(a.main_grad, b.main_grad)
+        assert a.grad is None and b.grad is None
+    leangraph.reset_all(graphed)
+
+
 def _adds_outside_graphs(fuse: bool) -> int:
     """Accumulation ops autograd runs outside the graphs in one step of 4 microbatches."""
     torch.manual_seed(0)
