@@ -607,6 +607,31 @@ def test_v22_a_main_grad_that_is_no_tensor_is_refused_not_passed_over(value):
             module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
 
 
+def test_a_main_grad_of_none_keeps_the_replays_on_the_path_without_the_full_check(
+        monkeypatch):
+    """A parameter whose ``main_grad`` is None accumulates into ``.grad`` as one without it,
+    and its replays skip the per-parameter check, which is for a changed target."""
+    from leangraph.runtime.accumulation import InGraphAccumulation
+
+    eager, module = block_pair()
+    for p in module.parameters():
+        p.main_grad = None
+    graphed = leangraph.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), fuse_grad_accumulation=True)
+    checked = []
+    full_check = InGraphAccumulation._check_target
+    monkeypatch.setattr(InGraphAccumulation, "_check_target",
+                        lambda self, *a: checked.append(a) or full_check(self, *a))
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        for fn in (eager, graphed):
+            fn(x).square().sum().backward()
+    assert len(checked) == len(list(module.parameters()))  # at the first, which attaches .grad
+    for a, b in zip(eager.parameters(), module.parameters()):
+        assert torch.equal(a.grad, b.grad) and b.main_grad is None
+    leangraph.reset_all(graphed)
+
+
 def test_a_main_grad_that_is_no_tensor_set_after_capture_is_refused_at_the_backward():
     _, module = block_pair()
     graphed, before = fused_after_one_step(module, True)

@@ -251,7 +251,7 @@ class InGraphAccumulation:
                 and (self._hooks or not any(map(post_accumulate_hooks, self._params)))
                 and (self._hooks or not any(map(hasattr, self._params, _DDP_FLAG_NAMES)))
                 and not any(self._unrun_hook_dicts)
-                and not any(map(hasattr, self._grad_params, _MAIN_GRAD_NAMES))
+                and all(map(operator.is_, map(getattr, self._grad_params, *_NO_MAIN_GRAD), _NONES))
                 and not any(map(TENSOR_HOOKS, self._params))
                 and all(map(operator.eq, map(_DATA_PTR, self._buffers), self._pointers))
             )
@@ -428,8 +428,10 @@ _DDP_NO_HOOKS = (
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-# Attribute names for C-level hasattr loops over many parameters.
-_MAIN_GRAD_NAMES = itertools.repeat("main_grad")
+# Arguments of C-level getattr and hasattr loops over many parameters: a main_grad set to
+# None counts as none, as the full check has it.
+_NONES = itertools.repeat(None)
+_NO_MAIN_GRAD = (itertools.repeat("main_grad"), _NONES)
 _DDP_FLAG_NAMES = itertools.repeat(MEGATRON_DDP_FLAG)
 _GRAD = operator.attrgetter("grad")
 _MAIN_GRAD = operator.attrgetter("main_grad")
