@@ -16,16 +16,19 @@ eager code in the same backward pass reaches the parameter too (a weight tied to
 module used before the graphed layers): autograd then waits for that gradient, and the
 graphs replayed meanwhile may write over the buffer, whose memory later graphs share. So
 every replay first settles what the previous backward replays lent
-(:func:`settle_lent_gradients`): where a parameter's ``.grad`` has not moved since and
-autograd still holds the lent tensor, that tensor is moved onto a copy of its values
+(:func:`settle_lent_gradients`): where autograd still holds the lent tensor (its count of
+C++ references is above the routing's one), that tensor is moved onto a copy of its values
 (autograd adds the copy), and the routing lends a new tensor over the buffer from then on.
 Leangraph cannot see the eager use; this sees its effect, one C-level read of each lent
-parameter's ``.grad`` version per backward replay. A leaf input's lent gradient is settled
-the same way (eager code may take the input too: ``2 * x`` beside the graphed ``layer(x)``).
+tensor's count per backward replay. A leaf input's lent gradient is settled the same way
+(eager code may take the input too: ``2 * x`` beside the graphed ``layer(x)``). What keeps a
+lent tensor from Python (a hook on its accumulator storing the gradient it sees) shares the
+routing's count and is not seen.
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 import types
 import weakref
@@ -192,53 +195,21 @@ class GradRouting:
         lent tensors over the static buffers, not copies, for the next
         :func:`settle_lent_gradients`: the parameters', and the inputs' of ``accumulating``."""
         grads = self._grads
-        params: tuple[torch.Tensor, ...]
         if handed is grads:  # the usual case: every parameter's, none copied or left out
-            positions, params = self._lent_positions, self._delivered
+            positions = self._lent_positions
         else:
-            pairs = [(i, p) for i, p in self._params_with_grad if handed[i] is grads[i]]
-            positions, params = tuple(i for i, _ in pairs), tuple(p for _, p in pairs)
+            positions = tuple(i for i, _ in self._params_with_grad if handed[i] is grads[i])
         if accumulating:
-            self._lend_to_leaves(handed, accumulating)
-        if not positions:
-            return
-        try:
-            versions = tuple(map(_GRAD_VERSION, params))
-        except AttributeError:  # a .grad of None: lent only where there is one (scatter)
-            return
-        _LENT.append((self, positions, params, versions))
+            positions += tuple(i for i in accumulating if handed[i] is grads[i])
+        if positions:
+            _LENT.append((self, positions))
 
-    def _lend_to_leaves(
-        self, handed: tuple[torch.Tensor | None, ...], accumulating: Mapping[int, torch.Tensor]
-    ) -> None:
-        """:meth:`lend` for the leaf inputs: noted by weak reference, so that the routing
-        keeps no input (nor its ``.grad``) alive past its backward. One that is gone has
-        nothing waiting to add into it: autograd's accumulator holds its leaf."""
-        grads = self._grads
-        for position, leaf in accumulating.items():
-            grad = leaf.grad
-            # A .grad set to None since accumulating_leaves: autograd copies what it gets.
-            if handed[position] is grads[position] and grad is not None:
-                _LENT_TO_LEAVES.append((self, position, weakref.ref(leaf), grad._version))
-
-    def _settle(
-        self,
-        positions: tuple[int, ...],
-        params: tuple[torch.Tensor, ...],
-        versions: tuple[int, ...],
-    ) -> None:
-        """Move the lent tensors autograd may not have added yet onto copies (see the module
-        docstring); the routing lends new tensors over those buffers from then on.
-        ``params``: whose ``.grad`` each was lent to (a parameter, or a leaf input). A
-        ``.grad`` replaced since by one at the same version (or by None) is taken as not
-        added: a needless copy, never a wrong gradient."""
+    def _settle(self, positions: tuple[int, ...]) -> None:
+        """Move the lent tensors at ``positions`` that something besides the routing still
+        holds onto copies (see the module docstring); the routing lends new tensors over
+        those buffers from then on."""
         grads = list(self._grads)
-        moved = [
-            position
-            for position, param, version in zip(positions, params, versions)
-            if (param.grad is None or param.grad._version == version)
-            and _held_elsewhere(grads[position])
-        ]
+        moved = [position for position in positions if _held_elsewhere(grads[position])]
         if not moved:
             return
         lent: list[Any] = [grads[position] for position in moved]
@@ -248,16 +219,17 @@ class GradRouting:
             grads[position] = buffer.detach()
         self._grads = tuple(grads)  # first: a scatter from now on hands the new tensors
         for tensor, copy in zip(lent, copies(lent)):
-            tensor.data = copy  # autograd holds this tensor: it adds the copy
+            tensor.data = copy  # whoever holds this tensor now holds the copy
 
 
-# What backward replays lent autograd since the last settle: (routing, positions, params,
-# the versions of their .grad then). Process-wide: graphs of any call may share memory
-# through a pool. Appended and popped whole (atomic under the GIL).
-_LENT: list[tuple[GradRouting, tuple[int, ...], tuple[torch.Tensor, ...], tuple[int, ...]]] = []
-# The same for the leaf inputs' gradients lent, one entry per leaf, weakly held.
-_LENT_TO_LEAVES: list[tuple[GradRouting, int, weakref.ref[torch.Tensor], int]] = []
-_GRAD_VERSION = operator.attrgetter("grad._version")
+# What backward replays lent autograd since the last settle: (routing, positions of its
+# lent tensors). Process-wide: graphs of any call may share memory through a pool. Appended
+# and popped whole (atomic under the GIL).
+_LENT: list[tuple[GradRouting, tuple[int, ...]]] = []
+# A tensor's count of references from C++ (autograd's, a .grad's, a view's base), which the
+# Python objects referring to it share one of; without it (a torch lacking it), 2: held.
+_USE_COUNT = getattr(torch.Tensor, "_use_count", lambda tensor: 2)
+_ONES = itertools.repeat(1)
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 # Whether the running backward pass executes a node (torch >= 1.13); without it, nothing
 # is taken as executed, so every input's gradient is copied as before.
@@ -292,33 +264,23 @@ def accumulating_leaves(node: Any, positions: Iterable[int]) -> Mapping[int, tor
 
 
 def _held_elsewhere(lent: torch.Tensor | None) -> bool:
-    """Whether something besides the routing holds ``lent`` (autograd, waiting to add it);
-    without the count (a torch lacking ``Tensor._use_count``), taken as yes. A gradient
-    autograd dropped unread (``torch.autograd.grad`` with respect to the inputs only runs no
-    accumulator) is held by the routing alone, and needs no copy."""
-    use_count = getattr(lent, "_use_count", None)
-    return use_count is None or use_count() > 1
+    """Whether something besides the routing holds ``lent`` from C++: autograd, waiting to
+    add it (Python references, the routing's among them, share one count); without the
+    count, taken as yes. One autograd added, or dropped unread, is the routing's alone."""
+    return lent is not None and _USE_COUNT(lent) > 1
 
 
 def settle_lent_gradients() -> None:
-    """Before a replay writes graph memory: every parameter gradient a backward replay lent
-    autograd as a tensor over its static buffer, and that autograd has not added into
-    ``.grad`` yet (its ``.grad`` is at the same version: autograd waits for a
-    gradient from eager code reaching the parameter in the same pass), is moved onto a copy,
-    so that the replay cannot write over it (see the module docstring)."""
-    while _LENT_TO_LEAVES:
-        routing, position, ref, version = _LENT_TO_LEAVES.pop()
-        leaf = ref()  # gone: nothing waits to add into it
-        if leaf is not None and (leaf.grad is None or leaf.grad._version == version):
-            routing._settle((position,), (leaf,), (version,))
+    """Before a replay writes graph memory: every gradient a backward replay lent autograd as
+    a tensor over its static buffer that autograd still holds (waiting for a gradient from
+    eager code reaching the parameter in the same pass) is moved onto a copy, so that the
+    replay cannot write over it (see the module docstring)."""
     while _LENT:
-        routing, positions, params, versions = _LENT.pop()
-        try:
-            if not any(map(operator.eq, map(_GRAD_VERSION, params), versions)):
-                continue  # every one added (each .grad's version moved): the usual case
-        except AttributeError:  # a .grad set to None since: look at each
-            pass
-        routing._settle(positions, params, versions)
+        routing, positions = _LENT.pop()
+        grads = routing._grads
+        # The usual case, in C-level loops: autograd added every one (or dropped it unread).
+        if any(map(operator.lt, _ONES, map(_USE_COUNT, map(grads.__getitem__, positions)))):
+            routing._settle(positions)
 
 
 def trained_elsewhere_in_pass(record: GraphRecord, pending: PendingBackwards) -> frozenset[int]:
