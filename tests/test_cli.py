@@ -230,6 +230,17 @@ USAGE_ERRORS = [
     (["plan", "--micro-batch", "1000000000000", "--sequence", "1", "--heads", "1",
       "--hidden", "1000000"], "leangraph plan",
      "fc1's output (micro-batch x sequence x 4 x hidden) would take 8000000000000000000 bytes"),
+    # Under the cap but beyond any machine's memory: refused before anything is made, naming
+    # the flags, not by torch's allocator later.
+    (["demo", "--hidden", "4000000", "--device", "cpu"], "leangraph demo",
+     "--hidden 4000000, --sequence 32: the weights of its 4 blocks alone would take 2,861,024 "
+     "GiB, more than this machine's"),
+    (["bench", "--device", "cpu", "--hidden", "4000000"], "leangraph bench",
+     "--hidden 4000000, --sequence 32, --micro-batch 1, --vp 2, --layers 2: the weights of its 4 "
+     "blocks alone would take"),
+    (["demo", "--sequence", "1000000", "--device", "cpu"], "leangraph demo",
+     "--hidden 64, --sequence 1000000: the attention scores (micro-batch x heads x sequence x "
+     "sequence) would take 14,901 GiB, more than this machine's"),
 ]
 
 

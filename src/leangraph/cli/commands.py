@@ -298,6 +298,15 @@ def _refuse_too_many_graphs(graphs: int, product: str, *, captured: bool = True)
 def _refuse_oversized(shape: BlockShape) -> None:
     """Refuse a block whose largest tensor would exceed :data:`MAX_TENSOR_BYTES`, naming the
     flags it comes from (torch would fail on it with an overflow, or run out of memory)."""
+    name, size = _largest_tensor(shape)
+    if size > MAX_TENSOR_BYTES:
+        raise UsageError(
+            f"{name} would take {size} bytes; at most {MAX_TENSOR_BYTES} (1 PiB) per tensor"
+        )
+
+
+def _largest_tensor(shape: BlockShape) -> tuple[str, int]:
+    """What the block's largest tensor is, and its bytes."""
     h, mb, seq = shape.hidden, shape.micro_batch, shape.sequence
     tensors = {
         "fc1's weight (4 x hidden x hidden)": 4 * h * h,
@@ -307,11 +316,45 @@ def _refuse_oversized(shape: BlockShape) -> None:
         ),
     }
     name, elements = max(tensors.items(), key=lambda item: item[1])
-    size = elements * shape.dtype.itemsize
-    if size > MAX_TENSOR_BYTES:
+    return name, elements * shape.dtype.itemsize
+
+
+def _refuse_beyond_memory(shape: BlockShape, blocks: int, device: str, sizes: str) -> None:
+    """Refuse, before anything is made, a workload that cannot run on ``device`` whatever
+    else it holds: whose ``blocks`` blocks' weights (one copy; a run holds several, and
+    gradients) or largest tensor exceed the device's whole memory, where torch's allocator
+    would fail later without naming a flag. ``sizes``: the flags that size it, as given."""
+    total = _device_memory(device)
+    if total is None:
+        return
+    per_block = sum(p.numel() for p in make_blocks(1, shape, "meta")[0].parameters())
+    weights = blocks * per_block * shape.dtype.itemsize
+    name, largest = _largest_tensor(shape)
+    what, size = (
+        (f"the weights of its {plural(blocks, 'block')} alone", weights)
+        if weights >= largest
+        else (name, largest)
+    )
+    if size > total:
         raise UsageError(
-            f"{name} would take {size} bytes; at most {MAX_TENSOR_BYTES} (1 PiB) per tensor"
+            f"{sizes}: {what} would take {_gib(size)}, more than this machine's {_gib(total)} "
+            f"of {'GPU' if device == 'cuda' else 'CPU'} memory; make the workload smaller"
         )
+
+
+def _device_memory(device: str) -> int | None:
+    """The whole memory of ``device`` (the current GPU's, or the machine's RAM) in bytes;
+    None where the platform does not say."""
+    if device == "cuda":
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # not a POSIX system that tells
+        return None
+
+
+def _gib(size: int) -> str:
+    return f"{size / 1024**3:,.0f} GiB" if size >= 1024**3 else f"{size / 1024**2:.0f} MiB"
 
 
 def _order_of(work: Workload) -> list[int]:
@@ -449,6 +492,12 @@ def _demo(args: argparse.Namespace) -> int:
         f"{config.num_microbatches}",
     )
     _refuse_oversized(config.shape)
+    _refuse_beyond_memory(
+        config.shape,
+        config.vp_size * config.layers_per_chunk,
+        device,
+        f"--hidden {args.hidden}, --sequence {args.sequence}",
+    )
     _order_of(Workload(pp=config.pp_size, vp=config.vp_size, microbatches=config.num_microbatches))
     with _intra_op_threads(args.threads, device), phase_display(not args.no_progress) as progress:
         result = run_demo(config, progress=progress)
@@ -576,7 +625,15 @@ def _bench(args: argparse.Namespace) -> int:
         config, described, notes = _preset_config(args, device, why_cpu)
     else:
         work = _workload(args, CPU_WORKLOAD if device == "cpu" else GPU_WORKLOAD)
-        if args.replay_micro or args.replays is not None:
+        micro = args.replay_micro or args.replays is not None
+        _refuse_beyond_memory(
+            _shape(work),
+            1 if micro else work.vp * work.layers,
+            device,
+            f"--hidden {work.hidden}, --sequence {work.sequence}, --micro-batch "
+            f"{work.micro_batch}" + ("" if micro else f", --vp {work.vp}, --layers {work.layers}"),
+        )
+        if micro:
             return _replay_micro(args, device, why_cpu, work)
         methods, notes = _bench_methods(args.methods, device, why_cpu)
         _check_bench_outputs(args, device, methods)
