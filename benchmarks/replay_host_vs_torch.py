@@ -26,10 +26,11 @@ import torch
 import torch.cuda.graphs
 
 import leangraph
+from leangraph.cli.workloads import BlockShape, make_blocks, sample_hidden
 
 ROUNDS = 7
 REPLAYS = 3000
-HIDDEN = 64
+SHAPE = BlockShape(hidden=64, heads=4, sequence=16)  # the bench's block, small
 
 
 class _NoGraph:
@@ -64,23 +65,9 @@ def _stub_cuda() -> None:
     torch.cuda.synchronize = lambda *args: None  # type: ignore[assignment]
 
 
-class _Block(torch.nn.Module):
-    """The bench's block reduced to what the replay path sees: two linear layers, a norm."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(width)
-        self.up = torch.nn.Linear(width, 2 * width)
-        self.down = torch.nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(self.norm(x))))
-
-
 def _layers() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    torch.manual_seed(0)
-    block = _Block(HIDDEN)
-    sample = torch.randn(8, HIDDEN, requires_grad=True)
+    block = make_blocks(1, SHAPE, "cpu")[0]
+    sample = sample_hidden(SHAPE, "cpu")
     ours = leangraph.make_graphed_callables(
         (copy.deepcopy(block),), ((sample.detach().clone().requires_grad_(),),),
         order=[1, -1], num_layers_per_chunk=1,
@@ -95,8 +82,8 @@ def _layers() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
 
 def _time(layer: Callable[[torch.Tensor], torch.Tensor]) -> float:
     """The median over rounds of µs per forward and backward replay."""
-    x = torch.randn(8, HIDDEN, requires_grad=True)
-    grad = torch.randn(8, HIDDEN)
+    x = sample_hidden(SHAPE, "cpu")
+    grad = sample_hidden(SHAPE, "cpu", requires_grad=False)
     for _ in range(REPLAYS // 10):
         layer(x).backward(grad)
     rounds = []
