@@ -283,6 +283,35 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly():
     assert err == ""
 
 
+class _Unwritable(io.StringIO):
+    """A stdout that refuses what is written to it, as a full disk or /dev/full does."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__()
+        self.error = error
+
+    def write(self, text: str) -> int:
+        raise self.error
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["plan", "--help"], ["--version"]], ids=" ".join)
+def test_help_or_version_that_cannot_be_written_fails_in_one_line(argv, monkeypatch, capsys):
+    """argparse drops a write error of --help and --version and exits 0 with nothing written:
+    the command fails instead, status 1, saying why."""
+    monkeypatch.setattr(sys, "stdout", _Unwritable(OSError(28, "No space left on device")))
+    status, _, err = run_cli(argv, capsys)
+    assert status == 1
+    prog = "leangraph plan" if argv[0] == "plan" else "leangraph"
+    assert_one_line(err, "cannot write the output: [Errno 28] No space left on device", prog)
+
+
+def test_help_to_a_reader_gone_ends_quietly(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdout", _Unwritable(BrokenPipeError(32, "Broken pipe")))
+    monkeypatch.setattr(os, "dup2", lambda *args: None)  # keeps the test session's stdout
+    status, _, err = run_cli(["--help"], capsys)
+    assert status == 141 and err == ""
+
+
 def test_debug_shows_the_traceback_from_a_real_process():
     done = _python_m_leangraph("plan", "--function", "os:getcwd", "--debug")
     assert done.returncode == 1  # an uncaught exception

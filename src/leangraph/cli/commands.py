@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -51,6 +51,9 @@ from .phases import phase_display, progress_bar
 from .presets import PRESETS, BenchPreset
 from .replay_micro import ReplayMicroConfig, format_replay_micro, run_replay_micro
 from .workloads import BlockShape, make_blocks, plural, sample_hidden
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 __all__ = ["CommandError", "UsageError", "build_parser", "main", "progress_bar"]
 
@@ -106,6 +109,26 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        """argparse's, but output that cannot be written (``--help`` or ``--version`` into a
+        full disk) fails the command in one line, status 1, where argparse drops the error
+        and exits 0 with nothing written; a reader gone ends quietly, as a run's does."""
+        if not message:
+            return
+        out = file or sys.stderr
+        try:
+            out.write(message)
+            flush = getattr(out, "flush", None)  # where written into a buffer, fail here
+            if flush is not None:
+                flush()
+        except BrokenPipeError:
+            raise SystemExit(_reader_gone()) from None
+        except OSError as exc:
+            if out is sys.stderr:  # nowhere left to say it
+                return
+            sys.stderr.write(f"{self.prog}: error: cannot write the output: {exc}\n")
+            raise SystemExit(1) from None
 
 
 # ------------------------------------------------------------------------------ arguments
