@@ -246,6 +246,62 @@ def test_input_gradients_kept_outside_the_graphs_are_eagers(share_buffers, devic
     leangraph.reset_all(graphed)
 
 
+def _kept_param_grads(model, keep, device):
+    """Three steps through ``model`` (two blocks) with every ``.grad`` set, so the graphs
+    lend their parameter gradients; ``keep`` stores the gradients Python is handed, by
+    (step, parameter): returned by ``torch.autograd.grad``, or seen by a hook on each
+    accumulator (in whatever order autograd runs them)."""
+    kept, nodes = {}, []  # the nodes kept alive, as DDP keeps them: else hooks are lost
+    step = 0
+
+    def store(index, seen):
+        kept[step, index] = seen[0]
+
+    for index, p in enumerate(model.parameters()):
+        p.grad = torch.zeros_like(p)
+        if keep != "autograd.grad":
+            node = p.view_as(p).grad_fn.next_functions[0][0]
+            nodes.append(node)
+            if keep == "accumulator-hook":
+                node.register_hook(lambda _, seen, i=index: store(i, seen))
+            else:
+                node.register_prehook(lambda seen, i=index: store(i, seen))
+    torch.manual_seed(1)
+    for step in range(3):
+        x = torch.randn(2, 8, device=device, requires_grad=True)
+        loss = model(x).square().sum() * (step + 1)
+        if keep == "autograd.grad":
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            kept.update({(step, i): g for i, g in enumerate(grads)})
+        else:
+            loss.backward()
+    return kept, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("keep", ["autograd.grad", "accumulator-hook", "accumulator-prehook"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_parameter_gradients_python_keeps_are_eagers_after_later_replays(keep, device):
+    """A lent parameter gradient (``.grad`` exists: autograd adds it in place) that Python
+    keeps shares autograd's count of C++ references with the routing's: ``torch.autograd.grad``
+    returns it (no accumulator runs), a hook on the accumulator may store it. Its count of
+    Python references shows it: each keeps eager's values after the next replays write over
+    the buffers (before, every step's kept gradients were the last step's)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(8), Block(8)).to(device)
+    eager = copy.deepcopy(model)
+    with torch.device(device):
+        leangraph.make_graphed_callables(
+            tuple(model), tuple((torch.randn(2, 8, requires_grad=True),) for _ in model))
+    got, got_grads = _kept_param_grads(model, keep, device)
+    want, want_grads = _kept_param_grads(eager, keep, device)
+    assert got.keys() == want.keys() and len(got) == 3 * len(got_grads)
+    for key in want:
+        _assert_as_eager(got[key], want[key], device, key)
+    for a, b in zip(got_grads, want_grads):
+        _assert_as_eager(a, b, device)
+    leangraph.reset_all(tuple(model))
+
+
 @pytest.mark.parametrize("branch", ["none", "also-in-the-loss", "a-hook-replaces-it"])
 def test_a_chained_layer_reads_the_next_layers_input_gradient_as_its_seed(branch):
     """Within a chunk, layer 0's seed is layer 1's input-gradient buffer: the gradient
@@ -600,13 +656,16 @@ def test_in_an_order_a_weight_also_used_eagerly_earlier_gets_eagers_gradient(dev
 # --------------------------------------------------------------------------------------------
 
 
-def _handed_input_grads(monkeypatch) -> list[torch.Tensor | None]:
-    handed: list[torch.Tensor | None] = []
+def _handed_input_grads(monkeypatch) -> list[tuple[int, int]]:
+    """Per backward replay, where input 0's gradient handed to autograd points and the id of
+    the tensor handed: not the tensor itself, which a reference kept here would have moved
+    onto a copy (what Python keeps of a lent gradient is)."""
+    handed: list[tuple[int, int]] = []
     original = GradRouting.hand
 
     def hand(self, reached, accumulating=NO_LEAVES):
         result = original(self, reached, accumulating)
-        handed.append(result[0])
+        handed.append((result[0].data_ptr(), id(result[0])))
         return result
 
     monkeypatch.setattr(GradRouting, "hand", hand)
@@ -629,11 +688,11 @@ def test_a_leaf_inputs_gradient_is_lent_where_its_grad_exists_and_copied_where_n
         graphed(x).square().sum().backward()
         eager(y).square().sum().backward()
         _assert_as_eager(x.grad, y.grad, device)
-    assert [g.data_ptr() == buffer.data_ptr() for g in handed] == [False, True, True]
-    assert all(g is not buffer for g in handed)  # a tensor over it, never the buffer
+    assert [pointer == buffer.data_ptr() for pointer, _ in handed] == [False, True, True]
+    assert all(tensor != id(buffer) for _, tensor in handed)  # a tensor over it, never it
     x.grad = None
     graphed(x).square().sum().backward()
-    assert handed[-1].data_ptr() != buffer.data_ptr()
+    assert handed[-1][0] != buffer.data_ptr()
     leangraph.reset_all([graphed])
 
 
@@ -643,7 +702,7 @@ def test_a_leaf_input_lent_its_gradient_is_not_kept_alive_by_the_routing(monkeyp
     x = torch.randn(2, 4, requires_grad=True)
     x.grad = torch.zeros_like(x)
     graphed[0](x).sum().backward()
-    assert handed[-1].data_ptr() == graphed[0].forward._record.static_grads[0].data_ptr()
+    assert handed[-1][0] == graphed[0].forward._record.static_grads[0].data_ptr()
     gone = weakref.ref(x)
     del x
     assert gone() is None  # until the next replay settles what was lent, only weakly held

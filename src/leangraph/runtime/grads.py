@@ -22,14 +22,18 @@ C++ references is above the routing's one), that tensor is moved onto a copy of 
 Leangraph cannot see the eager use; this sees its effect, one C-level read of each lent
 tensor's count per backward replay. A leaf input's lent gradient is settled the same way
 (eager code may take the input too: ``2 * x`` beside the graphed ``layer(x)``). What keeps a
-lent tensor from Python (a hook on its accumulator storing the gradient it sees) shares the
-routing's count and is not seen.
+lent tensor from Python shares the routing's count of C++ references, so its count of
+Python references is read too: ``torch.autograd.grad`` with respect to a parameter (its
+accumulator does not run; the pass returns the lent tensor itself), or a hook on its
+accumulator storing the gradient it sees, hold it so, and it is moved onto a copy the same
+way, before a replay can write over it.
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
+import sys
 import types
 import weakref
 from collections.abc import Iterable, Mapping
@@ -61,17 +65,20 @@ class GradRouting:
     still None, which autograd would take over), or a tensor hook on the parameter may keep, is
     copied, so no stored gradient aliases a buffer that a later replay overwrites. A
     parameter that already has a ``.grad`` (and no tensor hook) gets a tensor over the
-    buffer: autograd adds it into that ``.grad`` right away, unless another graph training the same
-    parameter still has to run in this backward pass (several microbatches, or tied weights,
-    differentiated together): autograd then waits for that graph's gradient too, whose replay
-    may overwrite this buffer first, so it gets a copy. An input's gradient is copied too,
-    except input 0's of a chain (``record.input_grad_lent``: the previous layer's seed,
-    which that layer's backward replay reads in place) and a leaf's that autograd adds into
-    its existing ``.grad`` (:func:`accumulating_leaves`), lent as a parameter's is. Any
-    other node it flows to may keep it past the next replay: ``AccumulateGrad`` takes a view
-    of it as a leaf's ``.grad`` (a parameter reaching the graph through ``view`` or ``x + p``),
-    ``torch.autograd.grad`` returns it, a tensor hook stores it, a node waits for more
-    gradients (an input several graphs take, GPipe's summed losses).
+    buffer: autograd adds it into that ``.grad`` right away, unless another graph training
+    the same parameter still has to run in this backward pass (several microbatches, or tied
+    weights, differentiated together): autograd then waits for that graph's gradient too,
+    whose replay may overwrite this buffer first, so it gets a copy. Where
+    ``torch.autograd.grad`` returned the lent tensor, or a hook on the accumulator kept it,
+    the next replay moves it onto a copy first (:func:`settle_lent_gradients`). An input's
+    gradient is copied too, except input 0's of a chain (``record.input_grad_lent``: the
+    previous layer's seed, which that layer's backward replay reads in place) and a leaf's
+    that autograd adds into its existing ``.grad`` (:func:`accumulating_leaves`), lent as a
+    parameter's is. Any other node it flows to may keep it past the next replay:
+    ``AccumulateGrad`` takes a view of it as a leaf's ``.grad`` (a parameter reaching the
+    graph through ``view`` or ``x + p``), ``torch.autograd.grad`` returns it, a tensor hook
+    stores it, a node waits for more gradients (an input several graphs take, GPipe's summed
+    losses).
     """
 
     def __init__(self, record: GraphRecord, pending: PendingBackwards) -> None:
@@ -208,10 +215,10 @@ class GradRouting:
         """Move the lent tensors at ``positions`` that something besides the routing still
         holds onto copies (see the module docstring); the routing lends new tensors over
         those buffers from then on."""
-        grads = list(self._grads)
-        moved = [position for position in positions if _held_elsewhere(grads[position])]
+        moved = _held_elsewhere(self._grads, positions)
         if not moved:
             return
+        grads = list(self._grads)
         lent: list[Any] = [grads[position] for position in moved]
         for position in moved:
             buffer = self._buffers[position]
@@ -230,6 +237,11 @@ _LENT: list[tuple[GradRouting, tuple[int, ...]]] = []
 # Python objects referring to it share one of; without it (a torch lacking it), 2: held.
 _USE_COUNT = getattr(torch.Tensor, "_use_count", lambda tensor: 2)
 _ONES = itertools.repeat(1)
+_PYTHON_REFS = sys.getrefcount
+# A tensor's count of Python references as settle_lent_gradients reads it (through the same
+# maps) where a routing's tuple alone holds it: read once, as this interpreter counts them.
+_ALONE: int = next(map(_PYTHON_REFS, map((torch.empty(0),).__getitem__, (0,))))
+_ALONES = itertools.repeat(_ALONE)
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 # Whether the running backward pass executes a node (torch >= 1.13); without it, nothing
 # is taken as executed, so every input's gradient is copied as before.
@@ -263,11 +275,17 @@ def accumulating_leaves(node: Any, positions: Iterable[int]) -> Mapping[int, tor
     return found
 
 
-def _held_elsewhere(lent: torch.Tensor | None) -> bool:
-    """Whether something besides the routing holds ``lent`` from C++: autograd, waiting to
-    add it (Python references, the routing's among them, share one count); without the
-    count, taken as yes. One autograd added, or dropped unread, is the routing's alone."""
-    return lent is not None and _USE_COUNT(lent) > 1
+def _held_elsewhere(grads: tuple[torch.Tensor | None, ...], positions: Iterable[int]) -> list[int]:
+    """The ``positions`` of ``grads`` (a routing's lent tensors) that something besides the
+    routing holds: from C++ (autograd, waiting to add it; Python references share one count;
+    without the count, taken as held), or from Python (what ``torch.autograd.grad`` returned,
+    a hook stored). One autograd added, or dropped unread, is the routing's alone."""
+    positions = tuple(positions)
+    uses = map(_USE_COUNT, map(grads.__getitem__, positions))
+    refs = map(_PYTHON_REFS, map(grads.__getitem__, positions))  # the form _ALONE was read in
+    return [
+        position for position, use, ref in zip(positions, uses, refs) if use > 1 or ref > _ALONE
+    ]
 
 
 def settle_lent_gradients() -> None:
@@ -278,8 +296,11 @@ def settle_lent_gradients() -> None:
     while _LENT:
         routing, positions = _LENT.pop()
         grads = routing._grads
-        # The usual case, in C-level loops: autograd added every one (or dropped it unread).
-        if any(map(operator.lt, _ONES, map(_USE_COUNT, map(grads.__getitem__, positions)))):
+        # The usual case, in C-level loops: autograd added every one (or dropped it unread),
+        # and nothing in Python kept one.
+        if any(map(operator.lt, _ONES, map(_USE_COUNT, map(grads.__getitem__, positions)))) or any(
+            map(operator.lt, _ALONES, map(_PYTHON_REFS, map(grads.__getitem__, positions)))
+        ):
             routing._settle(positions)
 
 
