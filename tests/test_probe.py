@@ -38,6 +38,23 @@ def test_facts_say_what_each_graph_returns_needs_and_trains():
     assert plain.output_tree.is_leaf()
 
 
+def test_facts_name_the_inputs_outputs_and_parameters_the_backward_reads():
+    """A linear layer saves its input (for the weight's gradient) and its weight (for the
+    input's); ``x + b`` saves neither; tanh saves its output. These are what a replay's
+    version check guards (R24, R28)."""
+    linear = torch.nn.Linear(4, 4)
+
+    def shift(x, b):
+        return x + b, x
+
+    samples = ((torch.randn(2, 4, requires_grad=True),),
+               (torch.randn(2, 4, requires_grad=True), torch.randn(4, requires_grad=True)),
+               (torch.randn(2, 4, requires_grad=True),))
+    facts = _facts((linear, shift, torch.tanh), samples)
+    assert [(f.saved_inputs, f.saved_outputs, f.saved_params) for f in facts] == [
+        ((0,), (), (0,)), ((), (), ()), ((), (0,), ())]
+
+
 class _FlagReader(torch.nn.Module):
     """Reads its own weight's requires_grad (as Megatron-core's linear layers do), and an
     input's, which is no parameter's."""

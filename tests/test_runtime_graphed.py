@@ -737,6 +737,58 @@ def test_r24_an_input_returned_that_no_backward_reads_may_change_as_in_eager():
     leangraph.reset_all(graphed)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_r24_a_chained_input_the_backward_reads_modified_in_place_is_refused(device):
+    """Within a chunk, layer 1's static input is layer 0's output buffer itself, which the
+    caller holds, and layer 1's backward reads it (its norm saves it): eager refuses the
+    backward once it was modified in place, and so does the replay, naming the input
+    (before, the backward graph read the new values). The refused backward has not run:
+    once the outputs are dropped, the layers train like eager. An argument a replay copies
+    is not the graph's memory: modified after the forward, it leaves the gradient as at
+    the forward."""
+    torch.manual_seed(0)
+    eager = [Block(4).to(device), Block(4).to(device)]
+    layers = copy.deepcopy(eager)
+    graphed = leangraph.make_graphed_callables(
+        tuple(layers), ((torch.randn(2, 4, device=device, requires_grad=True),),) * 2,
+        order=[1, -1], num_layers_per_chunk=2)
+    x = torch.randn(2, 4, device=device, requires_grad=True)
+    for run in (eager, graphed):
+        hidden = run[0](x)
+        out = run[1](hidden)
+        with torch.no_grad():
+            hidden.add_(1)
+        expected = (
+            "modified by an inplace operation"
+            if run is eager
+            else r"graph \(chunk 1, microbatch 0, layer 1\): input 0 \(the output buffer of "
+            r"graph \(chunk 1, microbatch 0, layer 0\)\) was modified in place after the "
+            r"forward replay \(version \d+, now \d+\), but the backward reads it"
+        )
+        with pytest.raises(RuntimeError, match=expected):
+            out.sum().backward()
+        del hidden, out
+    for module in (*eager, *layers):
+        module.zero_grad()  # eager's refused backward may have reached some parameters
+    want = x.detach().clone().requires_grad_()
+    got = x.detach().clone().requires_grad_()
+    eager[1](eager[0](want)).square().sum().backward()
+    graphed_out = graphed[1](graphed[0](got))
+    with torch.no_grad():
+        got.mul_(3)  # copied into layer 0's static input: the gradient is the forward's
+    graphed_out.square().sum().backward()
+    same = torch.testing.assert_close if device == "cuda" else _bitwise  # cuBLAS may differ
+    same(got.grad, want.grad)
+    for a, b in zip(layers, eager):
+        for p, q in zip(a.parameters(), b.parameters()):
+            same(p.grad, q.grad)
+    leangraph.reset_all(graphed)
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.equal(a, b), f"max diff {(a - b).abs().max()}"
+
+
 def _linear_tanh(device: str) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).to(device)

@@ -107,6 +107,11 @@ class GraphFacts:
             (``return y, y[:, 0]``), as :class:`OutputView` records: a replay returns them
             as views of that output too, so an in-place write into one shows in the other,
             as in eager. Empty where no output views another.
+        saved_inputs: The positions of tensor inputs whose memory the backward reads (saved
+            for it, as a linear layer saves its input for the weight's gradient): a backward
+            graph reads its static input there, which is the previous layer's output buffer
+            itself in a chain, so one modified in place after the forward must be refused,
+            as eager's backward refuses it.
     """
 
     memory: LayerMemory
@@ -119,6 +124,7 @@ class GraphFacts:
     saved_params: tuple[int, ...] = ()
     repeats: tuple[int, ...] = ()
     views: tuple[OutputView, ...] = ()
+    saved_inputs: tuple[int, ...] = ()
 
     @property
     def inputs(self) -> tuple[BufferKey, ...]:
@@ -332,6 +338,7 @@ def _measure(
         reach = _reach(outputs, [*inputs, *params]) if several else ()
         saved_outputs = _saved_outputs(outputs, saved_tensors, buffers)
         saved_params = _saved_among(params, saved_tensors)
+        saved_inputs = _saved_among(inputs, saved_tensors)
     named = fn.named_parameters() if isinstance(fn, torch.nn.Module) else ()
     trains = tuple(p.requires_grad for _, p in named)
     return GraphFacts(
@@ -345,6 +352,7 @@ def _measure(
         saved_params,
         output_repeats(outputs),
         output_views(outputs),
+        saved_inputs,
     )
 
 

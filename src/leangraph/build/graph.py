@@ -388,6 +388,7 @@ class GraphBuilder:
             output_requires_grad=self._output_requires_grad,
             saved_outputs=source.facts.saved_outputs,
             saved_params=source.facts.saved_params,
+            saved_inputs=source.facts.saved_inputs,
             output_reach=source.facts.reach,
             static_grad_outputs=self._static_grad_outputs,
             seed_from=self._seed_from,

@@ -112,6 +112,7 @@ class GraphRecord:
         output_requires_grad: Per output, whether it needs a gradient.
         saved_outputs: Positions of outputs the backward graph reads (saved for it).
         saved_params: Positions among ``params`` of those the backward graph reads.
+        saved_inputs: Positions among ``static_inputs`` of those the backward graph reads.
         output_reach: Per output, the inputs and parameters its gradient reaches (positions
             among the input leaves, then the parameters).
         static_grad_outputs: Per output, the seed buffer its incoming gradient is copied into.
@@ -150,6 +151,7 @@ class GraphRecord:
     output_requires_grad: tuple[bool, ...]
     saved_outputs: tuple[int, ...]
     saved_params: tuple[int, ...]
+    saved_inputs: tuple[int, ...]
     output_reach: tuple[frozenset[int], ...]
     static_grad_outputs: tuple[torch.Tensor | None, ...]
     seed_from: str | None

@@ -4,8 +4,11 @@ Eager autograd refuses a backward once a tensor it saved was modified in place a
 forward ("one of the variables needed for gradient computation has been modified by an
 inplace operation"). A backward graph reads such tensors where they are, so without this
 check it would compute with the new values: outputs it reads (R24; an input returned as is
-among them, which on CUDA is the static input itself) and parameters it reads (R28; an
-optimizer step before the backward).
+among them, which on CUDA is the static input itself), static inputs it reads (R24 too: a
+chained layer's is the previous layer's output buffer itself, which the caller holds) and
+parameters it reads (R28; an optimizer step before the backward). A static input that a
+replay copied its argument into is not the caller's: an argument modified in place after
+the forward leaves the graph's copy, and so the gradient, as at the forward.
 """
 
 from __future__ import annotations
@@ -22,22 +25,25 @@ _VERSION = operator.attrgetter("_version")
 
 
 class SavedReads:
-    """The outputs and parameters one graph's backward reads, and their versions after its
-    last forward replay; make one only where the record has some (``SavedReads.of``)."""
+    """The outputs, static inputs and parameters one graph's backward reads, and their
+    versions after its last forward replay; make one only where the record has some
+    (``SavedReads.of``)."""
 
     def __init__(self, label: str, record: GraphRecord) -> None:
         self._label = label
         self._record = record
-        outputs = tuple(record.static_outputs[i] for i in record.saved_outputs)
-        self._tensors: tuple[torch.Tensor, ...] = outputs + tuple(
-            record.params[i] for i in record.saved_params
+        self._tensors: tuple[torch.Tensor, ...] = (
+            tuple(record.static_outputs[i] for i in record.saved_outputs)
+            + tuple(record.static_inputs[i] for i in record.saved_inputs)
+            + tuple(record.params[i] for i in record.saved_params)
         )
         self._versions: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, label: str, record: GraphRecord) -> SavedReads | None:
         """The check for ``record``'s graph, or None where its backward reads none."""
-        return cls(label, record) if record.saved_outputs or record.saved_params else None
+        reads = record.saved_outputs or record.saved_inputs or record.saved_params
+        return cls(label, record) if reads else None
 
     def note(self) -> None:
         """After a forward replay: the versions its backward must find."""
@@ -53,11 +59,11 @@ class SavedReads:
         if tuple(map(_VERSION, self._tensors)) == self._versions:
             return
         record, label = self._record, self._label
-        count = len(record.saved_outputs)
+        outputs, inputs = len(record.saved_outputs), len(record.saved_inputs)
         for position, (tensor, version) in enumerate(zip(self._tensors, self._versions)):
             if tensor._version == version:
                 continue
-            if position < count:
+            if position < outputs:
                 raise RuntimeError(
                     f"{label}: output {record.saved_outputs[position]} was modified in place "
                     f"after its forward replay (version {version}, now {tensor._version}), but "
@@ -66,7 +72,19 @@ class SavedReads:
                     "has been modified by an inplace operation). Clone the output before "
                     "modifying it"
                 )
-            name = record.param_names[record.saved_params[position - count]]
+            if position < outputs + inputs:
+                index = record.saved_inputs[position - outputs]
+                source = record.chained_from[index]
+                held = f"the output buffer of {source}" if source else "its static buffer"
+                raise RuntimeError(
+                    f"{label}: input {index} ({held}) was modified in place after the "
+                    f"forward replay (version {version}, now {tensor._version}), but the "
+                    "backward reads it (it is saved for the gradient), so the backward graph "
+                    "would compute with the new values; eager's backward refuses this too "
+                    "(one of the variables needed for gradient computation has been modified "
+                    "by an inplace operation). Clone it before modifying it"
+                )
+            name = record.param_names[record.saved_params[position - outputs - inputs]]
             raise RuntimeError(
                 f"{label} parameter {name!r} was modified in place after the forward replay "
                 f"(version {version}, now {tensor._version}), but the backward reads it (it is "
