@@ -259,7 +259,7 @@ def _kept_param_grads(model, keep, device):
 
     for index, p in enumerate(model.parameters()):
         p.grad = torch.zeros_like(p)
-        if keep != "autograd.grad":
+        if not keep.startswith("autograd.grad"):
             node = p.view_as(p).grad_fn.next_functions[0][0]
             nodes.append(node)
             if keep == "accumulator-hook":
@@ -270,22 +270,28 @@ def _kept_param_grads(model, keep, device):
     for step in range(3):
         x = torch.randn(2, 8, device=device, requires_grad=True)
         loss = model(x).square().sum() * (step + 1)
-        if keep == "autograd.grad":
+        if keep.startswith("autograd.grad"):
             grads = torch.autograd.grad(loss, list(model.parameters()))
+            if keep == "autograd.grad-detached":  # other tensors over the memory returned
+                grads = [g.detach() for g in grads]
             kept.update({(step, i): g for i, g in enumerate(grads)})
         else:
             loss.backward()
     return kept, [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("keep", ["autograd.grad", "accumulator-hook", "accumulator-prehook"])
+@pytest.mark.parametrize(
+    "keep", ["autograd.grad", "autograd.grad-detached", "accumulator-hook", "accumulator-prehook"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_parameter_gradients_python_keeps_are_eagers_after_later_replays(keep, device):
     """A lent parameter gradient (``.grad`` exists: autograd adds it in place) that Python
-    keeps shares autograd's count of C++ references with the routing's: ``torch.autograd.grad``
-    returns it (no accumulator runs), a hook on the accumulator may store it. Its count of
-    Python references shows it: each keeps eager's values after the next replays write over
-    the buffers (before, every step's kept gradients were the last step's)."""
+    keeps shares autograd's count of C++ references with the routing's: a hook on the
+    accumulator may store it, and its count of Python references shows that.
+    ``torch.autograd.grad`` returns it (no accumulator runs), and the caller may keep
+    another tensor over its memory (``.detach()``), which no count of it shows: the replay
+    sees the pass runs no accumulator and hands copies. Each keeps eager's values after the
+    next replays write over the buffers (before, every step's kept gradients were the last
+    step's)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(Block(8), Block(8)).to(device)
     eager = copy.deepcopy(model)
@@ -663,8 +669,8 @@ def _handed_input_grads(monkeypatch) -> list[tuple[int, int]]:
     handed: list[tuple[int, int]] = []
     original = GradRouting.hand
 
-    def hand(self, reached, accumulating=NO_LEAVES):
-        result = original(self, reached, accumulating)
+    def hand(self, reached, accumulating=NO_LEAVES, **options):
+        result = original(self, reached, accumulating, **options)
         handed.append((result[0].data_ptr(), id(result[0])))
         return result
 

@@ -23,10 +23,10 @@ Leangraph cannot see the eager use; this sees its effect, one C-level read of ea
 tensor's count per backward replay. A leaf input's lent gradient is settled the same way
 (eager code may take the input too: ``2 * x`` beside the graphed ``layer(x)``). What keeps a
 lent tensor from Python shares the routing's count of C++ references, so its count of
-Python references is read too: ``torch.autograd.grad`` with respect to a parameter (its
-accumulator does not run; the pass returns the lent tensor itself), or a hook on its
-accumulator storing the gradient it sees, hold it so, and it is moved onto a copy the same
-way, before a replay can write over it.
+Python references is read too: a hook on its accumulator storing the gradient it sees holds
+it so, and it is moved onto a copy the same way, before a replay can write over it.
+(``torch.autograd.grad`` with respect to a parameter, whose caller keeps what it returns,
+gets copies: :func:`returns_gradients`.)
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import operator
 import sys
 import types
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ __all__ = [
     "NO_LEAVES",
     "GradRouting",
     "accumulating_leaves",
+    "returns_gradients",
     "settle_lent_gradients",
     "trained_elsewhere_in_pass",
 ]
@@ -68,9 +69,10 @@ class GradRouting:
     buffer: autograd adds it into that ``.grad`` right away, unless another graph training
     the same parameter still has to run in this backward pass (several microbatches, or tied
     weights, differentiated together): autograd then waits for that graph's gradient too,
-    whose replay may overwrite this buffer first, so it gets a copy. Where
-    ``torch.autograd.grad`` returned the lent tensor, or a hook on the accumulator kept it,
-    the next replay moves it onto a copy first (:func:`settle_lent_gradients`). An input's
+    whose replay may overwrite this buffer first, so it gets a copy; so it does where the
+    pass returns it (``torch.autograd.grad``: :func:`returns_gradients`). Where a hook on
+    the accumulator kept the lent tensor, the next replay moves it onto a copy first
+    (:func:`settle_lent_gradients`). An input's
     gradient is copied too, except input 0's of a chain (``record.input_grad_lent``: the
     previous layer's seed, which that layer's backward replay reads in place) and a leaf's
     that autograd adds into its existing ``.grad`` (:func:`accumulating_leaves`), lent as a
@@ -133,17 +135,27 @@ class GradRouting:
         them accumulating into a leaf's ``.grad`` (:func:`accumulating_leaves`)."""
         return self._inputs_copied
 
+    @property
+    def lent_params(self) -> tuple[int, ...]:
+        """The positions of the parameters whose gradients are lent, unless a replay finds
+        the backward pass returning them (:func:`returns_gradients`)."""
+        return self._lent_positions
+
     def scatter(
-        self, accumulating: Mapping[int, torch.Tensor] = NO_LEAVES
+        self, accumulating: Mapping[int, torch.Tensor] = NO_LEAVES, *, returned: bool = False
     ) -> tuple[torch.Tensor | None, ...]:
         """One gradient per tensor passed to the replay (inputs, then parameters); lent, not
-        copied, for the inputs at the positions of ``accumulating`` (:meth:`hand`)."""
+        copied, for the inputs at the positions of ``accumulating``; every parameter's copied
+        where ``returned`` (:meth:`hand`)."""
         grads = self._grads
         copy_at = (
             [i for i in self._inputs_copied if i not in accumulating]
             if accumulating
             else list(self._inputs_copied)
         )
+        if returned:
+            copy_at += self._lent_positions
+            return _with_copies(grads, copy_at)
         if _TRAINING.version != self._seen_version:
             self._seen_version = _TRAINING.version
             self._other_calls_ids = _TRAINING.by_other_calls(self._delivered, self._pending)
@@ -160,17 +172,14 @@ class GradRouting:
             ]
         else:
             copy_at += [i for i, p in self._params_with_grad if p.grad is None or TENSOR_HOOKS(p)]
-        if not copy_at:
-            return grads
-        handed = list(grads)
-        for index, copy in zip(copy_at, copies([grads[i] for i in copy_at])):
-            handed[index] = copy
-        return tuple(handed)
+        return _with_copies(grads, copy_at)
 
     def hand(
         self,
         reached: frozenset[int] | None,
         accumulating: Mapping[int, torch.Tensor] = NO_LEAVES,
+        *,
+        returned: bool = False,
     ) -> tuple[torch.Tensor | None, ...]:
         """What the backward replay hands autograd: :meth:`scatter`'s gradients, None
         outside ``reached`` where given (:meth:`without_unreached`), the lent ones noted
@@ -178,8 +187,10 @@ class GradRouting:
 
         ``accumulating``: per input position, the leaf input whose ``.grad`` autograd adds
         that input's gradient into in place, right away (:func:`accumulating_leaves`); that
-        gradient is lent as a parameter's is, not copied, and settled the same way."""
-        handed = self.scatter(accumulating)
+        gradient is lent as a parameter's is, not copied, and settled the same way.
+        ``returned``: the backward pass returns the parameters' gradients to its caller
+        (:func:`returns_gradients`): each is a copy."""
+        handed = self.scatter(accumulating, returned=returned)
         if reached is not None:
             handed = self.without_unreached(handed, reached)
         self.lend(handed, accumulating)
@@ -273,6 +284,37 @@ def accumulating_leaves(node: Any, positions: Iterable[int]) -> Mapping[int, tor
             continue
         found[position] = leaf
     return found
+
+
+def _with_copies(
+    grads: tuple[torch.Tensor | None, ...], copy_at: list[int]
+) -> tuple[torch.Tensor | None, ...]:
+    """``grads`` with a copy at each position of ``copy_at`` (itself where there is none)."""
+    if not copy_at:
+        return grads
+    handed = list(grads)
+    for index, copy in zip(copy_at, copies([grads[i] for i in copy_at])):
+        handed[index] = copy
+    return tuple(handed)
+
+
+def returns_gradients(node: Any, positions: Sequence[int]) -> bool:
+    """Called from a backward replay's autograd ``node``: whether the running backward
+    pass returns the gradients of the parameters at ``positions`` (of the node's edges)
+    rather than accumulating them: ``torch.autograd.grad`` runs no accumulator (asked of a
+    parameter it returns the gradient of, ``_will_engine_execute_node`` raises). Its caller
+    keeps what it returns (a ``.detach()`` of it, say, which no count of the lent tensor's
+    references sees), so they are copies. One accumulator tells: a plain backward runs
+    every one (``backward(inputs=...)`` leaving the first out copies the rest needlessly)."""
+    edges = node.next_functions
+    for position in positions:
+        accumulator = edges[position][0]
+        if type(accumulator) is _ACCUMULATE_GRAD:
+            try:
+                return not _WILL_EXECUTE(accumulator)
+            except RuntimeError:  # torch.autograd.grad, returning this one's gradient
+                return True
+    return False
 
 
 def _held_elsewhere(grads: tuple[torch.Tensor | None, ...], positions: Iterable[int]) -> list[int]:

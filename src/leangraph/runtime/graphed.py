@@ -34,6 +34,7 @@ from .grads import (
     NO_LEAVES,
     GradRouting,
     accumulating_leaves,
+    returns_gradients,
     settle_lent_gradients,
     trained_elsewhere_in_pass,
 )
@@ -366,11 +367,13 @@ class GraphedCallable:
         generation: int,
         ddp: weakref.ref[Any] | None = None,
         accumulating: Mapping[int, torch.Tensor] = NO_LEAVES,
+        returned: bool = False,
     ) -> tuple[tuple[torch.Tensor | None, ...], frozenset[int]]:
         """The gradients to hand autograd, and the ids of the trained parameters no output
         with a gradient reached (whose hooks ``_call_accumulator_hooks`` leaves out); ``ddp``:
         the torch DDP the forward replay ran inside (``strict_ddp``), if any (R29);
-        ``accumulating``: the leaf inputs whose gradients may be lent (``GradRouting.hand``)."""
+        ``accumulating``: the leaf inputs whose gradients may be lent, ``returned``: whether
+        the pass returns the parameters' (``GradRouting.hand``)."""
         with self._lock:
             record = _ready_record(self, "run a backward")
             if self._on_cuda and _STREAM_CAPTURING():
@@ -401,7 +404,7 @@ class GraphedCallable:
             elif self._guard is not None:
                 self._guard.invalidate(f"the backward of {self._label} ran")
             assert self._grads is not None
-            return self._grads.hand(reached, accumulating), unreached
+            return self._grads.hand(reached, accumulating, returned=returned), unreached
 
 
 def install_forward(module: torch.nn.Module, graphed: GraphedCallable) -> None:
@@ -845,12 +848,15 @@ def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | Non
     # (the callable's lock is free again) and before its hooks, and must not take the hooks
     # its gradients owe.
     record, fused, routing = owner._record, owner._fused, owner._grads
-    accumulating = (
-        accumulating_leaves(ctx, routing.inputs_copied)
-        if routing is not None and routing.inputs_copied
-        else NO_LEAVES
+    accumulating, returned = NO_LEAVES, False
+    if routing is not None:
+        if routing.inputs_copied:
+            accumulating = accumulating_leaves(ctx, routing.inputs_copied)
+        if routing.lent_params:
+            returned = returns_gradients(ctx, routing.lent_params)
+    grad_inputs, unreached = owner._replay_backward(
+        grads, ctx.generation, ctx.ddp, accumulating, returned
     )
-    grad_inputs, unreached = owner._replay_backward(grads, ctx.generation, ctx.ddp, accumulating)
     if unreached:
         _skip_unreached_hooks(owner, record, fused, unreached)
     _call_accumulator_hooks(record, fused, unreached)
@@ -872,9 +878,16 @@ def _backward_once(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None,
     torch's ``once_differentiable`` would raise without the name). The usual backward, with
     grad mode off, goes around this."""
     owner: GraphedCallable = ctx.owner
-    record, fused = owner._record, owner._fused  # before the replay: see _replay_backward
+    record, fused, routing = owner._record, owner._fused, owner._grads  # see _replay_backward
+    returned = (
+        routing is not None
+        and bool(routing.lent_params)
+        and returns_gradients(ctx, routing.lent_params)
+    )
     with torch.no_grad():
-        grad_inputs, unreached = owner._replay_backward(grads, ctx.generation, ctx.ddp)
+        grad_inputs, unreached = owner._replay_backward(
+            grads, ctx.generation, ctx.ddp, returned=returned
+        )
     if unreached:
         _skip_unreached_hooks(owner, record, fused, unreached)
     # In the pass's grad mode, as autograd runs them.
