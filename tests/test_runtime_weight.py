@@ -141,6 +141,44 @@ def test_an_existing_grad_is_added_to_in_place():
         assert torch.equal(p.grad, q.grad)
 
 
+@pytest.mark.parametrize("keep", ["tensor-hook", "accumulator-hook", "accumulator-prehook"])
+def test_gradients_a_hook_keeps_at_the_weight_step_are_eagers_after_later_replays(keep):
+    """The weight step hands autograd tensors over its gradient buffers where ``.grad``
+    exists. A tensor hook on a parameter sees what is handed and may keep it: a copy. One a
+    hook on an accumulator kept is moved onto a copy once the step's pass ends. Each keeps
+    eager's values after the later weight steps write the buffers again (before, every
+    kept gradient was the last step's)."""
+    layer, twin, graphed = _one_layer()
+    kept: dict[str, dict[tuple[int, int], torch.Tensor]] = {"graphed": {}, "eager": {}}
+    nodes = []  # kept alive, as DDP keeps them: else the hooks are lost with them
+    step = [0]
+    for key, module in (("graphed", layer), ("eager", twin)):
+        for index, p in enumerate(module.parameters()):
+            p.grad = torch.zeros_like(p)
+
+            def store(seen, key=key, index=index):
+                kept[key][step[0], index] = seen
+
+            if keep == "tensor-hook":
+                p.register_hook(store)
+                continue
+            node = p.view_as(p).grad_fn.next_functions[0][0]
+            nodes.append(node)
+            if keep == "accumulator-hook":
+                node.register_hook(lambda _, seen, store=store: store(seen[0]))
+            else:
+                node.register_prehook(lambda seen, store=store: store(seen[0]))
+    for step[0] in range(4):
+        x = torch.randn(4, 8, requires_grad=True)
+        _step(graphed[step[0] % 2], x)
+        twin(x.detach()).square().sum().backward()
+    assert kept["graphed"].keys() == kept["eager"].keys() and len(kept["eager"]) == 4 * 6
+    for where, want in kept["eager"].items():
+        assert torch.equal(kept["graphed"][where], want), where
+    for p, q in zip(layer.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_a_weight_step_runs_once_per_backward():
     _, _, graphed = _one_layer()
     graphed[0](torch.randn(4, 8, requires_grad=True)).sum().backward()

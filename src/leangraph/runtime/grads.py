@@ -50,6 +50,7 @@ __all__ = [
     "NO_LEAVES",
     "GradRouting",
     "accumulating_leaves",
+    "keep_apart",
     "returns_gradients",
     "settle_lent_gradients",
     "trained_elsewhere_in_pass",
@@ -286,6 +287,17 @@ def accumulating_leaves(node: Any, positions: Iterable[int]) -> Mapping[int, tor
     return found
 
 
+def keep_apart(lent: list[torch.Tensor]) -> None:
+    """Once the backward pass that was handed ``lent`` (tensors over graph buffers, which
+    only this list holds besides autograd) has finished: move each that something still
+    holds (a hook stored it) onto a copy, before a replay writes over its buffer."""
+    moved = _held_elsewhere(lent, range(len(lent)))
+    if not moved:
+        return
+    for position, copy in zip(moved, copies([lent[i] for i in moved])):
+        lent[position].data = copy  # whoever holds the tensor now holds the copy
+
+
 def _with_copies(
     grads: tuple[torch.Tensor | None, ...], copy_at: list[int]
 ) -> tuple[torch.Tensor | None, ...]:
@@ -317,11 +329,11 @@ def returns_gradients(node: Any, positions: Sequence[int]) -> bool:
     return False
 
 
-def _held_elsewhere(grads: tuple[torch.Tensor | None, ...], positions: Iterable[int]) -> list[int]:
-    """The ``positions`` of ``grads`` (a routing's lent tensors) that something besides the
-    routing holds: from C++ (autograd, waiting to add it; Python references share one count;
-    without the count, taken as held), or from Python (what ``torch.autograd.grad`` returned,
-    a hook stored). One autograd added, or dropped unread, is the routing's alone."""
+def _held_elsewhere(grads: Sequence[torch.Tensor | None], positions: Iterable[int]) -> list[int]:
+    """The ``positions`` of ``grads`` (lent tensors, in a tuple or list that nothing else
+    refers to them from) that something besides it holds: from C++ (autograd, waiting to
+    add it; Python references share one count; without the count, taken as held), or from
+    Python (a hook stored it). One autograd added, or dropped unread, is held by none."""
     positions = tuple(positions)
     uses = map(_USE_COUNT, map(grads.__getitem__, positions))
     refs = map(_PYTHON_REFS, map(grads.__getitem__, positions))  # the form _ALONE was read in

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from ..build.accumulation import deliver_gradients, fire_relay
+from ..build.accumulation import TENSOR_HOOKS, deliver_gradients, fire_relay
 from ..build.record import GraphRecord
 from .accumulation import InGraphAccumulation
+from .grads import keep_apart
 
 __all__ = ["WeightStep"]
 
@@ -97,7 +98,10 @@ class WeightStep:
             return
         # Hand the gradients to autograd, which accumulates them as it does in eager's weight
         # step: .grad set (to a copy: the buffer is overwritten by the next replay) when None,
-        # else added in place, and each parameter's post-accumulate-grad hooks run once.
-        deliver_gradients(
-            [p for p, _ in pairs], [g.clone() if p.grad is None else g.detach() for p, g in pairs]
-        )
+        # else added in place, and each parameter's post-accumulate-grad hooks run once. A
+        # tensor hook on the parameter sees what is handed and may keep it (or a view): a copy
+        # too. The rest are lent, and moved onto copies where a hook on an accumulator kept
+        # one, as a backward replay's are (grads.py).
+        lent = [g.clone() if p.grad is None or TENSOR_HOOKS(p) else g.detach() for p, g in pairs]
+        deliver_gradients([p for p, _ in pairs], lent)
+        keep_apart(lent)
