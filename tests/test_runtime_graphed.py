@@ -863,3 +863,58 @@ def test_r28_a_parameter_no_backward_reads_may_change_as_in_eager(flat):
     for p, q in zip(module.parameters(), eager.parameters()):
         assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
     leangraph.reset_all(graphed)
+
+
+class _ScaledNorm(torch.nn.Module):
+    """A linear layer times a gain buffer (which the backward reads), then batch norm
+    (whose running statistics its backward reads too, and every forward updates)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.register_buffer("gain", torch.full((4,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x) * self.gain)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_r28_a_buffer_the_backward_reads_modified_in_place_is_refused(device):
+    """The backward reads the gain buffer: eager refuses the backward once it was written in
+    place after the forward, and so does the replay, naming it (before, the backward graph
+    read the new gain). Batch norm's running statistics, which its backward reads as well,
+    change at every forward without a new version: two microbatches in flight train like
+    eager, statistics included."""
+    torch.manual_seed(0)
+    module = _ScaledNorm().to(device)
+    eager = copy.deepcopy(module)
+    samples = tuple((torch.randn(8, 4, device=device, requires_grad=True),) for _ in range(2))
+    graphed = leangraph.make_graphed_callables((module,), samples, order=[1, 1, -1, -1])
+    xs = [torch.randn(8, 4, device=device, requires_grad=True) for _ in range(2)]
+    for step in range(2):
+        outs = [graphed[0](xs[0]), graphed[1](xs[1])]
+        eager_outs = [eager(x) for x in xs]
+        for out, eager_out in zip(outs, eager_outs):
+            out.square().sum().backward()
+            eager_out.square().sum().backward()
+    same = torch.testing.assert_close if device == "cuda" else _bitwise
+    for (name, a), b in zip(module.state_dict().items(), eager.state_dict().values()):
+        same(a, b)
+    for p, q in zip(module.parameters(), eager.parameters()):
+        same(p.grad, q.grad)
+    for run in (eager, graphed[0]):
+        y = run(xs[0])
+        with torch.no_grad():
+            (eager if run is eager else module).gain.mul_(3)
+        expected = (
+            "modified by an inplace operation"
+            if run is eager
+            else r"graph \(chunk 1, microbatch 0, layer 0\): buffer 'gain' was modified in "
+            r"place after the forward replay \(version \d+, now \d+\), but the backward reads"
+        )
+        with pytest.raises(RuntimeError, match=expected):
+            y.sum().backward()
+        del y
+    leangraph.reset_all(graphed)
+

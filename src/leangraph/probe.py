@@ -112,6 +112,11 @@ class GraphFacts:
             graph reads its static input there, which is the previous layer's output buffer
             itself in a chain, so one modified in place after the forward must be refused,
             as eager's backward refuses it.
+        saved_buffers: The qualified names of the module's buffers whose memory the backward
+            reads (a scale multiplied in; batch norm's running statistics, which its kernels
+            update without a new version): the backward graph reads them where they are, so
+            one modified in place between the forward and the backward must be refused, as
+            eager's backward refuses it.
     """
 
     memory: LayerMemory
@@ -125,6 +130,7 @@ class GraphFacts:
     repeats: tuple[int, ...] = ()
     views: tuple[OutputView, ...] = ()
     saved_inputs: tuple[int, ...] = ()
+    saved_buffers: tuple[str, ...] = ()
 
     @property
     def inputs(self) -> tuple[BufferKey, ...]:
@@ -322,7 +328,8 @@ def _measure(
     ]
     inputs = [t for t in call_leaves if isinstance(t, torch.Tensor)]
     params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
-    buffers = list(fn.buffers()) if isinstance(fn, torch.nn.Module) else []
+    named_buffers = list(fn.named_buffers()) if isinstance(fn, torch.nn.Module) else []
+    buffers = [buffer for _, buffer in named_buffers]
     versions = [t._version for t in inputs]
     reads = _RequiresGradReads(params)
     with _run_forward(fn, call_leaves, tree, around_forward, reads) as (returned, saved_tensors):
@@ -339,6 +346,7 @@ def _measure(
         saved_outputs = _saved_outputs(outputs, saved_tensors, buffers)
         saved_params = _saved_among(params, saved_tensors)
         saved_inputs = _saved_among(inputs, saved_tensors)
+        saved_buffers = tuple(named_buffers[i][0] for i in _saved_among(buffers, saved_tensors))
     named = fn.named_parameters() if isinstance(fn, torch.nn.Module) else ()
     trains = tuple(p.requires_grad for _, p in named)
     return GraphFacts(
@@ -353,6 +361,7 @@ def _measure(
         output_repeats(outputs),
         output_views(outputs),
         saved_inputs,
+        saved_buffers,
     )
 
 

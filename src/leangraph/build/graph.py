@@ -389,6 +389,7 @@ class GraphBuilder:
             saved_outputs=source.facts.saved_outputs,
             saved_params=source.facts.saved_params,
             saved_inputs=source.facts.saved_inputs,
+            saved_buffers=source.facts.saved_buffers,
             output_reach=source.facts.reach,
             static_grad_outputs=self._static_grad_outputs,
             seed_from=self._seed_from,

@@ -113,6 +113,7 @@ class GraphRecord:
         saved_outputs: Positions of outputs the backward graph reads (saved for it).
         saved_params: Positions among ``params`` of those the backward graph reads.
         saved_inputs: Positions among ``static_inputs`` of those the backward graph reads.
+        saved_buffers: Qualified names of the module's buffers the backward graph reads.
         output_reach: Per output, the inputs and parameters its gradient reaches (positions
             among the input leaves, then the parameters).
         static_grad_outputs: Per output, the seed buffer its incoming gradient is copied into.
@@ -152,6 +153,7 @@ class GraphRecord:
     saved_outputs: tuple[int, ...]
     saved_params: tuple[int, ...]
     saved_inputs: tuple[int, ...]
+    saved_buffers: tuple[str, ...]
     output_reach: tuple[frozenset[int], ...]
     static_grad_outputs: tuple[torch.Tensor | None, ...]
     seed_from: str | None

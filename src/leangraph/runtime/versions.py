@@ -5,8 +5,9 @@ forward ("one of the variables needed for gradient computation has been modified
 inplace operation"). A backward graph reads such tensors where they are, so without this
 check it would compute with the new values: outputs it reads (R24; an input returned as is
 among them, which on CUDA is the static input itself), static inputs it reads (R24 too: a
-chained layer's is the previous layer's output buffer itself, which the caller holds) and
-parameters it reads (R28; an optimizer step before the backward). A static input that a
+chained layer's is the previous layer's output buffer itself, which the caller holds),
+parameters it reads (R28; an optimizer step before the backward) and module buffers it reads
+(R28 too: a scale written between the forward and the backward). A static input that a
 replay copied its argument into is not the caller's: an argument modified in place after
 the forward leaves the graph's copy, and so the gradient, as at the forward.
 """
@@ -32,17 +33,24 @@ class SavedReads:
     def __init__(self, label: str, record: GraphRecord) -> None:
         self._label = label
         self._record = record
+        buffers = dict(record.modules.buffers) if record.modules is not None else {}
         self._tensors: tuple[torch.Tensor, ...] = (
             tuple(record.static_outputs[i] for i in record.saved_outputs)
             + tuple(record.static_inputs[i] for i in record.saved_inputs)
             + tuple(record.params[i] for i in record.saved_params)
+            + tuple(buffers[name] for name in record.saved_buffers)
         )
         self._versions: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, label: str, record: GraphRecord) -> SavedReads | None:
         """The check for ``record``'s graph, or None where its backward reads none."""
-        reads = record.saved_outputs or record.saved_inputs or record.saved_params
+        reads = (
+            record.saved_outputs
+            or record.saved_inputs
+            or record.saved_params
+            or record.saved_buffers
+        )
         return cls(label, record) if reads else None
 
     def note(self) -> None:
@@ -83,6 +91,16 @@ class SavedReads:
                     "would compute with the new values; eager's backward refuses this too "
                     "(one of the variables needed for gradient computation has been modified "
                     "by an inplace operation). Clone it before modifying it"
+                )
+            if position >= outputs + inputs + len(record.saved_params):
+                name = record.saved_buffers[position - outputs - inputs - len(record.saved_params)]
+                raise RuntimeError(
+                    f"{label}: buffer {name!r} was modified in place after the forward replay "
+                    f"(version {version}, now {tensor._version}), but the backward reads it "
+                    "(it is saved for the gradient), so the backward graph would compute with "
+                    "the new values; eager's backward refuses this too (one of the variables "
+                    "needed for gradient computation has been modified by an inplace "
+                    "operation). Update the buffer after the backward"
                 )
             name = record.param_names[record.saved_params[position - outputs - inputs]]
             raise RuntimeError(
