@@ -116,6 +116,46 @@ def test_r21_a_submodule_replaced_after_capture_is_refused() -> None:
         graphed(torch.randn(8, 6))
 
 
+class _Optional(nn.Module):
+    """A linear layer without bias, a buffer and a submodule registered as None: eager's
+    forward uses what is set there later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6, bias=False)
+        self.register_buffer("shift", None)
+        self.post = None  # a plain attribute: a submodule set later is a new entry
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.shift is not None:
+            y = y + self.shift
+        return y if self.post is None else self.post(y)
+
+
+@pytest.mark.parametrize(("fill", "message"), [
+    (lambda m: setattr(m.lin, "bias", nn.Parameter(torch.ones(6))),
+     "parameter 'lin.bias' was None at capture and is a Parameter now"),
+    (lambda m: setattr(m, "shift", torch.ones(6)),
+     "buffer 'shift' was None at capture and is a Tensor now"),
+    (lambda m: setattr(m, "post", nn.Linear(6, 6)),
+     "submodule 'post' was added since capture \\(a Linear\\); the graphs were captured "
+     "without it, so"),
+])
+def test_r21_a_slot_none_at_capture_and_set_since_is_refused(fill, message) -> None:
+    """Before, the replay ran as captured: without the new bias (which got no gradient),
+    shift or submodule, where eager's forward uses them."""
+    torch.manual_seed(0)
+    module = _Optional()
+    leangraph.make_graphed_callables(module, (torch.randn(8, 6, requires_grad=True),))
+    module(torch.randn(8, 6)).sum().backward()  # as captured: replays
+    fill(module)
+    with pytest.raises(RuntimeError, match=r"callable 0 \(_Optional\): " + message + ".*"
+                       "a replay would neither (use|run) nor train it"):
+        module(torch.randn(8, 6))
+    leangraph.reset_all([module])
+
+
 def _ordered() -> tuple[tuple[Net, ...], tuple]:
     torch.manual_seed(0)
     layers = (Net(), Net())

@@ -11,6 +11,7 @@ about ten submodules).
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -86,6 +87,26 @@ class ModuleWatch:
             for module in modules[self._hooked_from :]
             for kind in MODULE_HOOKS
         )
+        # The slots that held None at capture (a Linear without bias, a buffer registered as
+        # None, an optional submodule): eager's forward uses what is set there later, which
+        # the graphs, captured without it, would neither use nor train.
+        empty: list[tuple[tuple[str, str], dict[str, Any], str]] = []
+        for path, module in zip(self._names, modules):
+            for kind in _SLOT_KINDS:
+                owned = getattr(module, kind)
+                empty += [
+                    ((f"{path}.{local}" if path else local, kind), owned, local)
+                    for local, value in owned.items()
+                    if value is None
+                ]
+        self._empty = tuple(named for named, _, _ in empty)
+        self._empty_dicts = tuple(owned for _, owned, _ in empty)
+        self._empty_locals = tuple(local for _, _, local in empty)
+        # Per module, its children's names: a submodule assigned since capture (over a plain
+        # attribute, `self.post = None` first) is a new entry, which eager's forward may run.
+        self._child_dicts = tuple(module._modules for module in modules)
+        self._child_counts = tuple(map(len, self._child_dicts))
+        self._child_names = tuple(frozenset(children) for children in self._child_dicts)
 
     def modes_as_captured(self) -> bool:
         """Whether the module and every submodule are in their capture-time training modes
@@ -110,11 +131,14 @@ class ModuleWatch:
         """
         registered = map(dict.get, self._parent_dicts, self._local_names)
         replaced = not all(map(operator.is_, registered, self._submodules))
-        if replaced or any(self._hook_dicts) or any(_GLOBAL_HOOK_DICTS):
+        added = not all(map(operator.eq, map(len, self._child_dicts), self._child_counts))
+        if replaced or added or any(self._hook_dicts) or any(_GLOBAL_HOOK_DICTS):
             root = self._root()
             if root is not None:
                 if replaced:
                     self._raise_replaced()
+                if added:
+                    self._raise_added()
                 self._check_hooks((root, *self._submodules)[self._hooked_from :])
         # The usual replay, nothing changed, in C-level loops (no call of the methods below).
         params = map(dict.get, self._param_dicts, self._param_locals)
@@ -129,6 +153,26 @@ class ModuleWatch:
             and all(map(operator.eq, map(_DATA_PTR, self._pointed), self._pointers))
         ):
             self._refuse_buffers()
+        if self._empty and not all(
+            map(operator.is_, map(dict.get, self._empty_dicts, self._empty_locals), _NONES)
+        ):
+            self._refuse_filled()
+
+    def _refuse_filled(self) -> None:
+        """Refuse a replay of a module that got a parameter, buffer or submodule where it had
+        None at capture (``module.bias = nn.Parameter(...)`` on a Linear made without one)."""
+        if self._root() is None:
+            return
+        for (name, kind), owned, local in zip(self._empty, self._empty_dicts, self._empty_locals):
+            current = owned.get(local)
+            if current is not None:
+                what = _SLOT_KINDS[kind]
+                raise RuntimeError(
+                    f"{self._label}: {what} {name!r} was None at capture and is a "
+                    f"{type(current).__name__} now; the graphs were captured without it, so "
+                    f"a replay would neither use nor train it, where eager's forward would. "
+                    f"Set the {what} before capture, or capture again"
+                )
 
     def _refuse_parameters(self) -> None:
         """Refuse a replay of a module whose parameters were replaced after capture (FSDP2's
@@ -221,6 +265,22 @@ class ModuleWatch:
                     "parameters. Change the module before capture, or capture again"
                 )
 
+    def _raise_added(self) -> None:
+        """Refuse a replay of a module that got a submodule since capture (in a new entry;
+        one where capture saw None is :meth:`_refuse_filled`'s)."""
+        for path, children, known in zip(self._names, self._child_dicts, self._child_names):
+            for local in children.keys() - known:
+                child = children[local]
+                if child is None:
+                    continue
+                name = f"{path}.{local}" if path else local
+                raise RuntimeError(
+                    f"{self._label}: submodule {name!r} was added since capture (a "
+                    f"{type(child).__name__}); the graphs were captured without it, so a "
+                    "replay would neither run nor train it, where eager's forward may. Add it "
+                    "before capture, or capture again"
+                )
+
     def _check_hooks(self, hooked: tuple[torch.nn.Module, ...]) -> None:
         """Raise for the first hook a replay would leave out, unless every one is inert now."""
         globals_ = [
@@ -278,6 +338,9 @@ _GLOBAL_HOOK_DICTS = global_module_hooks()
 
 
 _TRAINING = operator.attrgetter("training")
+_NONES = itertools.repeat(None)
+# The per-module dicts whose slots a forward reads by name, and what errors call an entry.
+_SLOT_KINDS = {"_parameters": "parameter", "_buffers": "buffer", "_modules": "submodule"}
 _DATA_PTR = torch.Tensor.data_ptr
 
 
