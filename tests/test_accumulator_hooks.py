@@ -486,6 +486,48 @@ def test_hooks_fire_only_for_the_parameters_the_backward_reaches(mode, used):
     leangraph.reset_all(graphed)
 
 
+@pytest.mark.parametrize("mode", ["default", "overlap"])  # fused modes refuse tensor hooks
+@pytest.mark.parametrize("eager_use", [False, True], ids=["alone", "eager-use"])
+def test_a_parameters_tensor_hook_fires_only_where_a_gradient_reaches_it(mode, eager_use):
+    """The loss uses the first output only: eager calls no tensor hook (``register_hook``)
+    of a parameter only the others reach, unless eager code in the pass reaches it (then
+    with that gradient). The replay hands such a parameter None, with which autograd would
+    call the hook (``g * 0.5`` raised on it); the replay passes over it instead."""
+    torch.manual_seed(0)
+    module = ThreeOutputs()
+    eager = copy.deepcopy(module)
+    graphed = leangraph.make_graphed_callables(
+        module, tuple(torch.randn(3, 4, requires_grad=True) for _ in range(2)), **MODES[mode])
+    logs: dict[str, list] = {"eager": [], "graphed": []}
+    for name, m in (("eager", eager), ("graphed", module)):
+        for key, p in m.named_parameters():
+            p.register_hook(lambda g, k=key, log=logs[name]: log.append((k, g.clone())))
+            p.register_hook(lambda g: g * 0.5)
+    for step in range(3):
+        x, z = torch.randn(3, 4), torch.randn(3, 4)
+        for name, fn, m in (("graphed", graphed, module), ("eager", eager, eager)):
+            logs[name].append(("backward", step))
+            outputs = fn(x.clone().requires_grad_(), z.clone().requires_grad_())
+            loss = outputs[0].square().sum()
+            if eager_use:
+                loss = loss + (m.side.weight * (step + 2)).square().sum()
+            loss.backward()
+        assert _same_grads(module.parameters(), eager.parameters()), step
+    assert [e[0] for e in sorted(logs["graphed"], key=str)] == [
+        e[0] for e in sorted(logs["eager"], key=str)]
+    by_key = {name: {} for name in logs}
+    for name, log in logs.items():
+        for event in log:
+            by_key[name].setdefault(event[0], []).append(event[1])
+    for key, seen in by_key["eager"].items():
+        got = by_key["graphed"][key]
+        assert all(torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b
+                   for a, b in zip(got, seen)), key
+    assert ("side.weight" in by_key["graphed"]) is eager_use
+    assert "head.weight" not in by_key["graphed"]
+    leangraph.reset_all(graphed)
+
+
 @pytest.mark.parametrize("mode", ["default", "overlap", "relay"])
 def test_a_parameter_the_graph_leaves_unreached_but_eager_code_reaches_fires_its_hooks(mode):
     """The loss uses the first output only, so the graph reaches neither ``side`` nor

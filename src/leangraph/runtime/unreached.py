@@ -8,7 +8,8 @@ accumulators), and autograd runs every node a node it ran has an edge to, with n
 where it returned None: their post-accumulate-grad hooks, and the hooks on the nodes, would
 fire where eager's do not. Which parameters no output with a gradient reaches is known at the
 backward replay only (``GraphRecord.reached_by``), after autograd fixed the nodes it will run,
-so the replay has those accumulators pass over the hooks registered from Python on them
+so the replay has those accumulators pass over the hooks registered from Python on them,
+and the parameters' tensor hooks, which autograd would call with None
 (:func:`skip_hooks_in_this_pass`): each hook is swapped for a stand-in that, called in this
 backward pass, puts the hook back and does nothing; called in another (the pass failed before
 the accumulator ran) it puts it back and calls it. Eager code in the same pass may still reach
@@ -31,7 +32,7 @@ import torch
 from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
-from ..build.accumulation import node_hook_dicts, post_accumulate_hooks
+from ..build.accumulation import TENSOR_HOOKS, node_hook_dicts, post_accumulate_hooks
 
 __all__ = ["skip_hooks_in_this_pass"]
 
@@ -62,6 +63,11 @@ class _Skipped:
     def __init__(self, hook: Any, hooks: dict[Any, Any], key: Any, gate: _Arrival) -> None:
         self.hook, self.hooks, self.key, self.gate = hook, hooks, key, gate
 
+    @property
+    def task(self) -> int:
+        """The backward pass it stands in for."""
+        return self.gate.task
+
     def restore(self) -> None:
         """Put the hook back, unless it was removed (its handle) or replaced since."""
         if self.hooks.get(self.key) is self:
@@ -76,6 +82,28 @@ class _Skipped:
         return self.hook(*args)
 
 
+class _SkippedTensorHook(_Skipped):
+    """Stands in for one tensor hook of a parameter (``register_hook``) for the rest of one
+    backward pass. Autograd calls tensor hooks before the accumulator's pre-hooks, so before
+    any gate; it calls them with the gradient itself, which tells: None (the replay's), and
+    eager would call none."""
+
+    __slots__ = ("pass_task",)
+
+    def __init__(self, hook: Any, hooks: dict[Any, Any], key: Any, task: int) -> None:
+        self.hook, self.hooks, self.key, self.pass_task = hook, hooks, key, task
+
+    @property
+    def task(self) -> int:
+        return self.pass_task
+
+    def __call__(self, *args: Any) -> Any:
+        self.restore()
+        if _GRAPH_TASK_ID() == self.pass_task and args[0] is None:
+            return None  # no gradient reached the parameter: eager calls no hook
+        return self.hook(*args)
+
+
 def skip_hooks_in_this_pass(params: Sequence[torch.Tensor], nodes: Sequence[Node]) -> None:
     """Have the accumulators ``nodes`` of ``params`` (which the replay calling this hands no
     gradient) call none of their Python hooks in this pass, their pre-hooks,
@@ -87,6 +115,13 @@ def skip_hooks_in_this_pass(params: Sequence[torch.Tensor], nodes: Sequence[Node
     task = _GRAPH_TASK_ID()
     skipped: list[_Skipped] = []
     gates: list[RemovableHandle] = []
+    for param in params:
+        tensor_hooks = TENSOR_HOOKS(param) or {}
+        for key, hook in list(tensor_hooks.items()):
+            if not (isinstance(hook, _Skipped) and hook.task == task):
+                passed_over = _SkippedTensorHook(hook, tensor_hooks, key, task)
+                tensor_hooks[key] = passed_over
+                skipped.append(passed_over)
     for param, node in zip(params, nodes):
         pre_hooks, post_hooks = node_hook_dicts(node)
         _drop_stale_gates(pre_hooks, task)
@@ -97,7 +132,7 @@ def skip_hooks_in_this_pass(params: Sequence[torch.Tensor], nodes: Sequence[Node
             for key, hook in (hooks or {}).items()
             # Not this pass's gate, nor a hook passed over already (a second call for it).
             if not isinstance(hook, _Arrival)
-            and not (isinstance(hook, _Skipped) and hook.gate.task == task)
+            and not (isinstance(hook, _Skipped) and hook.task == task)
         ]
         if not hooked:
             continue
