@@ -260,8 +260,11 @@ _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # type: ignore[attr-defin
 _WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", lambda node: False)
 
 
-def accumulating_leaves(node: Any, positions: Iterable[int]) -> Mapping[int, torch.Tensor]:
-    """Called from a backward replay's autograd ``node`` (with grad mode off): of the inputs
+def accumulating_leaves(
+    edges: Sequence[Any], positions: Iterable[int]
+) -> Mapping[int, torch.Tensor]:
+    """Called from a backward replay's autograd node (with grad mode off; ``edges``: its
+    ``next_functions``, one per tensor passed to the replay, inputs first): of the inputs
     at ``positions``, each that is a leaf whose ``AccumulateGrad`` this backward pass runs,
     with a ``.grad`` already and no tensor hook, by position. Autograd adds such an input's
     gradient into its ``.grad`` in place and keeps nothing (the routing's reference keeps
@@ -269,7 +272,6 @@ def accumulating_leaves(node: Any, positions: Iterable[int]) -> Mapping[int, tor
     parameter's is. Not so under ``torch.autograd.grad``, which runs no accumulator of a
     leaf but returns the gradient (``_will_engine_execute_node`` raises for one then); a
     tensor hook may keep what it sees."""
-    edges = node.next_functions  # one per tensor passed to the replay, inputs first
     found: dict[int, torch.Tensor] = {}
     for position in positions:
         accumulator = edges[position][0]
@@ -310,15 +312,15 @@ def _with_copies(
     return tuple(handed)
 
 
-def returns_gradients(node: Any, positions: Sequence[int]) -> bool:
-    """Called from a backward replay's autograd ``node``: whether the running backward
-    pass returns the gradients of the parameters at ``positions`` (of the node's edges)
-    rather than accumulating them: ``torch.autograd.grad`` runs no accumulator (asked of a
-    parameter it returns the gradient of, ``_will_engine_execute_node`` raises). Its caller
+def returns_gradients(edges: Sequence[Any], positions: Sequence[int]) -> bool:
+    """Called from a backward replay's autograd node (``edges``: its ``next_functions``):
+    whether the running backward pass returns the gradients of the parameters at
+    ``positions`` rather than accumulating them: ``torch.autograd.grad`` runs no
+    accumulator (asked of a parameter it returns the gradient of,
+    ``_will_engine_execute_node`` raises). Its caller
     keeps what it returns (a ``.detach()`` of it, say, which no count of the lent tensor's
     references sees), so they are copies. One accumulator tells: a plain backward runs
     every one (``backward(inputs=...)`` leaving the first out copies the rest needlessly)."""
-    edges = node.next_functions
     for position in positions:
         accumulator = edges[position][0]
         if type(accumulator) is _ACCUMULATE_GRAD:

@@ -849,11 +849,12 @@ def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | Non
     # its gradients owe.
     record, fused, routing = owner._record, owner._fused, owner._grads
     accumulating, returned = NO_LEAVES, False
-    if routing is not None:
+    if routing is not None and (routing.inputs_copied or routing.lent_params):
+        edges = ctx.next_functions  # one per tensor passed to the replay, inputs first
         if routing.inputs_copied:
-            accumulating = accumulating_leaves(ctx, routing.inputs_copied)
+            accumulating = accumulating_leaves(edges, routing.inputs_copied)
         if routing.lent_params:
-            returned = returns_gradients(ctx, routing.lent_params)
+            returned = returns_gradients(edges, routing.lent_params)
     grad_inputs, unreached = owner._replay_backward(
         grads, ctx.generation, ctx.ddp, accumulating, returned
     )
@@ -882,7 +883,7 @@ def _backward_once(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None,
     returned = (
         routing is not None
         and bool(routing.lent_params)
-        and returns_gradients(ctx, routing.lent_params)
+        and returns_gradients(ctx.next_functions, routing.lent_params)
     )
     with torch.no_grad():
         grad_inputs, unreached = owner._replay_backward(
