@@ -1028,6 +1028,30 @@ def test_hidden_states_of_another_dtype_than_the_layer_are_refused() -> None:
         _capture(Layer(params_dtype=torch.bfloat16))
 
 
+def test_v19_a_list_or_no_callables_is_refused_as_the_core_api_refuses_it() -> None:
+    """TE's convention (Megatron's helper passes a tuple) wraps anything but a tuple as one
+    callable; a list is named as a list, as leangraph.make_graphed_callables names it, not
+    as ``callables[0]``, and an empty tuple as empty, before any warm-up."""
+    hidden = torch.randn(2, 4, requires_grad=True)
+    warmed: list[bool] = []
+    hook = {"pre_warmup_hook": lambda: warmed.append(True)}
+    for callables in ([], [Layer()]):
+        with pytest.raises(TypeError) as info:
+            lgm.make_graphed_callables(callables, ((hidden,),), **hook)
+        assert str(info.value).startswith(
+            "callables must be a callable or a tuple of callables, got a list; pass "
+            "tuple(callables)"), info.value
+        with pytest.raises(TypeError, match="got a list; pass tuple"):  # the core's words
+            leangraph.make_graphed_callables(callables, ((hidden,),))
+    with pytest.raises(ValueError) as info:
+        lgm.make_graphed_callables((), (), **hook)
+    assert str(info.value) == "callables is empty; pass at least one callable to graph"
+    assert warmed == []
+    single = lgm.make_graphed_callables(Layer(), (hidden,), allow_unused_input=True)
+    assert isinstance(single, lgm.MegatronGraphedLayer)  # one callable: one graph, unwrapped
+    single.reset()
+
+
 def test_backward_dw_runs_the_weight_step_of_a_split_order() -> None:
     layer = Layer()
     hidden = torch.randn(2, 4, requires_grad=True)

@@ -783,6 +783,40 @@ def test_refuses_arguments_of_the_wrong_type_naming_them(graphed_sets: list[Any]
             graphed.run_chunk(chunk, microbatch, hidden)  # type: ignore[arg-type]
 
 
+class PlainLayer(nn.Module):
+    """A decoder layer's calling convention without transformers: hidden states in, a tuple
+    out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return (hidden + self.linear(hidden),)
+
+
+def test_a_call_whose_kwargs_is_not_a_mapping_is_refused_naming_it() -> None:
+    """LayerCall.kwargs is a mapping ({} for none): None (or a list of pairs) is refused by
+    name and type before any warm-up, not met as an AttributeError inside the checks."""
+    hidden = torch.randn(2, 3, 8, requires_grad=True)
+    layers = [PlainLayer(), PlainLayer()]
+    pairs: Any = [("use_cache", False)]
+    for calls, named, got in [
+        (LayerCall((hidden,), None), "calls", "NoneType"),  # type: ignore[arg-type]
+        ([LayerCall((hidden,), {}), LayerCall((hidden,), pairs)], "calls[1]", "list"),
+    ]:
+        spy = WarmupSpy()
+        with pytest.raises(TypeError) as info:
+            graph_decoder_layers(layers, calls, capture_options={"pre_warmup_hook": spy})
+        assert str(info.value) == (
+            f"{named}.kwargs must be a mapping of the layer's keyword arguments (pass {{}} for "
+            f"none), got {got}")
+        assert spy.calls == 0
+        assert not any(isinstance(vars(layer).get("forward"), leangraph.GraphedCallable)
+                       for layer in layers)
+    graph_decoder_layers(layers, LayerCall((hidden,), {})).reset()  # {}: no keyword arguments
+
+
 def test_v31_refuses_dropout_the_forward_draws_itself_and_every_dropout_module() -> None:
     """Rates handed to nn.functional.dropout (Starcoder2's residual_dropout), random router
     noise (Mixtral's jitter) and dropout modules of any kind, in any training submodule."""

@@ -261,7 +261,7 @@ def make_graphed_callables(
     aside). Without ``_order``: each callable once, forwards in order, backwards in reverse.
 
     Args:
-        callables: The layers (a tuple), or one callable.
+        callables: The layers (a non-empty tuple, not a list), or one callable.
         sample_args, sample_kwargs: One tuple and one dict of samples per graph.
         num_warmup_iters, allow_unused_input, pool, retain_graph_in_backward,
             pre_warmup_hook, post_warmup_hook: As for ``leangraph.make_graphed_callables``.
@@ -281,13 +281,15 @@ def make_graphed_callables(
         ValueError: for fp8 or fp4, for ``config.variable_seq_lengths=True``, for a layer
             that still holds graphs (a second capture before ``delete_cuda_graphs()``), and
             for what leangraph refuses, before any warm-up.
-        TypeError: for an unknown capture option (as :func:`install`).
+        TypeError: for an unknown capture option (as :func:`install`); for ``callables``
+            that is a list (V19; an empty tuple is a ValueError).
     """
     del fp8_recipe, fp8_group, fp8_weight_caching  # nothing to do without fp8
     options = _with_arguments(
         _checked_options(capture_options),
         {"pool": pool, "pre_warmup_hook": pre_warmup_hook, "post_warmup_hook": post_warmup_hook},
     )
+    _check_callables(callables)
     single = not isinstance(callables, tuple)
     layers = (callables,) if single else callables
     args = (sample_args,) if single else tuple(sample_args)
@@ -312,6 +314,21 @@ def make_graphed_callables(
     )
     wrapped = tuple(MegatronGraphedLayer(g, tuple(k)) for g, k in zip(graphs, kwargs))
     return wrapped[0] if single else wrapped
+
+
+def _check_callables(callables: Any) -> None:
+    """Refuse, as ``leangraph.make_graphed_callables`` does (V19), what is neither one
+    callable nor a non-empty tuple: TE's convention, which Megatron's helper follows
+    (``tuple(self.flattened_callables)``), wraps anything else as a single callable, so a list
+    would otherwise be named ``callables[0]``, not callable."""
+    if isinstance(callables, list):
+        raise TypeError(
+            "callables must be a callable or a tuple of callables, got a list; pass "
+            "tuple(callables) (TransformerEngine's make_graphed_callables, whose convention "
+            "this adapter takes, takes a tuple too)"
+        )
+    if isinstance(callables, tuple) and not callables:
+        raise ValueError("callables is empty; pass at least one callable to graph")
 
 
 def _with_arguments(options: dict[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:

@@ -88,7 +88,8 @@ class LayerCall:
     Attributes:
         args: The positional arguments: the hidden states first (a tensor that requires grad
             wherever it does in training).
-        kwargs: The keyword arguments, tensors and constants as the model passed them.
+        kwargs: The keyword arguments, tensors and constants as the model passed them: a
+            mapping (``{}`` for none; :func:`graph_decoder_layers` refuses None).
     """
 
     args: tuple[Any, ...]
@@ -484,6 +485,13 @@ def _checked_calls(calls: Sequence[LayerCall] | LayerCall, count: int) -> tuple[
             raise TypeError(
                 f"decoder layer {index}: its call must start with the hidden states (a tensor), "
                 f"got {type(call.args[0]).__name__ if call.args else 'no positional argument'}"
+            )
+        if not isinstance(call.kwargs, Mapping):
+            # LayerCall.kwargs is a mapping (record_layer_calls gives a dict, {} for none).
+            where = "calls" if isinstance(calls, LayerCall) else f"calls[{index}]"
+            raise TypeError(
+                f"{where}.kwargs must be a mapping of the layer's keyword arguments (pass {{}} "
+                f"for none), got {type(call.kwargs).__name__}"
             )
     return result
 
