@@ -102,6 +102,73 @@ def test_outputs_and_gradients_equal_eager_bitwise(name):
         assert_same_grads(module, eager)
 
 
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
+@pytest.mark.parametrize("batch_first", [False, True], ids=["seq_first", "batch_first"])
+def test_an_lstm_trains_exactly_like_eager(layers, bidirectional, batch_first):
+    """nn.LSTM's oneDNN kernel (aten.mkldnn_rnn_layer) returns the workspace its backward reads
+    only with grad enabled: a replay runs it under the grad mode of its capture. Before, the
+    replay ran it under no_grad and the first replay crashed on the missing workspace."""
+    torch.manual_seed(0)
+    module = nn.LSTM(4, 5, num_layers=layers, bidirectional=bidirectional,
+                     batch_first=batch_first)  # fmt: skip
+    eager = copy.deepcopy(module)
+    shape = (2, 3, 4) if batch_first else (3, 2, 4)
+    graphed = mgc(module, (leaf(*shape),))
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    for _ in range(3):
+        x = leaf(*shape)
+        x_eager = twin(x)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out, (h, c) = graphed(x)
+        assert not saved  # the grad-enabled kernels replay below autograd: no graph
+        expected, (h_eager, c_eager) = eager(x_eager)
+        assert torch.equal(out, expected)
+        assert torch.equal(h, h_eager) and torch.equal(c, c_eager)
+        (out.square().sum() + 2 * h.sum() + c.sum()).backward()
+        (expected.square().sum() + 2 * h_eager.sum() + c_eager.sum()).backward()
+        assert torch.equal(x.grad, x_eager.grad)
+        assert_same_grads(module, eager)
+
+
+# An operator whose kernel branches on the grad mode, as aten.mkldnn_rnn_layer's does.
+_LIBRARY = torch.library.Library("leangraph_cpu_tests", "FRAGMENT")
+_LIBRARY.define("grad_mode_scaled(Tensor x) -> Tensor")
+_LIBRARY.impl(
+    "grad_mode_scaled", lambda x: x * (2.0 if torch.is_grad_enabled() else 3.0), "CPU"
+)
+
+
+class GradModeReader(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with_grad = torch.ops.leangraph_cpu_tests.grad_mode_scaled(x.detach())
+        with torch.no_grad():
+            without = torch.ops.leangraph_cpu_tests.grad_mode_scaled(x.detach())
+        return self.linear(x) * with_grad + without
+
+
+def test_a_kernel_replays_under_the_grad_mode_it_ran_under_at_capture():
+    torch.manual_seed(0)
+    module = GradModeReader()
+    eager = copy.deepcopy(module)
+    graphed = mgc(module, (leaf(2, 4),))
+    assert_replays_like_eager(graphed, eager, lambda: leaf(2, 4), replays=3)
+    assert_same_grads(module, eager)
+    x = leaf(2, 4)
+    with torch.no_grad():  # the caller's grad mode changes neither kernel's
+        out = graphed(x)
+    assert torch.equal(out, eager(twin(x)))
+
+
 def test_chained_layers_train_exactly_through_an_order():
     torch.manual_seed(0)
     layers = tuple(Block(8) for _ in range(3))

@@ -115,6 +115,7 @@ class _Call:
     layout: int
     out: tuple[int | None, ...]
     collective: bool = False
+    grad: bool = False  # the grad mode the kernel ran under at capture
 
     def run(self, env: Env) -> None:
         args: list[Any] = list(self.args)
@@ -133,18 +134,35 @@ class _Call:
                     args[where] = items
                 else:
                     kwargs[where] = items
-        result = self.func(*args, **kwargs)
+        if self.grad:
+            # A kernel may branch on the grad mode (nn.LSTM's aten.mkldnn_rnn_layer runs
+            # oneDNN's training kernel, and returns the workspace its backward reads, only with
+            # grad enabled): it replays under the mode it saw at capture and, as there, below
+            # autograd, which records nothing of it.
+            with torch.enable_grad(), torch._C._AutoDispatchBelowAutograd():
+                result = self.func(*args, **kwargs)
+        else:
+            result = self.func(*args, **kwargs)
         if self.collective:
             _wait(result)
         if self.layout == _SINGLE:
             target = self.out[0]
             if target is not None:
-                env[target] = result
+                env[target] = self._made(result)
             return
         values = result if self.layout == _FLAT else pytree.tree_leaves(result)
         for target, value in zip(self.out, values):
             if target is not None:
-                env[target] = value
+                env[target] = self._made(value)
+
+    def _made(self, value: Any) -> torch.Tensor:
+        """A tensor the call made, where its capture's made one (not an undefined one)."""
+        if not isinstance(value, torch.Tensor):
+            raise RuntimeError(
+                f"the CPU backend's replay of {self.func} returned {type(value).__name__} "
+                "where its capture returned a tensor: the kernel ran otherwise than at capture"
+            )
+        return value
 
 
 def _wait(result: Any) -> None:
@@ -199,6 +217,7 @@ class Trace:
             env[slot] = earlier[part][source]
         # The recorded calls are what autograd and autocast made of the body at capture; a
         # replay redoes neither, whatever modes its caller has on (a CUDA graph replays kernels).
+        # A call recorded with grad enabled turns it back on for its kernel (_Call.run).
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
             for step in self.steps:
                 step.run(env)
@@ -247,6 +266,7 @@ class _Binding:
         out: tuple[int | None, ...],
         *,
         collective: bool,
+        grad: bool,
     ) -> _Call:
         return _Call(
             func,
@@ -258,6 +278,7 @@ class _Binding:
             layout,
             out,
             collective,
+            grad,
         )
 
 
@@ -314,10 +335,11 @@ class _Builder:
         if random:
             self._check_generator(func)
         binding = self._bind(args, kwargs)
+        grad = torch.is_grad_enabled()  # what the kernel sees (below autograd, as a replay)
         result = func(*args, **kwargs)
         if random:
             self._rng = torch.default_generator.get_state()
-        self._note(func, facts, binding, result)
+        self._note(func, facts, binding, result, grad=grad)
         return result
 
     def _check_generator(self, func: torch._ops.OpOverload) -> None:
@@ -430,7 +452,13 @@ class _Builder:
         return slot
 
     def _note(
-        self, func: torch._ops.OpOverload, facts: _OpFacts, binding: _Binding, result: Any
+        self,
+        func: torch._ops.OpOverload,
+        facts: _OpFacts,
+        binding: _Binding,
+        result: Any,
+        *,
+        grad: bool,
     ) -> None:
         """Record the call unless replaying it cannot matter."""
         if facts.mutable:
@@ -448,7 +476,8 @@ class _Builder:
             # A collective talks to other ranks, whose replays run it too: always replayed.
             wanted = facts.mutable or facts.collective or any(slot is not None for slot in out)
         if wanted:
-            self._steps.append(binding.call(func, layout, out, collective=facts.collective))
+            call = binding.call(func, layout, out, collective=facts.collective, grad=grad)
+            self._steps.append(call)
 
     def _follow_mutations(
         self, func: torch._ops.OpOverload, internal: Sequence[tuple[torch.Tensor, int]]
