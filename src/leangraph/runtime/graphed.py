@@ -344,7 +344,7 @@ class GraphedCallable:
             record.pair.replay_forward()
             self._forward_generation += 1
             if self._saved_reads is not None:
-                self._saved_reads.note()
+                self._saved_reads.note(inputs)
             if self._has_backward:
                 self._pending.note(self._index, token)
             if self._guard is not None:

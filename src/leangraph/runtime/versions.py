@@ -15,6 +15,8 @@ the forward leaves the graph's copy, and so the gradient, as at the forward.
 from __future__ import annotations
 
 import operator
+import weakref
+from collections.abc import Sequence
 
 import torch
 
@@ -41,6 +43,14 @@ class SavedReads:
             + tuple(buffers[name] for name in record.saved_buffers)
         )
         self._versions: tuple[int, ...] = ()
+        # A chained input is the previous layer's output the caller holds, another tensor
+        # than the static input over that memory on CUDA (whose version counter is its own):
+        # its version is read on the argument each forward replay took, held weakly (the
+        # caller's tensor keeps its autograd graph alive).
+        self._chained = tuple(
+            (k, i) for k, i in enumerate(record.saved_inputs) if record.chained_from[i] is not None
+        )
+        self._arguments: tuple[tuple[int, weakref.ref[torch.Tensor], int], ...] = ()
 
     @classmethod
     def of(cls, label: str, record: GraphRecord) -> SavedReads | None:
@@ -53,22 +63,34 @@ class SavedReads:
         )
         return cls(label, record) if reads else None
 
-    def note(self) -> None:
-        """After a forward replay: the versions its backward must find."""
+    def note(self, inputs: Sequence[torch.Tensor]) -> None:
+        """After a forward replay on ``inputs`` (its tensor arguments): the versions its
+        backward must find."""
         self._versions = tuple(map(_VERSION, self._tensors))
+        if self._chained:
+            self._arguments = tuple(
+                (k, weakref.ref(inputs[i]), inputs[i]._version) for k, i in self._chained
+            )
 
     def check(self) -> None:
         """Before a backward replay.
 
         Raises:
-            RuntimeError: naming the first output (R24) or parameter (R28) modified in place
-                since the forward replay.
+            RuntimeError: naming the first output or input (R24), or parameter or buffer
+                (R28), modified in place since the forward replay.
         """
-        if tuple(map(_VERSION, self._tensors)) == self._versions:
+        if tuple(map(_VERSION, self._tensors)) == self._versions and all(
+            _unchanged(*argument) for argument in self._arguments
+        ):
             return
         record, label = self._record, self._label
         outputs, inputs = len(record.saved_outputs), len(record.saved_inputs)
-        for position, (tensor, version) in enumerate(zip(self._tensors, self._versions)):
+        read = list(zip(self._tensors, self._versions))
+        for k, ref, version in self._arguments:
+            argument = ref()
+            if argument is not None:
+                read[outputs + k] = (argument, version)
+        for position, (tensor, version) in enumerate(read):
             if tensor._version == version:
                 continue
             if position < outputs:
@@ -83,9 +105,9 @@ class SavedReads:
             if position < outputs + inputs:
                 index = record.saved_inputs[position - outputs]
                 source = record.chained_from[index]
-                held = f"the output buffer of {source}" if source else "its static buffer"
+                what = f"the output buffer of {source}" if source else "its static buffer"
                 raise RuntimeError(
-                    f"{label}: input {index} ({held}) was modified in place after the "
+                    f"{label}: input {index} ({what}) was modified in place after the "
                     f"forward replay (version {version}, now {tensor._version}), but the "
                     "backward reads it (it is saved for the gradient), so the backward graph "
                     "would compute with the new values; eager's backward refuses this too "
@@ -112,3 +134,9 @@ class SavedReads:
                 "backward before the optimizer step (or any other in-place write into the "
                 "parameters)"
             )
+
+
+def _unchanged(_: int, ref: weakref.ref[torch.Tensor], version: int) -> bool:
+    """Whether a chained argument noted at ``version`` is gone or still at it."""
+    held = ref()
+    return held is None or held._version == version
