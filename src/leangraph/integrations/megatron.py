@@ -280,9 +280,8 @@ def make_graphed_callables(
     Raises:
         ValueError: for fp8 or fp4, for ``config.variable_seq_lengths=True``, for a layer
             that still holds graphs (a second capture before ``delete_cuda_graphs()``), and
-            for what leangraph refuses, before any warm-up.
-        TypeError: for an unknown capture option (as :func:`install`); for ``callables``
-            that is a list (V19; an empty tuple is a ValueError).
+            for what leangraph refuses (no callables too), before any warm-up.
+        TypeError: for an unknown capture option (as :func:`install`), or a list (V19).
     """
     del fp8_recipe, fp8_group, fp8_weight_caching  # nothing to do without fp8
     options = _with_arguments(
