@@ -445,6 +445,16 @@ def _hook_events(modules, log: list) -> list:
     return held
 
 
+def _three_outputs_graphed(mode):
+    """``ThreeOutputs`` (seeded), an eager copy, and the module graphed drop-in in ``mode``."""
+    torch.manual_seed(0)
+    module = ThreeOutputs()
+    eager = copy.deepcopy(module)
+    graphed = leangraph.make_graphed_callables(
+        module, tuple(torch.randn(3, 4, requires_grad=True) for _ in range(2)), **MODES[mode])
+    return module, eager, graphed
+
+
 def _same_grads(got, want) -> bool:
     return all(
         (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad))
@@ -459,12 +469,7 @@ def test_hooks_fire_only_for_the_parameters_the_backward_reaches(mode, used):
     those outputs reach (``.grad`` stays None, no hook fires). The replay's node has an edge
     to every parameter (or its relay), which autograd runs with no gradient; their hooks are
     passed over, so the same hooks fire, once each, and ``.grad`` is eager's, bitwise."""
-    torch.manual_seed(0)
-    module = ThreeOutputs()
-    eager = copy.deepcopy(module)
-    graphed = leangraph.make_graphed_callables(
-        module, tuple(torch.randn(3, 4, requires_grad=True) for _ in range(2)), **MODES[mode]
-    )
+    module, eager, graphed = _three_outputs_graphed(mode)
     logs: dict[str, list] = {"eager": [], "graphed": []}
     held = _hook_events([eager], logs["eager"]) + _hook_events([module], logs["graphed"])
     for step in range(3):
@@ -493,11 +498,7 @@ def test_a_parameters_tensor_hook_fires_only_where_a_gradient_reaches_it(mode, e
     of a parameter only the others reach, unless eager code in the pass reaches it (then
     with that gradient). The replay hands such a parameter None, with which autograd would
     call the hook (``g * 0.5`` raised on it); the replay passes over it instead."""
-    torch.manual_seed(0)
-    module = ThreeOutputs()
-    eager = copy.deepcopy(module)
-    graphed = leangraph.make_graphed_callables(
-        module, tuple(torch.randn(3, 4, requires_grad=True) for _ in range(2)), **MODES[mode])
+    module, eager, graphed = _three_outputs_graphed(mode)
     logs: dict[str, list] = {"eager": [], "graphed": []}
     for name, m in (("eager", eager), ("graphed", module)):
         for key, p in m.named_parameters():
@@ -536,11 +537,7 @@ def test_a_parameter_the_graph_leaves_unreached_but_eager_code_reaches_fires_its
     replay passes over the hooks of its unreached parameters, but not of one a gradient
     reaches from elsewhere (they were all passed over, so Megatron's hook dropped the eager
     gradient from ``main_grad``)."""
-    torch.manual_seed(0)
-    module = ThreeOutputs()
-    eager = copy.deepcopy(module)
-    graphed = leangraph.make_graphed_callables(
-        module, tuple(torch.randn(3, 4, requires_grad=True) for _ in range(2)), **MODES[mode])
+    module, eager, graphed = _three_outputs_graphed(mode)
     logs: dict[str, list] = {"eager": [], "graphed": []}
     held = _hook_events([eager], logs["eager"]) + _hook_events([module], logs["graphed"])
     for step in range(3):

@@ -615,6 +615,12 @@ def test_r24_an_output_the_backward_reads_modified_in_place_is_refused(device):
     leangraph.reset_all(graphed)
 
 
+def _refused_as_eager(backward, eager: bool, ours: str) -> None:
+    """``backward()`` raises: autograd's refusal where ``eager``, else the replay's ``ours``."""
+    with pytest.raises(RuntimeError, match="modified by an inplace operation" if eager else ours):
+        backward()
+
+
 def _input_as_is(x: torch.Tensor, w: torch.Tensor):
     return x * w, x
 
@@ -665,14 +671,9 @@ def test_r24_an_input_returned_and_modified_in_place_is_refused(device, form, or
     for run in (fn, graphed):
         y, aside = run(x * 1, w)  # x * 1: eager may write into a non-leaf
         aside.add_(1)
-        expected = (
-            "modified by an inplace operation"
-            if run is fn
-            else rf"{re.escape(label)}: output 1 was modified in place after its forward "
-            r"replay \(version \d+, now \d+\), but the backward reads it"
-        )
-        with pytest.raises(RuntimeError, match=expected):
-            y.sum().backward()
+        _refused_as_eager(y.sum().backward, run is fn, rf"{re.escape(label)}: output 1 was "
+                          r"modified in place after its forward replay \(version \d+, now "
+                          r"\d+\), but the backward reads it")
         del y, aside
     x_eager = x.detach().clone().requires_grad_()
     w_eager = w.detach().clone().requires_grad_(w.requires_grad)
@@ -758,15 +759,10 @@ def test_r24_a_chained_input_the_backward_reads_modified_in_place_is_refused(dev
         out = run[1](hidden)
         with torch.no_grad():
             hidden.add_(1)
-        expected = (
-            "modified by an inplace operation"
-            if run is eager
-            else r"graph \(chunk 1, microbatch 0, layer 1\): input 0 \(the output buffer of "
-            r"graph \(chunk 1, microbatch 0, layer 0\)\) was modified in place after the "
-            r"forward replay \(version \d+, now \d+\), but the backward reads it"
-        )
-        with pytest.raises(RuntimeError, match=expected):
-            out.sum().backward()
+        _refused_as_eager(out.sum().backward, run is eager, r"graph \(chunk 1, microbatch 0, "
+                          r"layer 1\): input 0 \(the output buffer of graph \(chunk 1, "
+                          r"microbatch 0, layer 0\)\) was modified in place after the forward "
+                          r"replay \(version \d+, now \d+\), but the backward reads it")
         del hidden, out
     for module in (*eager, *layers):
         module.zero_grad()  # eager's refused backward may have reached some parameters
@@ -907,14 +903,9 @@ def test_r28_a_buffer_the_backward_reads_modified_in_place_is_refused(device):
         y = run(xs[0])
         with torch.no_grad():
             (eager if run is eager else module).gain.mul_(3)
-        expected = (
-            "modified by an inplace operation"
-            if run is eager
-            else r"graph \(chunk 1, microbatch 0, layer 0\): buffer 'gain' was modified in "
-            r"place after the forward replay \(version \d+, now \d+\), but the backward reads"
-        )
-        with pytest.raises(RuntimeError, match=expected):
-            y.sum().backward()
+        _refused_as_eager(y.sum().backward, run is eager, r"graph \(chunk 1, microbatch 0, "
+                          r"layer 0\): buffer 'gain' was modified in place after the forward "
+                          r"replay \(version \d+, now \d+\), but the backward reads")
         del y
     leangraph.reset_all(graphed)
 
