@@ -888,14 +888,14 @@ def test_r28_a_buffer_the_backward_reads_modified_in_place_is_refused(device):
     samples = tuple((torch.randn(8, 4, device=device, requires_grad=True),) for _ in range(2))
     graphed = leangraph.make_graphed_callables((module,), samples, order=[1, 1, -1, -1])
     xs = [torch.randn(8, 4, device=device, requires_grad=True) for _ in range(2)]
-    for step in range(2):
+    for _ in range(2):  # two steps
         outs = [graphed[0](xs[0]), graphed[1](xs[1])]
         eager_outs = [eager(x) for x in xs]
         for out, eager_out in zip(outs, eager_outs):
             out.square().sum().backward()
             eager_out.square().sum().backward()
     same = torch.testing.assert_close if device == "cuda" else _bitwise
-    for (name, a), b in zip(module.state_dict().items(), eager.state_dict().values()):
+    for a, b in zip(module.state_dict().values(), eager.state_dict().values()):
         same(a, b)
     for p, q in zip(module.parameters(), eager.parameters()):
         same(p.grad, q.grad)
