@@ -355,6 +355,53 @@ def test_a_chained_layer_reads_the_next_layers_input_gradient_as_its_seed(branch
     leangraph.reset_all(graphed)
 
 
+class _TwoHeads(torch.nn.Module):
+    """``(body(x), side(z))``: a loss on ``side`` alone leaves ``x`` and what feeds it out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.side = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor):
+        return self.body(x), self.side(z)
+
+
+@pytest.mark.parametrize("options", [{}, {"fuse_grad_accumulation": True}, {"order": [1, -1]}],
+                         ids=["default", "fused", "ordered"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_layer_whose_only_output_gets_no_gradient_leaves_its_parameters_none(options, device):
+    """Layer 1 hands layer 0's output no gradient (the loss uses only its ``side``): eager never
+    reaches layer 0, so its ``.grad`` and the input's stay None and its hooks stay quiet.
+    Autograd materialized zeros for layer 0's single output, whose replay then trained on
+    them: zeros as ``.grad``, which weight decay or momentum would step on."""
+    torch.manual_seed(0)
+    eager = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()), _TwoHeads()]
+    layers = [copy.deepcopy(m).to(device) for m in eager]
+    eager = [m.to(device) for m in eager]
+    if "order" in options:
+        options = {**options, "num_layers_per_chunk": 2}
+    with torch.device(device):
+        samples = ((torch.randn(4, 8, requires_grad=True),),
+                   (torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)))
+        graphed = leangraph.make_graphed_callables(tuple(layers), samples, **options)
+    fired = []
+    for p in layers[0].parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    for _ in range(2):
+        x, z = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device)
+        for first, second in ((eager[0], eager[1]), graphed):
+            inp = x.clone().requires_grad_()
+            _, side = second(first(inp), z.clone().requires_grad_())
+            side.square().sum().backward()
+            assert inp.grad is None
+    assert fired == []
+    for a, b in zip(layers[0].parameters(), eager[0].parameters()):
+        assert a.grad is None and b.grad is None
+    for a, b in zip(layers[1].side.parameters(), eager[1].side.parameters()):
+        _assert_as_eager(a.grad, b.grad, device)
+    leangraph.reset_all(graphed)
+
+
 def _assert_as_eager(got: torch.Tensor, want: torch.Tensor, device: str, step: int = 0) -> None:
     """Bitwise on the CPU; on CUDA within float32 tolerance, as cuBLAS may choose other
     kernels for tiny matmuls under capture."""

@@ -116,10 +116,15 @@ class GraphedCallable:
         self._saved_reads = SavedReads.of(record.label, record)
         # Facts of the capture the hot path would otherwise derive at every replay.
         self._has_backward = record.has_backward
-        # With several differentiable outputs a backward may give some none: autograd then
-        # hands None for them (not materialized zeros), so the replay can leave what only
-        # they reach without a gradient, as eager does.
-        self._outputs_may_lack_grads = sum(record.output_requires_grad) > 1
+        # A backward may give an output no gradient: a loss leaving one of several out, or
+        # the next graph handing this one's output none (what only its left-out output
+        # reaches). Autograd then hands None (not materialized zeros), so the replay can leave
+        # what only such outputs reach without a gradient, as eager does (an upstream layer's
+        # .grad None, not zeros an optimizer would step on).
+        self._outputs_may_lack_grads = record.has_backward
+        self._graded_output = next(
+            (i for i, graded in enumerate(record.output_requires_grad) if graded), 0
+        )
         self._ungraded_inputs = not all(s.requires_grad for s in self._specs)
         self._frozen_outputs = tuple(
             i for i, rg in enumerate(record.output_requires_grad) if not rg
@@ -529,7 +534,10 @@ def _check_backward(
     if owner._saved_reads is not None:
         owner._saved_reads.check()
     lacking = owner._outputs_may_lack_grads and any(map(operator.is_, grads, _NONES))
-    reached = record.reached_by([g is not None for g in grads]) if lacking else None
+    if lacking and not record.output_reach:  # one output needs a gradient: it got one or none
+        reached = _NOTHING if grads[owner._graded_output] is None else None
+    else:
+        reached = record.reached_by([g is not None for g in grads]) if lacking else None
     unreached = _NOTHING if reached is None else _unreached_params(record, reached)
     if unreached and ddp is not None:
         refuse_unreached_in_ddp(owner._label, record, unreached, owner._pending, ddp)
