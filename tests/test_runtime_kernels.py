@@ -76,6 +76,12 @@ CHANGES = {
         "torch.backends.cuda.mem_efficient_sdp_enabled() was True at capture, is False now",
         ("cuda",),
     ),
+    "default dtype": (  # factories without a dtype (a constant in the forward) follow it
+        lambda: torch.set_default_dtype(torch.float64),
+        lambda: torch.set_default_dtype(torch.float32),
+        "torch.get_default_dtype() was torch.float32 at capture, is torch.float64 now",
+        ("cpu", "cuda"),
+    ),
     "onednn": (
         lambda: setattr(torch.backends.mkldnn, "enabled", False),
         lambda: setattr(torch.backends.mkldnn, "enabled", True),
@@ -95,6 +101,7 @@ def _default_settings() -> Iterator[None]:
     torch.backends.cuda.enable_flash_sdp(True)
     torch.backends.cuda.enable_mem_efficient_sdp(True)
     torch.backends.mkldnn.enabled = True
+    torch.set_default_dtype(torch.float32)
 
 
 def _graphed_and_eager(device: str) -> tuple[nn.Module, nn.Module]:

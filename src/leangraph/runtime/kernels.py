@@ -4,9 +4,10 @@ A graph replays the kernels its capture launched. Which kernels those were follo
 that eager code reads at every call: the precision of float32 matmuls and convolutions (TF32,
 bf16), reduced-precision reductions in half-precision matmuls, deterministic algorithms, whether
 cuDNN or oneDNN run at all, and which attention kernels ``scaled_dot_product_attention`` may
-pick. Changed after capture, eager's next call would run other kernels, with other numerics (or
-raise, for an operation without a deterministic implementation); a replay would silently run
-the captured ones. So a forward replay compares the settings of its device type with capture's
+pick; and the default dtype, which factories without one make floats in. Changed after
+capture, eager's next call would run other kernels, with other numerics (or raise, for an
+operation without a deterministic implementation); a replay would silently run the captured
+ones. So a forward replay compares the settings of its device type with capture's
 (R30): a CPU graph does not care about cuDNN, nor a CUDA graph about oneDNN.
 
 Left out: ``torch.backends.cudnn.benchmark``, which picks among algorithms for speed (eager with
@@ -84,6 +85,9 @@ _MATMUL_PRECISION = ("torch.get_float32_matmul_precision()", "_get_float32_matmu
 _DETERMINISTIC = ("torch.are_deterministic_algorithms_enabled()", "_get_deterministic_algorithms")
 _FLASH = ("torch.backends.cuda.flash_sdp_enabled()", "_get_flash_sdp_enabled")
 _MATH = ("torch.backends.cuda.math_sdp_enabled()", "_get_math_sdp_enabled")
+# The dtype factories make floats in without one (`torch.ones(4)`, a Python scalar's tensor):
+# eager's constants, and what follows from them, would take the new one.
+_DEFAULT_DTYPE = ("torch.get_default_dtype()", "get_default_dtype")
 
 # Per device type: float32 precision as the legacy readers say it (cheap, tens of ns each, but
 # they raise where the per-backend API set it last), the per-backend readers that answer then
@@ -109,6 +113,7 @@ _SETTINGS: dict[str, tuple[Named, Named, Named]] = {
                     "_get_cublas_allow_bf16_reduced_precision_reduction",
                 ),
                 _DETERMINISTIC,
+                _DEFAULT_DTYPE,
                 ("torch.backends.cudnn.deterministic", "_get_cudnn_deterministic"),
                 ("torch.backends.cudnn.enabled", "_get_cudnn_enabled"),
                 _FLASH,
@@ -127,6 +132,7 @@ _SETTINGS: dict[str, tuple[Named, Named, Named]] = {
         _present(
             [
                 _DETERMINISTIC,
+                _DEFAULT_DTYPE,
                 ("torch.backends.mkldnn.enabled", "_get_mkldnn_enabled"),
                 _FLASH,  # the CPU's flash attention kernel follows it too
                 _MATH,
