@@ -28,9 +28,9 @@ _VERSION = operator.attrgetter("_version")
 
 
 class SavedReads:
-    """The outputs, static inputs and parameters one graph's backward reads, and their
-    versions after its last forward replay; make one only where the record has some
-    (``SavedReads.of``)."""
+    """The outputs, static inputs, parameters and module buffers one graph's backward reads,
+    and their versions after its last forward replay; make one only where the record has
+    some (``SavedReads.of``)."""
 
     def __init__(self, label: str, record: GraphRecord) -> None:
         self._label = label
