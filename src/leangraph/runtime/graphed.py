@@ -116,15 +116,11 @@ class GraphedCallable:
         self._saved_reads = SavedReads.of(record.label, record)
         # Facts of the capture the hot path would otherwise derive at every replay.
         self._has_backward = record.has_backward
-        # A backward may give an output no gradient: a loss leaving one of several out, or
-        # the next graph handing this one's output none (what only its left-out output
-        # reaches). Autograd then hands None (not materialized zeros), so the replay can leave
-        # what only such outputs reach without a gradient, as eager does (an upstream layer's
-        # .grad None, not zeros an optimizer would step on).
+        # A backward may give an output no gradient (a loss leaving one of several out, the
+        # next graph handing this one's none): autograd hands None then, not zeros, and the
+        # replay leaves what only such outputs reach without one, as eager does.
         self._outputs_may_lack_grads = record.has_backward
-        self._graded_output = next(
-            (i for i, graded in enumerate(record.output_requires_grad) if graded), 0
-        )
+        self._graded_output = (*record.output_requires_grad, True).index(True)  # the first
         self._ungraded_inputs = not all(s.requires_grad for s in self._specs)
         self._frozen_outputs = tuple(
             i for i, rg in enumerate(record.output_requires_grad) if not rg
@@ -376,9 +372,8 @@ class GraphedCallable:
     ) -> tuple[tuple[torch.Tensor | None, ...], frozenset[int]]:
         """The gradients to hand autograd, and the ids of the trained parameters no output
         with a gradient reached (whose hooks ``_call_accumulator_hooks`` leaves out); ``ddp``:
-        the torch DDP the forward replay ran inside (``strict_ddp``), if any (R29);
-        ``accumulating``: the leaf inputs whose gradients may be lent, ``returned``: whether
-        the pass returns the parameters' (``GradRouting.hand``)."""
+        the torch DDP the forward replay ran inside (``strict_ddp``), if any (R29); for
+        ``accumulating`` and ``returned``, see ``GradRouting.hand``."""
         with self._lock:
             record = _ready_record(self, "run a backward")
             if self._on_cuda and _STREAM_CAPTURING():
