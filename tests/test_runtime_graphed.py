@@ -615,6 +615,34 @@ def test_r24_an_output_the_backward_reads_modified_in_place_is_refused(device):
     leangraph.reset_all(graphed)
 
 
+def _view_first(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y = x * 2
+    return y[0], y  # the view before its base
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_an_output_viewing_a_later_output_comes_back_as_its_view(device):
+    """``return y[0], y``: the first output is a view of the second. A replay returns it as a
+    view of the second's replayed tensor, so a write into one shows in the other and the
+    backward follows it, as eager's does (before, only a view of an *earlier* output was
+    linked: the CPU backend returned it in a buffer of its own, CUDA shared the memory but
+    not the autograd link, and either way the gradient missed the write)."""
+    graphed = leangraph.make_graphed_callables(
+        _view_first, (torch.randn(3, 4, device=device, requires_grad=True),))
+    for step in range(2):
+        x = torch.randn(3, 4, device=device, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        results = []
+        for run, inp in ((graphed, x), (_view_first, x_eager)):
+            row, whole = run(inp)
+            row.mul_(10)
+            results.append(whole.detach().clone())
+            (whole ** 2).sum().backward()
+        assert torch.equal(results[0], results[1]), step
+        assert torch.equal(x.grad, x_eager.grad), step
+    leangraph.reset_all(graphed)
+
+
 def _refused_as_eager(backward, eager: bool, ours: str) -> None:
     """``backward()`` raises: autograd's refusal where ``eager``, else the replay's ``ours``."""
     with pytest.raises(RuntimeError, match="modified by an inplace operation" if eager else ours):

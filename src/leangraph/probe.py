@@ -359,7 +359,7 @@ def _measure(
         tuple(sorted(reads.read)),
         saved_params,
         output_repeats(outputs),
-        output_views(outputs),
+        output_views(outputs, [*inputs, *params, *buffers]),
         saved_inputs,
         saved_buffers,
     )
@@ -387,15 +387,27 @@ class OutputView:
     detached: bool = False
 
 
-def output_views(outputs: Sequence[torch.Tensor]) -> tuple[OutputView, ...]:
-    """The outputs that are views of an earlier contiguous output of their dtype, their
-    elements within its (see :attr:`GraphFacts.views`); outputs that are the same tensor
-    are repeats, not views. A view that requires grad of a base that does not is left out
-    (in a buffer of its own), as is one of another dtype (``y.view(torch.int32)``)."""
+def output_views(
+    outputs: Sequence[torch.Tensor], foreign: Sequence[torch.Tensor] = ()
+) -> tuple[OutputView, ...]:
+    """The outputs that are views of another contiguous output of their dtype, their
+    elements within its (see :attr:`GraphFacts.views`): an earlier one where there is one,
+    else a later one (``return y[0], y``), which stays itself. Outputs that are the same
+    tensor are repeats, not views; outputs in the memory of ``foreign`` (the inputs,
+    parameters and buffers) are none's views nor bases (each comes back in a buffer of its
+    own). A view that requires grad of a base that does not is left out, as is one of
+    another dtype (``y.view(torch.int32)``)."""
     views: list[OutputView] = []
+    bases: set[int] = set()
+    outside = {t.untyped_storage()._cdata for t in foreign if _has_storage(t)}
     for position, output in enumerate(outputs):
+        if position in bases or not _has_storage(output):
+            continue  # a base of an earlier output's stays itself
+        if output.untyped_storage()._cdata in outside:
+            continue
         viewed = {view.position for view in views}
-        for base, candidate in enumerate(outputs[:position]):
+        for base in (*range(position), *range(position + 1, len(outputs))):
+            candidate = outputs[base]
             if candidate is output or base in viewed:
                 continue
             if output.requires_grad and not candidate.requires_grad:
@@ -405,8 +417,17 @@ def output_views(outputs: Sequence[torch.Tensor]) -> tuple[OutputView, ...]:
                 detached = candidate.requires_grad and not output.requires_grad
                 size, stride = tuple(output.shape), output.stride()
                 views.append(OutputView(position, base, size, stride, offset, detached))
+                bases.add(base)
                 break
     return tuple(views)
+
+
+def _has_storage(tensor: torch.Tensor) -> bool:
+    try:
+        tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse, nested: no storage to view
+        return False
+    return True
 
 
 def _offset_within(view: torch.Tensor, base: torch.Tensor) -> int | None:

@@ -493,7 +493,9 @@ def _run_callable(source: GraphSource, leaves: Sequence[torch.Tensor]) -> tuple[
             "replays one aliasing of its outputs, so the callable must return the same "
             "tensor in the same places on every call"
         )
-    views = output_views(outputs)
+    module = source.fn if isinstance(source.fn, torch.nn.Module) else None
+    foreign = [*leaves, *module.parameters(), *module.buffers()] if module else list(leaves)
+    views = output_views(outputs, [t for t in foreign if isinstance(t, torch.Tensor)])
     if views != expected.views:
         raise RuntimeError(
             f"{source.label}: outputs changed which of them are views of another between "
