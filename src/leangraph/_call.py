@@ -23,7 +23,15 @@ from .leaves import is_constant, not_dense, tensor_subclass
 from .order import OrderEntry, parse_order
 from .plan import Plan, build_plan, build_unordered_plan
 
-__all__ = ["Call", "CaptureOptions", "Sample", "check_capturable", "check_options", "validate_call"]
+__all__ = [
+    "Call",
+    "CaptureOptions",
+    "Sample",
+    "check_callables_form",
+    "check_capturable",
+    "check_options",
+    "validate_call",
+]
 
 Sample = tuple[tuple[Any, ...], dict[str, Any]]
 """One graph's sample call: ``(args, kwargs)``."""
@@ -82,6 +90,18 @@ class Call:
         return tuple(bool(args) and isinstance(args[0], torch.Tensor) for args, _ in self.samples)
 
 
+def check_callables_form(callables: Any, convention: str) -> None:
+    """Refuse ``callables`` that is a list, or an empty tuple (V19): the convention (one
+    callable, or a tuple) is ``convention``'s, named in the message."""
+    if isinstance(callables, list):
+        raise TypeError(
+            "callables must be a callable or a tuple of callables, got a list; pass "
+            f"tuple(callables) ({convention} takes a tuple too)"
+        )
+    if isinstance(callables, tuple) and not callables:
+        raise ValueError("callables is empty; pass at least one callable to graph")
+
+
 def validate_call(
     callables: Any,
     sample_args: Any,
@@ -100,13 +120,7 @@ def validate_call(
         ValueError: for a malformed order, counts that do not match, tensors on several
             devices.
     """
-    if isinstance(callables, list):
-        raise TypeError(
-            "callables must be a callable or a tuple of callables, got a list; pass "
-            "tuple(callables) (torch.cuda.make_graphed_callables takes a tuple too)"
-        )
-    if isinstance(callables, tuple) and not callables:
-        raise ValueError("callables is empty; pass at least one callable to graph")
+    check_callables_form(callables, "torch.cuda.make_graphed_callables")
     single = not isinstance(callables, tuple)
     if single:
         _check_single_sample(sample_args, sample_kwargs)

@@ -401,9 +401,9 @@ def output_views(
     bases: set[int] = set()
     outside = {t.untyped_storage()._cdata for t in foreign if _has_storage(t)}
     for position, output in enumerate(outputs):
-        if position in bases or not _has_storage(output):
-            continue  # a base of an earlier output's stays itself
-        if output.untyped_storage()._cdata in outside:
+        if position in bases:  # an earlier output's base stays itself
+            continue
+        if not _has_storage(output) or output.untyped_storage()._cdata in outside:
             continue
         viewed = {view.position for view in views}
         for base in (*range(position), *range(position + 1, len(outputs))):

@@ -494,8 +494,8 @@ def _run_callable(source: GraphSource, leaves: Sequence[torch.Tensor]) -> tuple[
             "tensor in the same places on every call"
         )
     module = source.fn if isinstance(source.fn, torch.nn.Module) else None
-    foreign = [*leaves, *module.parameters(), *module.buffers()] if module else list(leaves)
-    views = output_views(outputs, [t for t in foreign if isinstance(t, torch.Tensor)])
+    foreign = [*leaves, *module.parameters(), *module.buffers()] if module else leaves
+    views = output_views(outputs, foreign)
     if views != expected.views:
         raise RuntimeError(
             f"{source.label}: outputs changed which of them are views of another between "

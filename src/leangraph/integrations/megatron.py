@@ -41,6 +41,7 @@ import torch
 
 from leangraph import GraphedCallable, GraphedSet
 from leangraph import make_graphed_callables as _capture
+from leangraph._call import check_callables_form
 from leangraph.order import parse_order
 
 from ._options import capture_options as _capture_options
@@ -288,7 +289,7 @@ def make_graphed_callables(
         _checked_options(capture_options),
         {"pool": pool, "pre_warmup_hook": pre_warmup_hook, "post_warmup_hook": post_warmup_hook},
     )
-    _check_callables(callables)
+    check_callables_form(callables, "TransformerEngine's make_graphed_callables")  # V19
     single = not isinstance(callables, tuple)
     layers = (callables,) if single else callables
     args = (sample_args,) if single else tuple(sample_args)
@@ -313,21 +314,6 @@ def make_graphed_callables(
     )
     wrapped = tuple(MegatronGraphedLayer(g, tuple(k)) for g, k in zip(graphs, kwargs))
     return wrapped[0] if single else wrapped
-
-
-def _check_callables(callables: Any) -> None:
-    """Refuse, as ``leangraph.make_graphed_callables`` does (V19), what is neither one
-    callable nor a non-empty tuple: TE's convention, which Megatron's helper follows
-    (``tuple(self.flattened_callables)``), wraps anything else as a single callable, so a list
-    would otherwise be named ``callables[0]``, not callable."""
-    if isinstance(callables, list):
-        raise TypeError(
-            "callables must be a callable or a tuple of callables, got a list; pass "
-            "tuple(callables) (TransformerEngine's make_graphed_callables, whose convention "
-            "this adapter takes, takes a tuple too)"
-        )
-    if isinstance(callables, tuple) and not callables:
-        raise ValueError("callables is empty; pass at least one callable to graph")
 
 
 def _with_arguments(options: dict[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:

@@ -116,11 +116,9 @@ class GraphedCallable:
         self._saved_reads = SavedReads.of(record.label, record)
         # Facts of the capture the hot path would otherwise derive at every replay.
         self._has_backward = record.has_backward
-        # A backward may give an output no gradient (a loss leaving one of several out, the
-        # next graph handing this one's none): autograd hands None then, not zeros, and the
-        # replay leaves what only such outputs reach without one, as eager does.
-        self._outputs_may_lack_grads = record.has_backward
-        self._graded_output = (*record.output_requires_grad, True).index(True)  # the first
+        # The first output that needs a gradient: with one only, whether it got one tells
+        # what the backward reaches (_check_backward).
+        self._graded_output = record.output_requires_grad.index(True) if self._has_backward else 0
         self._ungraded_inputs = not all(s.requires_grad for s in self._specs)
         self._frozen_outputs = tuple(
             i for i, rg in enumerate(record.output_requires_grad) if not rg
@@ -528,7 +526,7 @@ def _check_backward(
         attach = fused.check_targets()
     if owner._saved_reads is not None:
         owner._saved_reads.check()
-    lacking = owner._outputs_may_lack_grads and any(map(operator.is_, grads, _NONES))
+    lacking = any(map(operator.is_, grads, _NONES))  # a backward replay's graph has one
     if lacking and not record.output_reach:  # one output needs a gradient: it got one or none
         reached = _NOTHING if grads[owner._graded_output] is None else None
     else:
@@ -832,7 +830,10 @@ class _Replay(torch.autograd.Function):
         if owner._frozen_outputs:
             ctx.mark_non_differentiable(*(outputs[i] for i in owner._frozen_outputs))
         ctx.ddp = None
-        if owner._outputs_may_lack_grads:
+        if owner._has_backward:
+            # A backward may give an output no gradient (a loss leaving one of several out,
+            # the next graph handing this one's none): autograd hands None then, not zeros,
+            # and the replay leaves what only such outputs reach without one, as eager does.
             ctx.set_materialize_grads(False)
             # A backward may leave parameters without a gradient: which DDP expects one (R29).
             ctx.ddp = strict_ddp()
@@ -851,13 +852,7 @@ def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | Non
     # (the callable's lock is free again) and before its hooks, and must not take the hooks
     # its gradients owe.
     record, fused, routing = owner._record, owner._fused, owner._grads
-    accumulating, returned = NO_LEAVES, False
-    if routing is not None and (routing.inputs_copied or routing.lent_params):
-        edges = ctx.next_functions  # one per tensor passed to the replay, inputs first
-        if routing.inputs_copied:
-            accumulating = accumulating_leaves(edges, routing.inputs_copied)
-        if routing.lent_params:
-            returned = returns_gradients(edges, routing.lent_params)
+    accumulating, returned = _what_the_pass_does(ctx, routing, lend_inputs=True)
     grad_inputs, unreached = owner._replay_backward(
         grads, ctx.generation, ctx.ddp, accumulating, returned
     )
@@ -865,6 +860,21 @@ def _replay_backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | Non
         _skip_unreached_hooks(owner, record, fused, unreached)
     _call_accumulator_hooks(record, fused, unreached)
     return _node_grads(ctx, grad_inputs)
+
+
+def _what_the_pass_does(
+    ctx: Any, routing: GradRouting | None, *, lend_inputs: bool
+) -> tuple[Mapping[int, torch.Tensor], bool]:
+    """From the replay node's edges (read once): the leaf inputs whose gradients the running
+    pass accumulates in place (:func:`accumulating_leaves`; only where ``lend_inputs``), and
+    whether it returns the parameters' gradients (:func:`returns_gradients`)."""
+    copied = routing.inputs_copied if routing is not None and lend_inputs else ()
+    lent = routing.lent_params if routing is not None else ()
+    if not (copied or lent):
+        return NO_LEAVES, False
+    edges = ctx.next_functions  # one per tensor passed to the replay, inputs first
+    accumulating = accumulating_leaves(edges, copied) if copied else NO_LEAVES
+    return accumulating, bool(lent) and returns_gradients(edges, lent)
 
 
 def _node_grads(
@@ -883,11 +893,7 @@ def _backward_once(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None,
     grad mode off, goes around this."""
     owner: GraphedCallable = ctx.owner
     record, fused, routing = owner._record, owner._fused, owner._grads  # see _replay_backward
-    returned = (
-        routing is not None
-        and bool(routing.lent_params)
-        and returns_gradients(ctx.next_functions, routing.lent_params)
-    )
+    _, returned = _what_the_pass_does(ctx, routing, lend_inputs=False)
     with torch.no_grad():
         grad_inputs, unreached = owner._replay_backward(
             grads, ctx.generation, ctx.ddp, returned=returned

@@ -115,14 +115,13 @@ def skip_hooks_in_this_pass(params: Sequence[torch.Tensor], nodes: Sequence[Node
     task = _GRAPH_TASK_ID()
     skipped: list[_Skipped] = []
     gates: list[RemovableHandle] = []
-    for param in params:
+    for param, node in zip(params, nodes):
         tensor_hooks = TENSOR_HOOKS(param) or {}
         for key, hook in list(tensor_hooks.items()):
             if not (isinstance(hook, _Skipped) and hook.task == task):
                 passed_over = _SkippedTensorHook(hook, tensor_hooks, key, task)
                 tensor_hooks[key] = passed_over
                 skipped.append(passed_over)
-    for param, node in zip(params, nodes):
         pre_hooks, post_hooks = node_hook_dicts(node)
         _drop_stale_gates(pre_hooks, task)
         dicts = (post_accumulate_hooks(param), pre_hooks, post_hooks)
