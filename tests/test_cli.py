@@ -233,14 +233,14 @@ USAGE_ERRORS = [
     # Under the cap but beyond any machine's memory: refused before anything is made, naming
     # the flags, not by torch's allocator later.
     (["demo", "--hidden", "4000000", "--device", "cpu"], "leangraph demo",
-     "--hidden 4000000, --sequence 32: the weights of its 4 blocks alone would take 2,861,024 "
-     "GiB, more than this machine's"),
+     "--hidden 4000000, --sequence 32: the weights of its 4 blocks alone would take 2793.97 "
+     "TiB, more than this machine's"),
     (["bench", "--device", "cpu", "--hidden", "4000000"], "leangraph bench",
      "--hidden 4000000, --sequence 32, --micro-batch 1, --vp 2, --layers 2: the weights of its 4 "
      "blocks alone would take"),
     (["demo", "--sequence", "1000000", "--device", "cpu"], "leangraph demo",
      "--hidden 64, --sequence 1000000: the attention scores (micro-batch x heads x sequence x "
-     "sequence) would take 14,901 GiB, more than this machine's"),
+     "sequence) would take 14.55 TiB, more than this machine's"),
 ]
 
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 import leangraph
+from leangraph.memory.records import format_bytes
 from leangraph.schedules import interleaved_1f1b
 
 from .bench import (
@@ -360,7 +361,8 @@ def _refuse_beyond_memory(shape: BlockShape, blocks: int, device: str, sizes: st
     )
     if size > total:
         raise UsageError(
-            f"{sizes}: {what} would take {_gib(size)}, more than this machine's {_gib(total)} "
+            f"{sizes}: {what} would take {format_bytes(size)}, more than this machine's "
+            f"{format_bytes(total)} "
             f"of {'GPU' if device == 'cuda' else 'CPU'} memory; make the workload smaller"
         )
 
@@ -374,10 +376,6 @@ def _device_memory(device: str) -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, OSError, ValueError):  # not a POSIX system that tells
         return None
-
-
-def _gib(size: int) -> str:
-    return f"{size / 1024**3:,.0f} GiB" if size >= 1024**3 else f"{size / 1024**2:.0f} MiB"
 
 
 def _order_of(work: Workload) -> list[int]:
