@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 import leangraph
-from leangraph.memory.records import format_bytes
+from leangraph.memory import format_bytes
 from leangraph.schedules import interleaved_1f1b
 
 from .bench import (
