@@ -325,6 +325,56 @@ def test_outputs_that_view_another_output_share_its_memory_as_in_eager(mode, dev
     leangraph.reset_all(graphed)
 
 
+class _Halves(nn.Module):
+    """Two overlapping views of a tensor the forward does not return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.proj(x)
+        return y[:2], y[1:]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_outputs_viewing_an_unreturned_tensor_share_its_memory_on_both_backends(mode, device):
+    """Outputs viewing one tensor the callable does not return are not linked as views (no
+    output to view), but they share memory as the graph's tensors did: a write into the row
+    they overlap in shows in both, on the CPU backend as on CUDA. Without such a write the
+    gradients are eager's."""
+    torch.manual_seed(0)
+    eager = _Halves().to(device)
+    layer = copy.deepcopy(eager)
+    options: dict[str, Any] = {"share_buffers": False} if mode == "unshared" else {}
+    if mode == "ordered":
+        options["order"] = [1, -1]
+    sample = _leaf(3, 4).to(device).detach().requires_grad_()
+    graphed = leangraph.make_graphed_callables(layer, (sample,), **options)
+    for step in range(3):
+        x = _leaf(3, 4).to(device)
+        results = []
+        for used, model in ((eager, eager), (graphed, layer)):
+            x_used = x.detach().requires_grad_()
+            top, bottom = used(x_used)
+            assert top.untyped_storage().data_ptr() == bottom.untyped_storage().data_ptr()
+            loss = top.square().sum() + bottom.sin().sum()
+            loss.backward()
+            results.append([top.detach().clone(), bottom.detach().clone(), x_used.grad])
+            results[-1] += [p.grad.clone() for p in model.parameters()]
+            with torch.no_grad():
+                top[1].fill_(7.0)
+            assert torch.equal(bottom[0], torch.full((4,), 7.0, device=device)), step
+            model.zero_grad()
+        for a, b in zip(*results):
+            if device == "cpu":
+                assert torch.equal(a, b), step
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+    leangraph.reset_all(graphed)
+
+
 class _DetachedAndReinterpreted(nn.Module):
     """Outputs sharing another output's memory that are not views autograd differentiates
     through: a detached copy for metrics, a detached slice, the bits as int32."""

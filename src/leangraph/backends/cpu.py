@@ -32,7 +32,8 @@ tensor counts as device memory: its ops replay, its value reads are refused).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import collections
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -105,7 +106,7 @@ class CpuGraphPair:
         self._differentiable = any(o.requires_grad for o in outputs)
         self._live_outputs = outputs if self._differentiable else None
         self._tables = [table] if self._differentiable else []
-        self._static_outputs = tuple(self._backend.poisoned_like(o) for o in outputs)
+        self._static_outputs = self._backend.poisoned_outputs(outputs, table.storages.keys())
         return CapturedOutputs(self._static_outputs, tuple(o.requires_grad for o in outputs))
 
     def _capture_grads(
@@ -208,6 +209,8 @@ class CpuBackend:
         # Storages the traces of this capture session created, by any pair: a trace reading
         # one of another pair's is refused (its replay could not follow that tensor).
         self._traced: set[StorageWeakRef] = set()
+        # Buffers outputs share (:meth:`poisoned_outputs`), kept out of the pool.
+        self._unpooled: set[StorageWeakRef] = set()
 
     @contextmanager
     def warmup(self) -> Iterator[None]:
@@ -244,10 +247,47 @@ class CpuBackend:
             buffer.fill_(float("nan"))
         return buffer
 
+    def poisoned_outputs(
+        self, outputs: Sequence[torch.Tensor], created: Collection[StorageWeakRef]
+    ) -> tuple[torch.Tensor, ...]:
+        """Static buffers for a forward's ``outputs``. Outputs in one storage the trace
+        ``created`` (``return y[:2], y[1:]``, views of a tensor the callable does not return)
+        get views of one buffer at their offsets: a CUDA graph's outputs share the memory its
+        capture gave them, so a write into one shows in the other there too. Every other
+        output gets a buffer of its own (:meth:`poisoned_like`)."""
+        found = [StorageWeakRef(output.untyped_storage()) for output in outputs]
+        storages = [storage if storage in created else None for storage in found]
+        counts = collections.Counter(storage for storage in storages if storage is not None)
+        shared = {storage for storage, count in counts.items() if count > 1}
+        bases: dict[StorageWeakRef, torch.Tensor] = {}
+        static = []
+        for output, storage in zip(outputs, storages):
+            if storage is None or storage not in shared:
+                static.append(self.poisoned_like(output))
+                continue
+            if storage not in bases:
+                base = torch.empty(output.untyped_storage().nbytes(), dtype=torch.uint8)
+                self._unpooled.add(StorageWeakRef(base.untyped_storage()))
+                bases[storage] = base
+            view = torch.empty(0, dtype=output.dtype).set_(
+                bases[storage].untyped_storage(),
+                output.storage_offset(),
+                output.shape,
+                output.stride(),
+            )
+            if view.is_floating_point() or view.is_complex():
+                view.fill_(float("nan"))
+            static.append(view)
+        return tuple(static)
+
     def alias(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach()
 
     def disown(self, tensor: torch.Tensor) -> torch.Tensor:
+        if StorageWeakRef(tensor.untyped_storage()) in self._unpooled:
+            # A view of outputs' shared buffer: the pool hands out buffers of one tensor each,
+            # and its siblings may still be in use.
+            return tensor.detach()
         key = (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
         self._free.setdefault(key, []).append(tensor)
         return tensor.detach()
@@ -255,3 +295,4 @@ class CpuBackend:
     def teardown(self) -> None:
         self._free.clear()
         self._traced.clear()
+        self._unpooled.clear()
