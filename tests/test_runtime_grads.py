@@ -324,7 +324,7 @@ def test_a_chained_layer_reads_the_next_layers_input_gradient_as_its_seed(branch
     graphed = leangraph.make_graphed_callables(
         tuple(layers), ((torch.randn(4, 8, requires_grad=True),),) * 2, order=[1, -1],
         num_layers_per_chunk=2)
-    flowing: list[torch.Tensor] = []
+    flowing: list[int] = []  # where each gradient the hook sees lies (keeping none of them)
     same = torch.testing.assert_close if branch == "also-in-the-loss" else _bitwise
     gen = torch.Generator().manual_seed(2)
     for _ in range(3):
@@ -334,7 +334,7 @@ def test_a_chained_layer_reads_the_next_layers_input_gradient_as_its_seed(branch
             inp = x.clone().requires_grad_()
             hidden = lookup[0](inp)
             if is_graphed:
-                hidden.register_hook(lambda grad: flowing.append(grad))
+                hidden.register_hook(lambda grad: flowing.append(grad.data_ptr()))
             if branch == "a-hook-replaces-it":
                 hidden.register_hook(lambda grad: grad.mul(2.0))
             out = lookup[1](hidden).square().sum()
@@ -350,8 +350,73 @@ def test_a_chained_layer_reads_the_next_layers_input_gradient_as_its_seed(branch
         same(a.grad, b.grad)
     if branch == "none":
         seed = graphed[1]._record.static_grads[0]  # layer 1's input-gradient buffer
-        assert all(g.data_ptr() == seed.data_ptr() for g in flowing)
+        assert flowing and all(pointer == seed.data_ptr() for pointer in flowing)
         assert graphed[0]._record.static_grad_outputs[0].data_ptr() == seed.data_ptr()
+    leangraph.reset_all(graphed)
+
+
+def _chained_input_grads_kept(first, second, keep, microbatches):
+    """The gradients ``keep(hidden, x, loss)`` kept of the tensor between two chained layers,
+    one per microbatch (``first[m]``, ``second[m]``: microbatch m's layers), read after every
+    microbatch's backward ran: forwards of all, then backwards oldest first; and the inputs'."""
+    gen = torch.Generator().manual_seed(3)
+    device = torch.get_default_device()
+    inputs = [
+        torch.randn(4, 8, generator=gen).to(device).requires_grad_() for _ in range(microbatches)
+    ]
+    hidden, outputs = [], []
+    for m, x in enumerate(inputs):
+        hidden.append(first[m](x))
+        outputs.append(second[m](hidden[-1]))
+    kept = [
+        keep(h, x, (out * (m + 1)).square().sum())
+        for m, (x, h, out) in enumerate(zip(inputs, hidden, outputs))
+    ]
+    return kept, inputs
+
+
+def _kept_by_hook(hidden, x, loss):
+    stored = []
+    hidden.register_hook(stored.append)
+    loss.backward()
+    return stored[0]
+
+
+def _kept_by_grad(hidden, x, loss):
+    # With respect to x too: a pass without the earlier layer's backward is out of the order.
+    return torch.autograd.grad(loss, (hidden, x))[0]
+
+
+@pytest.mark.parametrize(
+    "keep", [_kept_by_hook, _kept_by_grad], ids=["tensor-hook", "autograd.grad"]
+)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_gradient_kept_between_chained_layers_keeps_eagers_values(keep, device):
+    """Between chained layers the gradient is lent uncopied as the previous layer's seed. A
+    tensor hook on the tensor between them may store it, or ``torch.autograd.grad`` return
+    it; the next microbatch's backward replays reuse that buffer, and what was kept must
+    still hold eager's values then (it is moved onto a copy first), as the inputs' gradients
+    must."""
+    torch.manual_seed(0)
+    microbatches = 3
+    with torch.device(device):
+        eager = [Block(8), Block(8)]
+        layers = copy.deepcopy(eager)
+        samples = tuple((torch.randn(4, 8, requires_grad=True),) for _ in range(2 * microbatches))
+    graphed = leangraph.make_graphed_callables(
+        tuple(layers), samples, order=[1] * microbatches + [-1] * microbatches,
+        num_layers_per_chunk=2)  # fmt: skip
+    with torch.device(device):
+        want, want_inputs = _chained_input_grads_kept(
+            [eager[0]] * microbatches, [eager[1]] * microbatches, keep, microbatches)
+        got, got_inputs = _chained_input_grads_kept(
+            graphed[0::2], graphed[1::2], keep, microbatches)
+    for m, (a, b) in enumerate(zip(want, got)):
+        _assert_as_eager(b, a, device, m)
+    for m, (a, b) in enumerate(zip(want_inputs, got_inputs)):
+        assert (a.grad is None) == (b.grad is None), m
+        if a.grad is not None:
+            _assert_as_eager(b.grad, a.grad, device, m)
     leangraph.reset_all(graphed)
 
 

@@ -132,8 +132,9 @@ class GraphRecord:
         module: The module binding for graphed module forwards, else None.
         modules: For a module callable, its tree as capture saw it, else None.
         input_grad_lent: Whether input 0's gradient buffer is the previous layer's seed (a
-            chain): a backward replay hands it to autograd as is, since the node it flows to
-            is that layer's replay, which reads it in place.
+            chain): a backward replay lends it to autograd uncopied, since the node it flows
+            to is that layer's replay, which reads it in place (settled once read, as a
+            parameter's lent gradient is: ``runtime.grads``).
         fused: With in-graph gradient accumulation, its targets and hook relay, else None.
     """
 

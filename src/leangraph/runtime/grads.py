@@ -3,12 +3,11 @@
 A backward graph writes its gradients into static buffers that later replays overwrite.
 Autograd may *store* some of them (a leaf input's ``.grad``, or a parameter's ``.grad`` while
 it is None), hold them while it waits for other branches, or hand them to code outside the
-graphs; those get copies. The rest are the static buffers themselves (a chained layer's
-input's) or tensors made once over them (a parameter's, or a leaf input's whose ``.grad``
-exists), not views made per replay, which cost a call
-per gradient per replay; either is safe to hand, since autograd adds into a gradient it was
-handed only where it holds the sole reference to the tensor and its memory, and leangraph
-holds one.
+graphs; those get copies. The rest are tensors made once over the static buffers (a chained
+layer's input's, a parameter's, or a leaf input's whose ``.grad`` exists), not views made per
+replay, which cost a call per gradient per replay; they are safe to hand, since autograd
+adds into a gradient it was handed only where it holds the sole reference to the tensor and
+its memory, and leangraph holds one.
 
 A parameter's gradient lent so (a tensor made once over the buffer) is safe while autograd
 adds it into ``.grad`` before the next replay writes graph memory, as it does at once unless
@@ -24,7 +23,10 @@ tensor's count per backward replay. A leaf input's lent gradient is settled the 
 (eager code may take the input too: ``2 * x`` beside the graphed ``layer(x)``). What keeps a
 lent tensor from Python shares the routing's count of C++ references, so its count of
 Python references is read too: a hook on its accumulator storing the gradient it sees holds
-it so, and it is moved onto a copy the same way, before a replay can write over it.
+it so, and it is moved onto a copy the same way, before a replay can write over it. So is
+a chained layer's input gradient, the previous layer's seed, once that layer's backward
+replay has read it: a tensor hook on the previous layer's output may have stored it, or
+``torch.autograd.grad`` returned it (``settle_lent_gradients``' ``reading``).
 (``torch.autograd.grad`` with respect to a parameter, whose caller keeps what it returns,
 gets copies: :func:`returns_gradients`.)
 """
@@ -75,7 +77,8 @@ class GradRouting:
     the accumulator kept the lent tensor, the next replay moves it onto a copy first
     (:func:`settle_lent_gradients`). An input's
     gradient is copied too, except input 0's of a chain (``record.input_grad_lent``: the
-    previous layer's seed, which that layer's backward replay reads in place) and a leaf's
+    previous layer's seed, which that layer's backward replay reads in place; lent, and
+    settled once that replay has read it) and a leaf's
     that autograd adds into its existing ``.grad`` (:func:`accumulating_leaves`), lent as a
     parameter's is. Any other node it flows to may keep it past the next replay:
     ``AccumulateGrad`` takes a view of it as a leaf's ``.grad`` (a parameter reaching the
@@ -105,13 +108,13 @@ class GradRouting:
             i for i, g in enumerate(inputs) if g is not None and not (i == 0 and lent)
         )
         self._buffers = inputs + params
-        # A chain's input gradient is the buffer itself, which the previous layer's backward
-        # replay reads in place; every other one a tensor of its own over its buffer, as a
-        # lent one must be (settle_lent_gradients moves it, never the buffer, onto a copy).
-        self._grads = tuple(
-            g if g is None or i not in self._inputs_copied else g.detach()
-            for i, g in enumerate(inputs)
-        ) + tuple(None if g is None else g.detach() for g in params)
+        # Every gradient a tensor of its own over its buffer, made once, as a lent one must
+        # be (settle_lent_gradients moves it, never the buffer, onto a copy). A chain's is
+        # lent to the previous layer, whose backward replay reads it in place as its seed.
+        self._grads = tuple(None if g is None else g.detach() for g in inputs) + tuple(
+            None if g is None else g.detach() for g in params
+        )
+        self._chain_lent = bool(lent) and inputs[0] is not None
         self._params_with_grad = tuple(
             (len(inputs) + j, param)
             for j, (param, grad) in enumerate(zip(record.params, params))
@@ -222,6 +225,8 @@ class GradRouting:
             positions += tuple(i for i in accumulating if handed[i] is grads[i])
         if positions:
             _LENT.append((self, positions))
+        if self._chain_lent and handed[0] is grads[0]:
+            _CHAIN_LENT.append((self, _CHAIN_INPUT))
 
     def _settle(self, positions: tuple[int, ...]) -> None:
         """Move the lent tensors at ``positions`` that something besides the routing still
@@ -245,6 +250,11 @@ class GradRouting:
 # lent tensors). Process-wide: graphs of any call may share memory through a pool. Appended
 # and popped whole (atomic under the GIL).
 _LENT: list[tuple[GradRouting, tuple[int, ...]]] = []
+# Chained input gradients lent to the previous layer (its seed, read in place), kept apart
+# from _LENT: autograd holds one until that layer's backward replay takes it, which must not
+# count as held elsewhere there (see settle_lent_gradients).
+_CHAIN_LENT: list[tuple[GradRouting, tuple[int, ...]]] = []
+_CHAIN_INPUT = (0,)
 # A tensor's count of references from C++ (autograd's, a .grad's, a view's base), which the
 # Python objects referring to it share one of; without it (a torch lacking it), 2: held.
 _USE_COUNT = getattr(torch.Tensor, "_use_count", lambda tensor: 2)
@@ -344,11 +354,19 @@ def _held_elsewhere(grads: Sequence[torch.Tensor | None], positions: Iterable[in
     ]
 
 
-def settle_lent_gradients() -> None:
+def settle_lent_gradients(reading: Sequence[torch.Tensor | None] = ()) -> None:
     """Before a replay writes graph memory: every gradient a backward replay lent autograd as
     a tensor over its static buffer that autograd still holds (waiting for a gradient from
     eager code reaching the parameter in the same pass) is moved onto a copy, so that the
-    replay cannot write over it (see the module docstring)."""
+    replay cannot write over it (see the module docstring).
+
+    A chained layer's input gradient is lent to the previous layer as its seed; a tensor
+    hook on that layer's output may store it, or ``torch.autograd.grad`` return it, where
+    eager's would be a fresh tensor. Its settling waits for the previous layer's backward
+    replay, which passes the gradients it was handed as ``reading``: autograd holds those
+    until that replay has read them, so they are settled at the replay after it, when only
+    what kept them (the hook, the caller) holds them still."""
+    taken = _settle_chained(reading) if _CHAIN_LENT else ()
     while _LENT:
         routing, positions = _LENT.pop()
         grads = routing._grads
@@ -358,6 +376,23 @@ def settle_lent_gradients() -> None:
             map(operator.lt, _ALONES, map(_PYTHON_REFS, map(grads.__getitem__, positions)))
         ):
             routing._settle(positions)
+    _LENT.extend(taken)  # for the next settle, once the replay reading them has read them
+
+
+def _settle_chained(
+    reading: Sequence[torch.Tensor | None],
+) -> list[tuple[GradRouting, tuple[int, ...]]]:
+    """Settle the lent chained input gradients but those in ``reading`` (the seeds the running
+    backward replay is handed), which it returns: they wait for the next settle."""
+    taken = []
+    while _CHAIN_LENT:
+        routing, positions = _CHAIN_LENT.pop()
+        # (No local name for the lent tensor: _settle counts its references.)
+        if any(map(operator.is_, reading, itertools.repeat(routing._grads[positions[0]]))):
+            taken.append((routing, positions))
+        else:
+            routing._settle(positions)  # the previous layer's replay did not take it
+    return taken
 
 
 def trained_elsewhere_in_pass(record: GraphRecord, pending: PendingBackwards) -> frozenset[int]:

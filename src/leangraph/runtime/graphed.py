@@ -384,7 +384,7 @@ class GraphedCallable:
             # backward has not run, and may run once its cause is fixed.
             attach, reached, unreached = _check_backward(self, record, fused, grads, ddp)
             self._sequence.expect(self._index, StepKind.BACKWARD, may_repeat=record.retain_graph)
-            settle_lent_gradients()
+            settle_lent_gradients(grads)  # the next layer's gradient lent as a seed: see there
             if self._fence is not None:
                 self._fence.before_backward(self._index)
             _fill_seeds(record.static_grad_outputs, grads)
