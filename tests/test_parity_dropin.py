@@ -289,40 +289,54 @@ class _Pooled(nn.Module):
         return y, y[:, 0], y.view(-1)[2:7], y.t()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("mode", ALL_MODES)
-def test_outputs_that_view_another_output_share_its_memory_as_in_eager(mode, device):
-    """Eager's outputs share memory, so a write into one shows in the others and in their
-    gradients; the replay's do too. (Not with debug_outputs=True, whose guarded outputs
-    autograd refuses to write into in place.) Bitwise on the CPU; on CUDA within a float's
-    rounding (cuBLAS may pick other kernels for the captured matmuls), the sharing exact."""
+def _assert_trains_as_eager(
+    make: Callable[[], nn.Module], mode: str, device: str, step: Callable[..., list[Any]]
+) -> None:
+    """Three steps of ``step(called, x)`` (it runs the backward and returns what to compare)
+    through an eager module from ``make`` and a graphed copy captured in ``mode``: what it
+    returns, the input's and the parameters' gradients are eager's, bitwise on the CPU, on
+    CUDA within a float's rounding (cuBLAS may pick other kernels for the captured matmuls)."""
     torch.manual_seed(0)
-    eager = _Pooled().to(device)
+    eager = make().to(device)
     layer = copy.deepcopy(eager)
     options: dict[str, Any] = {"share_buffers": False} if mode == "unshared" else {}
     if mode == "ordered":
         options["order"] = [1, -1]
     sample = _leaf(3, 4).to(device).detach().requires_grad_()
     graphed = leangraph.make_graphed_callables(layer, (sample,), **options)
-    for step in range(3):
+    for index in range(3):
         x = _leaf(3, 4).to(device)
         results = []
         for used, model in ((eager, eager), (graphed, layer)):
             x_used = x.detach().requires_grad_()
-            y, first, flat, transposed = used(x_used)
-            first.mul_(3)  # in place on a view: y, flat and transposed see it
-            assert torch.equal(y[:, 0], first) and torch.equal(transposed.t(), y)
-            assert torch.equal(y.view(-1)[2:7], flat)
-            loss = y.square().sum() + flat.sin().sum() + (transposed * 2).sum()
-            loss.backward()
-            results.append([loss, x_used.grad, *(p.grad.clone() for p in model.parameters())])
+            kept = step(used, x_used)
+            results.append([*kept, x_used.grad, *(p.grad.clone() for p in model.parameters())])
             model.zero_grad()
         for a, b in zip(*results):
             if device == "cpu":
-                assert torch.equal(a, b), step
+                assert torch.equal(a, b), index
             else:
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {index}")
     leangraph.reset_all(graphed)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_outputs_that_view_another_output_share_its_memory_as_in_eager(mode, device):
+    """Eager's outputs share memory, so a write into one shows in the others and in their
+    gradients; the replay's do too. (Not with debug_outputs=True, whose guarded outputs
+    autograd refuses to write into in place.)"""
+
+    def step(used: Any, x: torch.Tensor) -> list[Any]:
+        y, first, flat, transposed = used(x)
+        first.mul_(3)  # in place on a view: y, flat and transposed see it
+        assert torch.equal(y[:, 0], first) and torch.equal(transposed.t(), y)
+        assert torch.equal(y.view(-1)[2:7], flat)
+        loss = y.square().sum() + flat.sin().sum() + (transposed * 2).sum()
+        loss.backward()
+        return [loss]
+
+    _assert_trains_as_eager(_Pooled, mode, device, step)
 
 
 class _Halves(nn.Module):
@@ -344,35 +358,18 @@ def test_outputs_viewing_an_unreturned_tensor_share_its_memory_on_both_backends(
     output to view), but they share memory as the graph's tensors did: a write into the row
     they overlap in shows in both, on the CPU backend as on CUDA. Without such a write the
     gradients are eager's."""
-    torch.manual_seed(0)
-    eager = _Halves().to(device)
-    layer = copy.deepcopy(eager)
-    options: dict[str, Any] = {"share_buffers": False} if mode == "unshared" else {}
-    if mode == "ordered":
-        options["order"] = [1, -1]
-    sample = _leaf(3, 4).to(device).detach().requires_grad_()
-    graphed = leangraph.make_graphed_callables(layer, (sample,), **options)
-    for step in range(3):
-        x = _leaf(3, 4).to(device)
-        results = []
-        for used, model in ((eager, eager), (graphed, layer)):
-            x_used = x.detach().requires_grad_()
-            top, bottom = used(x_used)
-            assert top.untyped_storage().data_ptr() == bottom.untyped_storage().data_ptr()
-            loss = top.square().sum() + bottom.sin().sum()
-            loss.backward()
-            results.append([top.detach().clone(), bottom.detach().clone(), x_used.grad])
-            results[-1] += [p.grad.clone() for p in model.parameters()]
-            with torch.no_grad():
-                top[1].fill_(7.0)
-            assert torch.equal(bottom[0], torch.full((4,), 7.0, device=device)), step
-            model.zero_grad()
-        for a, b in zip(*results):
-            if device == "cpu":
-                assert torch.equal(a, b), step
-            else:
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}")
-    leangraph.reset_all(graphed)
+
+    def step(used: Any, x: torch.Tensor) -> list[Any]:
+        top, bottom = used(x)
+        assert top.untyped_storage().data_ptr() == bottom.untyped_storage().data_ptr()
+        (top.square().sum() + bottom.sin().sum()).backward()
+        kept = [top.detach().clone(), bottom.detach().clone()]
+        with torch.no_grad():
+            top[1].fill_(7.0)
+        assert torch.equal(bottom[0], torch.full((4,), 7.0, device=x.device))
+        return kept
+
+    _assert_trains_as_eager(_Halves, mode, device, step)
 
 
 class _DetachedAndReinterpreted(nn.Module):
@@ -393,31 +390,19 @@ def test_detached_and_dtype_views_of_an_output_come_back_as_eager_returned_them(
     """A detached view needs no gradient and a reinterpreting view has its own dtype, in
     the replay as in eager: a loss over every output gets eager's gradients, and a write
     into the detached one shows in the output it shares memory with."""
-    torch.manual_seed(0)
-    eager = _DetachedAndReinterpreted()
-    layer = copy.deepcopy(eager)
-    options: dict[str, Any] = {"share_buffers": False} if mode == "unshared" else {}
-    if mode == "ordered":
-        options["order"] = [1, -1]
-    graphed = leangraph.make_graphed_callables(layer, (_leaf(3, 4),), **options)
-    for step in range(3):
-        x = _leaf(3, 4)
-        results = []
-        for used, model in ((eager, eager), (graphed, layer)):
-            x_used = x.detach().requires_grad_()
-            outputs = used(x_used)
-            y, detached, column, bits = outputs
-            assert [o.requires_grad for o in outputs] == [True, False, False, False]
-            assert bits.dtype == torch.int32 and torch.equal(bits, y.detach().view(torch.int32))
-            detached.mul_(2)  # shares y's memory, as in eager
-            assert torch.equal(y.detach(), detached) and torch.equal(column, y[:, 0].detach())
-            loss = y.square().sum() + detached.sum() + column.sum()
-            loss.backward()
-            results.append([loss, x_used.grad, *(p.grad.clone() for p in model.parameters())])
-            model.zero_grad()
-        for a, b in zip(*results):
-            assert torch.equal(a, b), step
-    leangraph.reset_all(graphed)
+
+    def step(used: Any, x: torch.Tensor) -> list[Any]:
+        outputs = used(x)
+        y, detached, column, bits = outputs
+        assert [o.requires_grad for o in outputs] == [True, False, False, False]
+        assert bits.dtype == torch.int32 and torch.equal(bits, y.detach().view(torch.int32))
+        detached.mul_(2)  # shares y's memory, as in eager
+        assert torch.equal(y.detach(), detached) and torch.equal(column, y[:, 0].detach())
+        loss = y.square().sum() + detached.sum() + column.sum()
+        loss.backward()
+        return [loss]
+
+    _assert_trains_as_eager(_DetachedAndReinterpreted, mode, "cpu", step)
 
 
 def _mse(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
