@@ -110,6 +110,27 @@ def test_python_m_leangraph_runs_the_command_line():
     assert_one_line(done.stderr, "--microbatches 3 must be a multiple of 2", "leangraph demo")
 
 
+def test_the_console_script_answers_a_ctrl_c_during_its_imports_in_one_line(tmp_path):
+    """The ``leangraph`` script's entry lies outside the package, whose import (torch's)
+    takes seconds: a Ctrl-C meanwhile, here a package whose import raises it, ends in one
+    line and status 130, not a traceback; once imported, the command line runs as always."""
+    fake = tmp_path / "leangraph"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise KeyboardInterrupt\n")
+    script = "import sys; from _leangraph_entry import main; sys.exit(main(['--version']))"
+    paths = os.pathsep.join([str(tmp_path), str(ROOT / "src")])
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": paths},
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 130 and done.stdout == "", done.stderr
+    assert_one_line(done.stderr, "interrupted", "leangraph")
+    done = subprocess.run([sys.executable, "-c", script], env=_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"leangraph {leangraph.__version__} ")
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert re.search(r'^leangraph = "_leangraph_entry:main"$', pyproject, re.MULTILINE)
+
+
 # ------------------------------------------------------------------------- usage errors
 
 USAGE_ERRORS = [
