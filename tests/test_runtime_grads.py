@@ -362,7 +362,8 @@ def _chained_input_grads_kept(first, second, keep, microbatches):
     gen = torch.Generator().manual_seed(3)
     device = torch.get_default_device()
     inputs = [
-        torch.randn(4, 8, generator=gen).to(device).requires_grad_() for _ in range(microbatches)
+        torch.randn(4, 8, generator=gen, device="cpu").to(device).requires_grad_()
+        for _ in range(microbatches)
     ]
     hidden, outputs = [], []
     for m, x in enumerate(inputs):
