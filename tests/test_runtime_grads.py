@@ -1,8 +1,9 @@
 """Gradient routing (``leangraph.runtime.grads``): what a backward replay hands autograd. Every
 gradient autograd stores (a leaf input's ``.grad``, a parameter's ``.grad`` while None) is a
 fresh tensor; a parameter gradient another graph of the same backward pass still adds to is a
-copy; the rest are the static buffers themselves, which earlier nodes consume at once (CPU
-backend)."""
+copy; the rest are tensors over the static buffers, which earlier nodes consume at once, and
+any kept past that (a hook's, ``torch.autograd.grad``'s) is moved onto a copy before a replay
+writes over it (CPU backend)."""
 
 from __future__ import annotations
 
