@@ -68,6 +68,14 @@ def _one_per_broadcast(
     return buffer, value
 
 
+def _poisoned(buffer: torch.Tensor) -> torch.Tensor:
+    """``buffer`` filled with NaN where its dtype has one: capture leaves a CUDA graph's
+    buffers uninitialised, so nothing may rely on what capture put there."""
+    if buffer.is_floating_point() or buffer.is_complex():
+        buffer.fill_(float("nan"))
+    return buffer
+
+
 class CpuGraphPair:
     """Forward and backward "graphs": traces recorded at capture, replayed into static buffers.
 
@@ -243,9 +251,7 @@ class CpuBackend:
             if free
             else torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
         )
-        if buffer.is_floating_point() or buffer.is_complex():
-            buffer.fill_(float("nan"))
-        return buffer
+        return _poisoned(buffer)
 
     def poisoned_outputs(
         self, outputs: Sequence[torch.Tensor], created: Collection[StorageWeakRef]
@@ -275,9 +281,7 @@ class CpuBackend:
                 output.shape,
                 output.stride(),
             )
-            if view.is_floating_point() or view.is_complex():
-                view.fill_(float("nan"))
-            static.append(view)
+            static.append(_poisoned(view))
         return tuple(static)
 
     def alias(self, tensor: torch.Tensor) -> torch.Tensor:
