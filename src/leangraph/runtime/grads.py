@@ -226,7 +226,7 @@ class GradRouting:
         if positions:
             _LENT.append((self, positions))
         if self._chain_lent and handed[0] is grads[0]:
-            _CHAIN_LENT.append((self, _CHAIN_INPUT))
+            _CHAIN_LENT.append(self)
 
     def _settle(self, positions: tuple[int, ...]) -> None:
         """Move the lent tensors at ``positions`` that something besides the routing still
@@ -250,11 +250,11 @@ class GradRouting:
 # lent tensors). Process-wide: graphs of any call may share memory through a pool. Appended
 # and popped whole (atomic under the GIL).
 _LENT: list[tuple[GradRouting, tuple[int, ...]]] = []
-# Chained input gradients lent to the previous layer (its seed, read in place), kept apart
-# from _LENT: autograd holds one until that layer's backward replay takes it, which must not
-# count as held elsewhere there (see settle_lent_gradients).
-_CHAIN_LENT: list[tuple[GradRouting, tuple[int, ...]]] = []
-_CHAIN_INPUT = (0,)
+# The routings whose chained input gradient (input 0's, the previous layer's seed, read in
+# place) is lent, kept apart from _LENT: autograd holds one until that layer's backward replay
+# takes it, which must not count as held elsewhere there (see settle_lent_gradients).
+_CHAIN_LENT: list[GradRouting] = []
+_CHAIN_INPUT: tuple[int, ...] = (0,)
 # A tensor's count of references from C++ (autograd's, a .grad's, a view's base), which the
 # Python objects referring to it share one of; without it (a torch lacking it), 2: held.
 _USE_COUNT = getattr(torch.Tensor, "_use_count", lambda tensor: 2)
@@ -386,12 +386,12 @@ def _settle_chained(
     backward replay is handed), which it returns: they wait for the next settle."""
     taken = []
     while _CHAIN_LENT:
-        routing, positions = _CHAIN_LENT.pop()
+        routing = _CHAIN_LENT.pop()
         # (No local name for the lent tensor: _settle counts its references.)
-        if any(map(operator.is_, reading, itertools.repeat(routing._grads[positions[0]]))):
-            taken.append((routing, positions))
+        if any(map(operator.is_, reading, itertools.repeat(routing._grads[0]))):
+            taken.append((routing, _CHAIN_INPUT))
         else:
-            routing._settle(positions)  # the previous layer's replay did not take it
+            routing._settle(_CHAIN_INPUT)  # the previous layer's replay did not take it
     return taken
 
 
