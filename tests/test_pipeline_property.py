@@ -3,7 +3,9 @@ interleaved 1F1B, any rank), layers per chunk, microbatches and options, with co
 gradients the replays hand on (a tensor hook storing every gradient between two layers of a
 chunk, the gradients a chunk's input receives), two training steps through the graphed layers
 and through eager copies of them, an SGD step and ``zero_grad`` (to None or to zeros) after
-each.
+each. The second property runs the orders torch.distributed.pipelining's schedule classes
+give one rank (the zero-bubble ones' weight steps, ``backward_dw()``, included), with tensor
+and post-accumulate-grad hooks on the parameters.
 
 Invariants: every gradient kept, read after both steps (when later replays have reused the
 graph memory it came from), each parameter's ``.grad`` after each step, each chunk input's
@@ -19,9 +21,13 @@ from typing import Any
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from models import Block
+from torch.distributed import pipelining
 
 import leangraph
-from leangraph.schedules import interleaved_1f1b, one_f_one_b
+from leangraph.cli.local_pipeline import run_order
+from leangraph.order import Layout
+from leangraph.schedules import from_pipelining, interleaved_1f1b, one_f_one_b
 
 WIDTH = 6
 Lookup = Callable[[int, int, int], Any]
@@ -121,4 +127,108 @@ def test_random_pipeline_orders_train_and_hand_on_gradients_as_eager(
         assert len(wanted) == len(gotten), name
         for index, (a, b) in enumerate(zip(wanted, gotten)):
             assert torch.equal(a, b), (name, index)
+    leangraph.reset_all(graphed)
+
+
+# torch.distributed.pipelining's schedule classes this torch has, the zero-bubble ones (their
+# orders split backwards into input-gradient steps and weight steps, backward_dw()) included.
+_PIPELINING_SCHEDULES = tuple(
+    getattr(pipelining, name)
+    for name in ("Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B",
+                 "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+    if hasattr(pipelining, name)
+)  # fmt: skip
+
+
+def _train_schedule(
+    order: list[Any], per_chunk: list[int], lookup: Lookup, layers: list[torch.nn.Module],
+    data: list[torch.Tensor], targets: list[torch.Tensor], tensor_hooks: bool, to_none: bool,
+) -> tuple[list[Any], ...]:  # fmt: skip
+    """Two steps of ``order`` through ``lookup`` (run_order's driver, which calls
+    ``backward_dw()`` at weight steps), each followed by an SGD step and ``zero_grad``; every
+    other parameter with a tensor hook keeping the gradient it sees (where ``tensor_hooks``),
+    every parameter with a post-accumulate-grad hook counting its calls. Returns, per step,
+    the losses, the chunk-1 inputs' gradients, the parameters' gradients and the hook counts;
+    the kept gradients by parameter; and the final parameters."""
+    params = [p for layer in layers for p in layer.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.05)
+    kept: list[list[torch.Tensor]] = [[] for _ in params]
+    calls = [0] * len(params)
+    handles = []
+    for index, param in enumerate(params):
+        if tensor_hooks and index % 2 == 0:
+            handles.append(param.register_hook(kept[index].append))
+        handles.append(param.register_post_accumulate_grad_hook(
+            lambda _, index=index: calls.__setitem__(index, calls[index] + 1)))  # fmt: skip
+    steps: list[Any] = []
+
+    def loss(out: torch.Tensor, m: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(out, targets[m])
+
+    for step in range(2):
+        result = run_order(order, per_chunk, lookup, list(data[step]), loss)
+        steps.append((result.losses, result.input_grads, [p.grad.clone() for p in params],
+                      list(calls)))  # fmt: skip
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=to_none)
+    for handle in handles:
+        handle.remove()
+    return steps, kept, [p.detach() for p in params]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    schedule=st.sampled_from(_PIPELINING_SCHEDULES),
+    pp_size=st.sampled_from([2, 4]),
+    rounds=st.sampled_from([1, 2]),
+    rank_seed=st.integers(0, 3),
+    layers_seed=st.integers(0, 8),
+    options=st.sampled_from([
+        {}, {"fuse_grad_accumulation": True}, {"share_buffers": False},
+        {"fuse_grad_accumulation": True, "accumulator_hooks": "python"},
+        {"retain_graph_in_backward": True},
+    ]),
+    tensor_hooks=st.booleans(),
+    to_none=st.booleans(),
+)
+def test_torch_pipelining_schedules_train_as_eager(
+    schedule: type, pp_size: int, rounds: int, rank_seed: int, layers_seed: int,
+    options: dict[str, Any], tensor_hooks: bool, to_none: bool,
+) -> None:  # fmt: skip
+    """The orders torch's schedule classes run on one rank (weight steps of the zero-bubble
+    ones included), graphed layer by layer, train as eager bitwise: losses, input and
+    parameter gradients, gradients a parameter's tensor hook keeps, the post-accumulate-grad
+    hooks' counts per parameter (once per parameter per backward; their order within a layer
+    is autograd's, concepts.md), parameters."""
+    stages = 1 if schedule.__name__ in ("Schedule1F1B", "ScheduleGPipe") else 2
+    microbatches = pp_size * rounds * (2 if schedule.__name__ == "ScheduleDualPipeV" else 1)
+    order = from_pipelining(schedule, pp_size, microbatches, rank_seed % pp_size, stages)
+    split = any(entry != int(entry) for entry in order)
+    # Weight steps need one layer per chunk; other orders get 1-3 per chunk.
+    per_chunk = [1 if split else 1 + (layers_seed + c) % 3 for c in range(stages)]
+    tensor_hooks = tensor_hooks and not options.get("fuse_grad_accumulation")  # refused there
+    layout = Layout(tuple(per_chunk), microbatches)
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(layers_seed)
+        eager = [Block(WIDTH) for _ in range(sum(per_chunk))]
+        samples = tuple((torch.randn(4, WIDTH, requires_grad=True),)
+                        for _ in range(layout.num_graphs))  # fmt: skip
+        data = [torch.randn(microbatches, 4, WIDTH) for _ in range(2)]
+        targets = [torch.randn(4, WIDTH) for _ in range(microbatches)]
+    layers = copy.deepcopy(eager)
+    graphed = leangraph.make_graphed_callables(
+        tuple(layers), samples, order=order, num_layers_per_chunk=per_chunk, **options
+    )
+    want = _train_schedule(order, per_chunk, lambda c, m, l: eager[layout.callable_index(c, l)],
+                           eager, data, targets, tensor_hooks, to_none)  # fmt: skip
+    got = _train_schedule(order, per_chunk, lambda c, m, l: graphed[layout.graph_index(c, m, l)],
+                          layers, data, targets, tensor_hooks, to_none)  # fmt: skip
+    (want_steps, want_kept, want_params), (got_steps, got_kept, got_params) = want, got
+    for step, (wanted, gotten) in enumerate(zip(want_steps, got_steps)):
+        for name, a, b in zip(("losses", "input grads", "grads"), wanted, gotten):
+            assert all(map(torch.equal, a, b)), (step, name)
+        assert wanted[3] == gotten[3], (step, "post-accumulate-grad hook calls")
+    for index, (a, b) in enumerate(zip(want_kept, got_kept)):
+        assert len(a) == len(b) and all(map(torch.equal, a, b)), ("kept", index)
+    assert all(map(torch.equal, want_params, got_params))
     leangraph.reset_all(graphed)
