@@ -5,7 +5,8 @@ chunk, the gradients a chunk's input receives), two training steps through the g
 and through eager copies of them, an SGD step and ``zero_grad`` (to None or to zeros) after
 each. The second property runs the orders torch.distributed.pipelining's schedule classes
 give one rank (the zero-bubble ones' weight steps, ``backward_dw()``, included), with tensor
-and post-accumulate-grad hooks on the parameters.
+and post-accumulate-grad hooks on the parameters; the third, layers of two streams and a
+shared mask, with dropout.
 
 Invariants: every gradient kept, read after both steps (when later replays have reused the
 graph memory it came from), each parameter's ``.grad`` after each step, each chunk input's
@@ -230,5 +231,135 @@ def test_torch_pipelining_schedules_train_as_eager(
         assert wanted[3] == gotten[3], (step, "post-accumulate-grad hook calls")
     for index, (a, b) in enumerate(zip(want_kept, got_kept)):
         assert len(a) == len(b) and all(map(torch.equal, a, b)), ("kept", index)
+    assert all(map(torch.equal, want_params, got_params))
+    leangraph.reset_all(graphed)
+
+
+class _TwoStreams(torch.nn.Module):
+    """A layer of two streams (hidden, residual) and a mask that every layer reads: ``kind``
+    0 mixes both, 1 passes the residual through as an output itself, 2 draws dropout masks."""
+
+    def __init__(self, kind: int) -> None:
+        super().__init__()
+        self.kind = kind
+        self.mix = torch.nn.Linear(WIDTH, WIDTH)
+        self.out = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        z = torch.tanh(self.mix(hidden)) * mask
+        if self.kind == 0:
+            return z + residual, residual + self.out(z)
+        if self.kind == 1:
+            return self.out(z), residual
+        dropped = torch.nn.functional.dropout(residual, 0.5)
+        return torch.nn.functional.dropout(z, 0.3) + residual, self.out(dropped)
+
+
+def _train_streams(
+    order: list[int], per_chunk: int, lookup: Lookup, layers: list[torch.nn.Module],
+    data: list[list[tuple[torch.Tensor, torch.Tensor]]], mask: torch.Tensor, to_none: bool,
+) -> tuple[Any, ...]:  # fmt: skip
+    """Two steps of ``order`` through two-stream layers (a chunk's backward hands both of its
+    outputs their gradients), from the same generator state; every stream between two layers
+    of a chunk has a tensor hook keeping its gradient (by step, chunk, microbatch, layer and
+    stream: two streams' hooks may fire in either order). Returns the kept gradients, per
+    step the chunk inputs' and parameters' gradients, and the parameters."""
+    chunks = len(layers) // per_chunk
+    params = [p for layer in layers for p in layer.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    kept: dict[tuple[int, ...], torch.Tensor] = {}
+    steps: list[Any] = []
+    torch.manual_seed(7)  # the dropout masks: eager's and the replays' draw the same ones
+    for step in range(2):
+        started, finished = [0] * chunks, [0] * chunks
+        inputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        for entry in order:
+            c = abs(entry) - 1
+            if entry > 0:
+                m, started[c] = started[c], started[c] + 1
+                source = data[step][m] if c == 0 else outputs[(c - 1, m)]
+                streams = inputs[(c, m)] = tuple(t.detach().clone().requires_grad_()
+                                                 for t in source)  # fmt: skip
+                for layer in range(per_chunk):
+                    streams = lookup(c, m, layer)(*streams, mask)
+                    for index, tensor in enumerate(streams if layer < per_chunk - 1 else ()):
+                        key = (step, c, m, layer, index)
+                        tensor.register_hook(lambda g, key=key: kept.__setitem__(key, g))
+                outputs[(c, m)] = streams
+            else:
+                m, finished[c] = finished[c], finished[c] + 1
+                hidden, residual = outputs.pop((c, m))
+                if c == chunks - 1:
+                    (hidden.square().sum() + (residual * hidden).sum()).backward()
+                else:
+                    grads = [t.grad for t in inputs[(c + 1, m)]]
+                    torch.autograd.backward([hidden, residual], grads)
+        steps.append(([t.grad for key in sorted(inputs) for t in inputs[key]],
+                      [p.grad.clone() for p in params]))  # fmt: skip
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=to_none)
+    return kept, steps, [p.detach() for p in params]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pp_size=st.sampled_from([2, 4]),
+    vp_size=st.sampled_from([1, 2]),
+    rank_seed=st.integers(0, 3),
+    per_chunk=st.sampled_from([1, 2, 3]),
+    kinds_seed=st.integers(0, 80),
+    options=st.sampled_from([
+        {}, {"fuse_grad_accumulation": True}, {"share_buffers": False},
+        {"overlap_grad_accumulation": True}, {"retain_graph_in_backward": True},
+    ]),
+    to_none=st.booleans(),
+)
+def test_two_stream_layers_with_a_shared_mask_and_dropout_train_as_eager(
+    pp_size: int, vp_size: int, rank_seed: int, per_chunk: int, kinds_seed: int,
+    options: dict[str, Any], to_none: bool,
+) -> None:  # fmt: skip
+    """A chunk's layers of two inputs and two outputs (one of them, for some layers, an
+    input passed through; a layer of several outputs feeds the next through its static
+    inputs, copied, not chained), a mask every graph reads, dropout: the gradients kept
+    between layers, the chunk inputs' and parameters' gradients and the parameters are
+    eager's, bitwise."""
+    microbatches, rank = pp_size, rank_seed % pp_size
+    order = (
+        interleaved_1f1b(pp_size, vp_size, rank, microbatches)
+        if vp_size > 1
+        else one_f_one_b(pp_size, rank, microbatches)
+    )
+    kinds = [(kinds_seed // 3**i) % 3 for i in range(vp_size * per_chunk)]
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(kinds_seed)
+        eager = [_TwoStreams(kind) for kind in kinds]
+        mask = (torch.rand(2, WIDTH) > 0.3).float()
+        samples = tuple(
+            (torch.randn(2, WIDTH, requires_grad=True), torch.randn(2, WIDTH, requires_grad=True),
+             mask)
+            for _ in range(vp_size * microbatches * per_chunk)
+        )  # fmt: skip
+        data = [[(torch.randn(2, WIDTH), torch.randn(2, WIDTH)) for _ in range(microbatches)]
+                for _ in range(2)]  # fmt: skip
+    layers = copy.deepcopy(eager)
+    graphed = leangraph.make_graphed_callables(
+        tuple(layers), samples, order=order, num_layers_per_chunk=per_chunk, **options
+    )
+    want = _train_streams(order, per_chunk, lambda c, m, l: eager[c * per_chunk + l], eager,
+                          data, mask, to_none)  # fmt: skip
+    got = _train_streams(
+        order, per_chunk, lambda c, m, l: graphed[(c * microbatches + m) * per_chunk + l],
+        layers, data, mask, to_none,
+    )  # fmt: skip
+    (want_kept, want_steps, want_params), (got_kept, got_steps, got_params) = want, got
+    assert want_kept.keys() == got_kept.keys()
+    for key, gradient in want_kept.items():
+        assert torch.equal(gradient, got_kept[key]), ("kept", key)
+    for step, (wanted, gotten) in enumerate(zip(want_steps, got_steps)):
+        for name, a, b in zip(("input grads", "grads"), wanted, gotten):
+            assert all(map(torch.equal, a, b)), (step, name)
     assert all(map(torch.equal, want_params, got_params))
     leangraph.reset_all(graphed)
