@@ -131,6 +131,37 @@ def test_the_console_script_answers_a_ctrl_c_during_its_imports_in_one_line(tmp_
     assert re.search(r'^leangraph = "_leangraph_entry:main"$', pyproject, re.MULTILINE)
 
 
+def test_python_m_leangraph_answers_a_ctrl_c_during_the_torch_import_in_one_line(tmp_path):
+    """``python -m leangraph`` imports the package before its ``__main__`` runs: the package
+    imports nothing heavy, so a Ctrl-C while torch is imported (here a torch whose import
+    raises it, first on the path) ends in one line and status 130, not a traceback."""
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise KeyboardInterrupt\n")
+    paths = os.pathsep.join([str(tmp_path), str(ROOT / "src")])
+    done = subprocess.run([sys.executable, "-m", "leangraph", "--version"],
+                          env={**os.environ, "PYTHONPATH": paths}, capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 130 and done.stdout == "", done.stderr
+    assert_one_line(done.stderr, "interrupted", "leangraph")
+
+
+def test_the_package_imports_its_public_names_at_first_use():
+    """``import leangraph`` imports no torch (a fresh interpreter); every name of
+    ``__all__`` and every submodule is reachable as an attribute all the same."""
+    script = (
+        "import sys, leangraph; assert 'torch' not in sys.modules, 'torch imported'; "
+        "[getattr(leangraph, name) for name in leangraph.__all__]; "
+        "assert leangraph.schedules.gpipe(1) == [1, -1]; "
+        "assert set(leangraph.__all__) <= set(dir(leangraph)); print('ok')"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr
+    with pytest.raises(AttributeError, match="module 'leangraph' has no attribute 'nothing'"):
+        leangraph.nothing  # noqa: B018
+
+
 # ------------------------------------------------------------------------- usage errors
 
 USAGE_ERRORS = [
