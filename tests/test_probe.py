@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import pytest
 import torch
@@ -228,6 +229,40 @@ def test_w11_a_callable_writing_into_an_input_is_refused_before_warm_up(as_keywo
         leangraph.make_graphed_callables(
             module, sample[0], sample_kwargs=sample[1] or None,
             pre_warmup_hook=lambda: warmed.append("warm-up"))
+    assert warmed == []
+
+
+def _write_like_a_custom_kernel(x: torch.Tensor) -> torch.Tensor:
+    """Zeroes ``x``'s memory behind autograd's back, as a kernel handed its pointer does."""
+    ctypes.memset(x.data_ptr(), 0, x.numel() * x.element_size())
+    return x * 2
+
+
+_UNSEEN_WRITES = {
+    "through-data": lambda x: x.data.add_(1) * 2,
+    "data-reassigned": lambda x: (setattr(x, "data", x.data * 3), x * 2)[1],
+    "a-view-through-data": lambda x: x[:, 1:].data.mul_(0.5).sum() + x,
+    "custom-kernel": _write_like_a_custom_kernel,
+}
+
+
+@pytest.mark.parametrize(("write", "device"), [
+    *((write, "cpu") for write in _UNSEEN_WRITES),
+    # (The stand-in custom kernel writes host memory: CPU only.)
+    *(pytest.param(write, "cuda", marks=pytest.mark.cuda)
+      for write in _UNSEEN_WRITES if write != "custom-kernel"),
+])
+def test_w11_a_write_the_version_counter_does_not_see_is_refused_too(write, device):
+    """Writes into an input that bump no version counter (through ``.data``, re-pointing it,
+    a custom kernel writing the memory it is handed) change the caller's tensor in eager and
+    only a static copy in a replay: refused before warm-up, saying how it was seen."""
+    x = torch.randn(2, 4, device=device, requires_grad=True)
+    warmed: list[str] = []
+    with pytest.raises(ValueError, match=(
+            r"callable 0 \(\S+\) writes into input 0 in place \(a write autograd's "
+            r"version counter does not see: through \.data, or by a custom kernel")):
+        leangraph.make_graphed_callables((_UNSEEN_WRITES[write],), ((x,),),
+                                         pre_warmup_hook=lambda: warmed.append("warm-up"))
     assert warmed == []
 
 

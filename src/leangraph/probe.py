@@ -330,10 +330,10 @@ def _measure(
     params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
     named_buffers = list(fn.named_buffers()) if isinstance(fn, torch.nn.Module) else []
     buffers = [buffer for _, buffer in named_buffers]
-    versions = [t._version for t in inputs]
+    before = [_InputState.of(t) for t in inputs]
     reads = _RequiresGradReads(params)
     with _run_forward(fn, call_leaves, tree, around_forward, reads) as (returned, saved_tensors):
-        _refuse_input_writes(label, sample, inputs, versions)
+        _refuse_input_writes(label, sample, inputs, before)
         output_leaves, output_tree = pytree.tree_flatten(returned)
         template = output_template(label, output_leaves)
         outputs = [t for t in output_leaves if isinstance(t, torch.Tensor)]
@@ -556,16 +556,67 @@ def _refuse_outside_leaves(
     )
 
 
+@dataclass(frozen=True)
+class _InputState:
+    """What tells that a forward wrote into an input: its version counter (in-place
+    operators), its data pointer (``x.data = ...`` re-points the tensor) and sums of its bytes
+    (writes the counter does not see: through ``x.data``, or a custom kernel writing the
+    memory it is handed); ``sums`` is None where there are no bytes to read (meta, sparse)."""
+
+    version: int
+    pointer: int | None
+    sums: torch.Tensor | None
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _InputState:
+        try:
+            pointer: int | None = tensor.data_ptr()
+        except RuntimeError:  # sparse, mkldnn: no storage to point into
+            pointer = None
+        return cls(tensor._version, pointer, _byte_sums(tensor))
+
+    def written(self, tensor: torch.Tensor) -> tuple[bool, bool]:
+        """Whether ``tensor`` (this state's input after a forward) was written into, and
+        whether its version counter says so."""
+        if tensor._version != self.version:
+            return True, True
+        after = _InputState.of(tensor)
+        if after.pointer != self.pointer:
+            return True, False
+        if self.sums is None or after.sums is None:
+            return False, False
+        return not torch.equal(self.sums, after.sums), False
+
+
+def _byte_sums(tensor: torch.Tensor) -> torch.Tensor | None:
+    """Sums of ``tensor``'s bytes, as bytes and (where they make whole 4-byte words) as
+    int32 words, in one tensor on its device; None for a tensor without bytes to read."""
+    if tensor.is_meta or tensor.layout is not torch.strided or tensor.is_quantized:
+        return None
+    try:
+        flat = tensor.detach().resolve_conj().resolve_neg().contiguous().view(-1)
+        flat = flat.view(torch.uint8)
+    except RuntimeError:  # a dtype or layout that has no byte view
+        return None
+    sums = [flat.sum(dtype=torch.int64)]
+    if flat.numel() % 4 == 0:
+        with contextlib.suppress(RuntimeError):  # bytes at an offset that is no multiple of 4
+            sums.append(flat.view(torch.int32).sum(dtype=torch.int64))
+    return torch.stack(sums)
+
+
 def _refuse_input_writes(
     label: str,
     sample: Sample,
     inputs: Sequence[torch.Tensor],
-    versions: Sequence[int],
+    before: Sequence[_InputState],
 ) -> None:
     """Refuse a callable that writes into one of its inputs in place (a KV-cache update, an
-    in-place activation on its argument): a replay writes into its static copy of the input,
-    so the tensor the caller passed would silently keep its old values."""
-    written = [i for i, (t, version) in enumerate(zip(inputs, versions)) if t._version != version]
+    in-place activation on its argument, a write through ``.data`` or by a custom kernel): a
+    replay writes into its static copy of the input, so the tensor the caller passed would
+    silently keep its old values."""
+    found = [state.written(t) for t, state in zip(inputs, before)]
+    written = [i for i, (wrote, _) in enumerate(found) if wrote]
     if not written:
         return
     leaves = pytree.tree_leaves(sample)
@@ -573,11 +624,17 @@ def _refuse_input_writes(
         name for name, leaf in zip(leaf_names(sample), leaves) if isinstance(leaf, torch.Tensor)
     ]
     names = ", ".join(tensor_names[i] for i in written)
+    unseen = (
+        ""
+        if all(found[i][1] for i in written)
+        else " (a write autograd's version counter does not see: through .data, or by a custom "
+        "kernel writing the memory it is handed)"
+    )
     raise ValueError(
-        f"{label} writes into {names} in place, but a graphed replay writes into its static "
-        "copy of each input, not into the tensor the caller passes, which would keep its old "
-        "values; expected a callable that leaves its inputs alone (clone an input before "
-        "writing into it, or return the new values)"
+        f"{label} writes into {names} in place{unseen}, but a graphed replay writes into its "
+        "static copy of each input, not into the tensor the caller passes, which would keep "
+        "its old values; expected a callable that leaves its inputs alone (clone an input "
+        "before writing into it, or return the new values)"
     )
 
 
