@@ -571,7 +571,7 @@ class _InputState:
     def of(cls, tensor: torch.Tensor) -> _InputState:
         try:
             pointer: int | None = tensor.data_ptr()
-        except RuntimeError:  # sparse, mkldnn: no storage to point into
+        except (RuntimeError, NotImplementedError, TypeError):  # sparse, mkldnn, a wrapper: none
             pointer = None
         return cls(tensor._version, pointer, _byte_sums(tensor))
 
@@ -591,12 +591,18 @@ class _InputState:
 def _byte_sums(tensor: torch.Tensor) -> torch.Tensor | None:
     """Sums of ``tensor``'s bytes, as bytes and (where they make whole 4-byte words) as
     int32 words, in one tensor on its device; None for a tensor without bytes to read."""
-    if tensor.is_meta or tensor.layout is not torch.strided or tensor.is_quantized:
+    if (
+        tensor.is_meta
+        or tensor.layout is not torch.strided
+        or tensor.is_quantized
+        # A subclass (DTensor, an FP8 wrapper) may hold its bytes elsewhere, or none.
+        or type(tensor) not in (torch.Tensor, torch.nn.Parameter)
+    ):
         return None
     try:
         flat = tensor.detach().resolve_conj().resolve_neg().contiguous().view(-1)
         flat = flat.view(torch.uint8)
-    except RuntimeError:  # a dtype or layout that has no byte view
+    except (RuntimeError, NotImplementedError, TypeError):  # a dtype with no byte view
         return None
     sums = [flat.sum(dtype=torch.int64)]
     if flat.numel() % 4 == 0:
