@@ -485,6 +485,18 @@ def interleaved(
     )
 
 
+def torch_interleaved(pp: int, rank: int, m: int) -> Any:
+    """The loop of torch's interleaved 1F1B order, two one-layer chunks; where this torch
+    refuses the order (before 2.5 it takes only a multiple of pp microbatches), a case that
+    skips saying so."""
+    try:
+        order = from_pipelining(pipelining.ScheduleInterleaved1F1B, pp, m, rank, stages_per_rank=2)
+    except ValueError as error:
+        reason = f"torch {torch.__version__}: {error}"
+        return pytest.param(None, marks=pytest.mark.skip(reason=reason))
+    return Loop(order=order, layers_per_chunk=(1, 1), microbatches=m)
+
+
 FUSED = {"fuse_grad_accumulation": True}
 CASES = {
     "pp2vp2m4-adamw-foreach-clip-lr": interleaved(2, 2, 0, 4),
@@ -501,11 +513,7 @@ CASES = {
     "pp2vp3m5-group3-rank1": interleaved(2, 3, 1, 5, group=3, layers=1),
     "pp4vp2m10-group5-rank0": interleaved(4, 2, 0, 10, group=5, layers=1),
     # torch's interleaved 1F1B takes 6 microbatches on 4 ranks, where Megatron's does not.
-    "torch-interleaved-pp4m6-rank2": Loop(
-        order=from_pipelining(pipelining.ScheduleInterleaved1F1B, 4, 6, 2, stages_per_rank=2),
-        layers_per_chunk=(1, 1),
-        microbatches=6,
-    ),
+    "torch-interleaved-pp4m6-rank2": torch_interleaved(4, 2, 6),
     "uneven-chunks-aux-left-out-validate": Loop(
         order=interleaved_1f1b(2, 2, 0, 4),
         layers_per_chunk=(2, 1),
