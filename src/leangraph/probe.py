@@ -569,10 +569,7 @@ class _InputState:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> _InputState:
-        try:
-            pointer: int | None = tensor.data_ptr()
-        except (RuntimeError, NotImplementedError, TypeError):  # sparse, mkldnn, a wrapper: none
-            pointer = None
+        pointer = tensor.data_ptr() if _has_storage(tensor) else None
         return cls(tensor._version, pointer, _byte_sums(tensor))
 
     def written(self, tensor: torch.Tensor) -> tuple[bool, bool]:
