@@ -34,6 +34,13 @@ WIDTH = 6
 Lookup = Callable[[int, int, int], Any]
 
 
+def _assert_bitwise(what: Any, wanted: list[torch.Tensor], gotten: list[torch.Tensor]) -> None:
+    """As many tensors in ``gotten`` as in ``wanted``, each equal to its own, bitwise."""
+    assert len(wanted) == len(gotten), what
+    for index, (a, b) in enumerate(zip(wanted, gotten)):
+        assert torch.equal(a, b), (what, index)
+
+
 def _layers(seed: int, chunks: int, per_chunk: int) -> list[list[torch.nn.Module]]:
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(seed)
@@ -125,9 +132,7 @@ def test_random_pipeline_orders_train_and_hand_on_gradients_as_eager(
     got = _train(order, lambda c, m, l: graphed[(c * microbatches + m) * per_chunk + l],
                  layers, microbatches, hook, to_none)  # fmt: skip
     for name, wanted, gotten in zip(("kept", "received", "grads", "params"), want, got):
-        assert len(wanted) == len(gotten), name
-        for index, (a, b) in enumerate(zip(wanted, gotten)):
-            assert torch.equal(a, b), (name, index)
+        _assert_bitwise(name, wanted, gotten)
     leangraph.reset_all(graphed)
 
 
@@ -227,11 +232,11 @@ def test_torch_pipelining_schedules_train_as_eager(
     (want_steps, want_kept, want_params), (got_steps, got_kept, got_params) = want, got
     for step, (wanted, gotten) in enumerate(zip(want_steps, got_steps)):
         for name, a, b in zip(("losses", "input grads", "grads"), wanted, gotten):
-            assert all(map(torch.equal, a, b)), (step, name)
+            _assert_bitwise((step, name), a, b)
         assert wanted[3] == gotten[3], (step, "post-accumulate-grad hook calls")
     for index, (a, b) in enumerate(zip(want_kept, got_kept)):
-        assert len(a) == len(b) and all(map(torch.equal, a, b)), ("kept", index)
-    assert all(map(torch.equal, want_params, got_params))
+        _assert_bitwise(("kept", index), a, b)
+    _assert_bitwise("params", want_params, got_params)
     leangraph.reset_all(graphed)
 
 
@@ -360,6 +365,6 @@ def test_two_stream_layers_with_a_shared_mask_and_dropout_train_as_eager(
         assert torch.equal(gradient, got_kept[key]), ("kept", key)
     for step, (wanted, gotten) in enumerate(zip(want_steps, got_steps)):
         for name, a, b in zip(("input grads", "grads"), wanted, gotten):
-            assert all(map(torch.equal, a, b)), (step, name)
-    assert all(map(torch.equal, want_params, got_params))
+            _assert_bitwise((step, name), a, b)
+    _assert_bitwise("params", want_params, got_params)
     leangraph.reset_all(graphed)
